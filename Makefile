@@ -1,0 +1,69 @@
+# Every target here works on a fresh machine: it installs what it needs first.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+
+export TWOPHASE_STACK_DIR ?= $(CURDIR)/.stack
+export TWOPHASE_CACHE_DIR ?= $(CURDIR)/.cache
+
+.PHONY: help venv stack-up stack-down stack-status test test-fast lint demo bench chaos helm clean
+
+help:
+	@echo "make demo         set everything up and run the main pipeline end to end"
+	@echo "make test         set everything up and run the whole test suite"
+	@echo "make stack-up     start Kafka, PostgreSQL and SecantusDB on 127.0.0.1"
+	@echo "make stack-down   stop what stack-up started"
+	@echo "make stack-status show what is running and where its logs are"
+	@echo "make lint         ruff and mypy --strict"
+	@echo "make bench        benchmarks -> bench/results/latest.json"
+	@echo "make chaos        fault injection on the real stack -> chaos/results/latest.json"
+
+$(STAMP):
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@rm -f $(VENV)/.installed-*; touch $@
+
+venv: $(STAMP)
+
+stack-up: venv
+	@bash stack/stack.sh up
+
+stack-down:
+	@bash stack/stack.sh down
+
+stack-status:
+	@bash stack/stack.sh status
+
+helm:
+	@bash stack/helm.sh
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: venv stack-up helm
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The pure state machines and the simulator only: no services needed.
+test-fast: venv
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+demo: venv stack-up
+	$(PY) -m twophase.demo
+
+bench: venv stack-up
+	$(PY) -m bench.run
+
+chaos: venv stack-up
+	$(PY) -m chaos.run
+
+clean: stack-down
+	rm -rf $(VENV) $(TWOPHASE_STACK_DIR)
