@@ -1,0 +1,75 @@
+"""Typed values that cross the SDK boundary: records, transaction parts and rejections."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["PartId", "Positions", "Record", "Rejected", "TopicPartition"]
+
+TopicPartition = tuple[str, int]
+#: Next offset to consume, per source partition: what a committed part has fully handled.
+Positions = Mapping[TopicPartition, int]
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One source record, decoded. ``value`` is the JSON object from the record's value."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int
+    key: bytes | None
+    value: dict[str, Any]
+    headers: tuple[tuple[str, bytes], ...] = ()
+    size: int = 0
+
+    @property
+    def record_id(self) -> str:
+        """Deterministic id from the source coordinates: the same record always gets the same id."""
+        return f"{self.topic}:{self.partition}:{self.offset}"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class PartId:
+    """One participant's share of coordinator transaction ``txn`` in ``pipeline``.
+
+    A sink stores parts under :attr:`token`, which is short, stable across processes, and can be
+    parsed back with :meth:`parse` when a restarted process lists its in-doubt parts.
+    """
+
+    pipeline: str
+    txn: int
+    participant: str
+
+    def __post_init__(self) -> None:
+        for name in ("pipeline", "participant"):
+            value = getattr(self, name)
+            if not _NAME.match(value) or len(value) > 64:
+                raise ValueError(f"{name} {value!r}: use 1-64 of [A-Za-z0-9_.-]")
+        if self.txn < 0:
+            raise ValueError(f"txn must be >= 0, got {self.txn}")
+
+    @property
+    def token(self) -> str:
+        """``pipeline~txn~participant``; ``~`` never occurs in a name, so parsing is exact."""
+        return f"{self.pipeline}~{self.txn:012d}~{self.participant}"
+
+    @classmethod
+    def parse(cls, token: str) -> PartId:
+        pipeline, txn, participant = token.split("~")
+        return cls(pipeline, int(txn), participant)
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A record the sink will not store, with the reason. The runtime dead-letters it."""
+
+    record: Record
+    reason: str
+    extra: dict[str, str] = field(default_factory=dict)
