@@ -1,0 +1,185 @@
+"""Encode and decode control messages: strict on write, lenient on read.
+
+Write: the envelope and payload are validated against the JSON Schemas before they leave, so a
+bug here never reaches the topic. Read: only the fields we need are parsed; unknown fields are
+ignored so that newer writers can run beside older readers. A message that cannot be understood
+raises :class:`DecodeError` with a ``kind`` the caller counts (``malformed``, ``unknown_type``,
+``future_version``, ``bad_auth``, ``foreign_pipeline``) and skips.
+
+Authentication: with a key configured, every message carries ``twophase-auth`` =
+HMAC-SHA256(key, value bytes) in a Kafka header; readers with a key reject messages without a
+valid one, so a foreign writer on the control topic cannot forge a decision.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import orjson
+from jsonschema import Draft202012Validator
+from referencing import Registry, Resource
+
+from twophase.errors import ProtocolError
+from twophase.protocol.messages import (
+    PAYLOAD_TYPES,
+    PROTOCOL_VERSION,
+    Envelope,
+    MessageType,
+    Payload,
+)
+
+__all__ = ["AUTH_HEADER", "DecodeError", "decode", "encode", "new_envelope", "schema_dir"]
+
+AUTH_HEADER = "twophase-auth"
+
+_SCHEMA_FILES = {
+    MessageType.PREPARE: "prepare.json",
+    MessageType.VOTE: "vote.json",
+    MessageType.DECISION: "decision.json",
+    MessageType.APPLIED: "applied.json",
+    MessageType.COMPLETE: "complete.json",
+    MessageType.CHECKPOINT: "checkpoint.json",
+}
+
+
+class DecodeError(ProtocolError):
+    """A control message we skip. ``kind`` is the metric label."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+def schema_dir() -> Path:
+    """The v1 schemas: inside the wheel, or ``control-topic/schemas/v1`` in a source checkout."""
+    packaged = resources.files("twophase.protocol").joinpath("_schemas", "v1")
+    if packaged.is_dir():
+        return Path(str(packaged))
+    return Path(__file__).resolve().parents[2] / "control-topic" / "schemas" / "v1"
+
+
+@cache
+def _validators() -> tuple[Draft202012Validator, dict[MessageType, Draft202012Validator]]:
+    folder = schema_dir()
+    docs = {p.name: json.loads(p.read_text()) for p in folder.glob("*.json")}
+    registry: Registry[Any] = Registry().with_resources(
+        (doc["$id"], Resource.from_contents(doc)) for doc in docs.values()
+    )
+    envelope = Draft202012Validator(docs["envelope.json"], registry=registry)
+    payloads = {
+        t: Draft202012Validator(docs[name], registry=registry) for t, name in _SCHEMA_FILES.items()
+    }
+    return envelope, payloads
+
+
+def validate(raw: dict[str, Any]) -> None:
+    """Raise ProtocolError naming the first schema violation of an envelope dict."""
+    envelope, payloads = _validators()
+    try:
+        payload_validator = payloads[MessageType(raw.get("type"))]
+    except ValueError:
+        raise ProtocolError(f"unknown message type {raw.get('type')!r}") from None
+    for validator, doc, where in (
+        (envelope, raw, "envelope"),
+        (payload_validator, raw.get("payload"), "payload"),
+    ):
+        error = next(iter(validator.iter_errors(doc)), None)
+        if error is not None:
+            path = "/".join(str(p) for p in error.absolute_path) or "(root)"
+            raise ProtocolError(f"{where} {path}: {error.message}")
+
+
+def new_envelope(pipeline: str, sender: str, payload: Payload) -> Envelope:
+    return Envelope(
+        id=uuid.uuid4().hex,
+        pipeline=pipeline,
+        sender=sender,
+        ts_ms=int(time.time() * 1000),
+        payload=payload,
+    )
+
+
+def to_dict(env: Envelope) -> dict[str, Any]:
+    return {
+        "id": env.id,
+        "type": int(env.type),
+        "version": env.version,
+        "ts": env.ts_ms,
+        "pipeline": env.pipeline,
+        "sender": env.sender,
+        "payload": env.payload.to_json(),
+    }
+
+
+def _mac(key: bytes, value: bytes) -> str:
+    return hmac.new(key, value, hashlib.sha256).hexdigest()
+
+
+def encode(env: Envelope, key: bytes | None = None) -> tuple[bytes, list[tuple[str, bytes]]]:
+    """Validate and serialize; returns the Kafka value and headers."""
+    raw = to_dict(env)
+    validate(raw)
+    value = orjson.dumps(raw)
+    headers = [(AUTH_HEADER, _mac(key, value).encode())] if key else []
+    return value, headers
+
+
+def decode(
+    value: bytes | None,
+    headers: Sequence[tuple[str, bytes | None]] | None = None,
+    *,
+    key: bytes | None = None,
+    pipeline: str | None = None,
+) -> Envelope:
+    """Parse leniently; raise :class:`DecodeError` for anything to skip and count."""
+    if value is None:
+        raise DecodeError("malformed", "empty message")
+    if key is not None:
+        given = next((v for k, v in headers or () if k == AUTH_HEADER and v is not None), None)
+        if given is None or not hmac.compare_digest(given.decode(errors="replace"), _mac(key, value)):
+            raise DecodeError("bad_auth", "missing or invalid HMAC")
+    try:
+        raw = orjson.loads(value)
+    except orjson.JSONDecodeError as exc:
+        raise DecodeError("malformed", f"not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise DecodeError("malformed", "not a JSON object")
+    try:
+        version = int(raw.get("version", 0))
+        type_num = int(raw["type"])
+    except (KeyError, TypeError, ValueError):
+        raise DecodeError("malformed", "missing or invalid 'type'/'version'") from None
+    if version > PROTOCOL_VERSION:
+        raise DecodeError("future_version", f"version {version} > {PROTOCOL_VERSION}")
+    if version < 1:
+        raise DecodeError("malformed", f"version {version}")
+    try:
+        mtype = MessageType(type_num)
+    except ValueError:
+        raise DecodeError("unknown_type", f"type {type_num}") from None
+    if pipeline is not None and raw.get("pipeline") != pipeline:
+        raise DecodeError("foreign_pipeline", f"pipeline {raw.get('pipeline')!r}")
+    try:
+        body = raw["payload"]
+        if not isinstance(body, dict):
+            raise TypeError("payload is not an object")
+        payload = PAYLOAD_TYPES[mtype].from_json(body)
+        return Envelope(
+            id=str(raw["id"]),
+            pipeline=str(raw["pipeline"]),
+            sender=str(raw.get("sender", "")),
+            ts_ms=int(raw.get("ts", 0)),
+            payload=payload,
+            version=version,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DecodeError("malformed", f"{mtype.name} payload: {exc!r}") from None
