@@ -85,8 +85,8 @@ def validate(raw: dict[str, Any]) -> None:
     """Raise ProtocolError naming the first schema violation of an envelope dict."""
     envelope, payloads = _validators()
     try:
-        payload_validator = payloads[MessageType(raw.get("type"))]
-    except ValueError:
+        payload_validator = payloads[MessageType(int(raw.get("type", 0)))]
+    except (TypeError, ValueError):
         raise ProtocolError(f"unknown message type {raw.get('type')!r}") from None
     for validator, doc, where in (
         (envelope, raw, "envelope"),
@@ -145,7 +145,9 @@ def decode(
         raise DecodeError("malformed", "empty message")
     if key is not None:
         given = next((v for k, v in headers or () if k == AUTH_HEADER and v is not None), None)
-        if given is None or not hmac.compare_digest(given.decode(errors="replace"), _mac(key, value)):
+        if given is None or not hmac.compare_digest(
+            given.decode(errors="replace"), _mac(key, value)
+        ):
             raise DecodeError("bad_auth", "missing or invalid HMAC")
     try:
         raw = orjson.loads(value)

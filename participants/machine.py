@@ -1,0 +1,601 @@
+"""A participant's decisions as a pure state machine: events in, actions out, no I/O.
+
+The runtime (:mod:`participants.runtime`) has two threads and feeds both into this one machine
+under a lock: the *data* thread (source consumer, sink writes, prepares) and the *control* thread
+(control-topic reader, decision apply). Each action says which thread must run it.
+
+The part being filled is *open*; PREPARE(T) *cuts* it: the data thread freezes it as T, prepares
+it in every sink, and the vote goes out. Records then flow into the next part at once; they start
+at T's end positions, which are only right if T commits -- so any decision that leaves the
+committed positions different from where the open part starts makes the machine *rewind*: abort
+the open part and seek back to the committed positions.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from twophase.protocol.logview import LogView
+from twophase.protocol.messages import (
+    Applied,
+    Decision,
+    Envelope,
+    Outcome,
+    PartitionRange,
+    Prepare,
+    Vote,
+    VoteValue,
+)
+
+__all__ = [
+    "AbortPart",
+    "Action",
+    "Assigned",
+    "BeginPart",
+    "CaughtUp",
+    "CommitPart",
+    "Cut",
+    "Event",
+    "InDoubt",
+    "Log",
+    "PartApplied",
+    "ParticipantMachine",
+    "PrepareDone",
+    "PrepareFailed",
+    "PreparePart",
+    "Received",
+    "Revoked",
+    "Seek",
+    "SendApplied",
+    "SendVote",
+    "Sweep",
+    "Tick",
+    "WillWrite",
+    "Written",
+]
+
+TP = tuple[str, int]
+
+
+class Thread(enum.Enum):
+    DATA = "data"
+    CONTROL = "control"
+
+
+# -- events ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A control message. ``replay`` while folding the log tail at start-up."""
+
+    env: Envelope
+    replay: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CaughtUp:
+    """The start-up replay reached the end of the control topic."""
+
+
+@dataclass(frozen=True, slots=True)
+class InDoubt:
+    """Prepared parts found in the sinks: ``(sink, txn, participant)``. ``sweep`` marks the
+    periodic look, which also finishes dead participants' parts."""
+
+    parts: tuple[tuple[str, int, str], ...]
+    sweep: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Assigned:
+    """A new assignment. ``offsets`` are the group's committed offsets (or the log start) -- used
+    only for partitions the decision log has never named."""
+
+    generation: int
+    member_id: str
+    offsets: Mapping[TP, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Revoked:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class WillWrite:
+    """The data thread has records to write: it needs an open part."""
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """The data thread wrote a batch into open part ``txn``: per partition ``(last offset,
+    records written, records dead-lettered)``."""
+
+    txn: int
+    batch: Mapping[TP, tuple[int, int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """The data thread is ready to prepare ``txn`` (it asked via :class:`PreparePart`)."""
+
+    txn: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareDone:
+    txn: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareFailed:
+    txn: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PartApplied:
+    """Every sink applied the decision for ``participant``'s part of ``txn``."""
+
+    txn: int
+    participant: str
+    outcome: Outcome
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    now_ms: int
+
+
+Event = (
+    Received
+    | CaughtUp
+    | InDoubt
+    | Assigned
+    | Revoked
+    | WillWrite
+    | Written
+    | Cut
+    | PrepareDone
+    | PrepareFailed
+    | PartApplied
+    | Tick
+)
+
+# -- actions -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BeginPart:
+    txn: int
+    thread: Thread = Thread.DATA
+
+
+@dataclass(frozen=True, slots=True)
+class PreparePart:
+    """Cut the open part as ``txn``: the data thread answers with :class:`Cut`, then prepares
+    with the positions the machine returns from it."""
+
+    txn: int
+    positions: Mapping[TP, int] = field(default_factory=dict)
+    sinks: tuple[str, ...] = ()
+    ready: bool = False  # False: please Cut; True: prepare now with these positions
+    thread: Thread = Thread.DATA
+
+
+@dataclass(frozen=True, slots=True)
+class CommitPart:
+    txn: int
+    participant: str
+    sinks: tuple[str, ...]
+    thread: Thread = Thread.CONTROL
+
+
+@dataclass(frozen=True, slots=True)
+class AbortPart:
+    txn: int
+    participant: str
+    sinks: tuple[str, ...]
+    thread: Thread = Thread.CONTROL
+
+
+@dataclass(frozen=True, slots=True)
+class Seek:
+    """Drop anything fetched and not yet written; continue from these offsets."""
+
+    offsets: Mapping[TP, int]
+    thread: Thread = Thread.DATA
+
+
+@dataclass(frozen=True, slots=True)
+class SendVote:
+    vote: Vote
+    thread: Thread = Thread.CONTROL
+
+
+@dataclass(frozen=True, slots=True)
+class SendApplied:
+    applied: Applied
+    thread: Thread = Thread.CONTROL
+
+
+@dataclass(frozen=True, slots=True)
+class Sweep:
+    """List the sinks' in-doubt parts and report them with ``InDoubt(sweep=True)``."""
+
+    thread: Thread = Thread.CONTROL
+
+
+@dataclass(frozen=True, slots=True)
+class Log:
+    level: str
+    message: str
+    txn: int = 0
+
+
+Action = (
+    BeginPart | PreparePart | CommitPart | AbortPart | Seek | SendVote | SendApplied | Sweep | Log
+)
+
+
+@dataclass(slots=True)
+class OpenPart:
+    txn: int
+    start: dict[TP, int]
+    end: dict[TP, int] = field(default_factory=dict)
+    records: dict[TP, int] = field(default_factory=dict)
+    dead: dict[TP, int] = field(default_factory=dict)
+    begun: bool = False
+    cut: bool = False
+
+
+@dataclass(slots=True)
+class PreparedPart:
+    txn: int
+    start: dict[TP, int]
+    end: dict[TP, int]
+    sinks: tuple[str, ...]
+    voted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ParticipantSettings:
+    participant: str
+    sinks: tuple[str, ...]
+    #: How often the sinks are swept for in-doubt parts left by dead participants.
+    sweep_interval_ms: int = 15_000
+
+
+class ParticipantMachine:
+    def __init__(self, settings: ParticipantSettings) -> None:
+        self.settings = settings
+        self.me = settings.participant
+        self.log = LogView()
+        self.caught_up = False
+        self.generation = -1
+        self.member_id = ""
+        self.assigned = False
+        #: Where the next part starts, per assigned partition.
+        self.base: dict[TP, int] = {}
+        self.open: OpenPart | None = None
+        self.prepared: dict[int, PreparedPart] = {}
+        #: Parts found prepared in the sinks (earlier incarnations, other participants):
+        #: (txn, participant) -> sinks holding it.
+        self.in_doubt: dict[tuple[int, str], set[str]] = {}
+        #: Foreign in-doubt parts seen by the previous sweep: finished only when seen twice, so a
+        #: live owner applying its own decision is not raced.
+        self.seen_last_sweep: set[tuple[int, str]] = set()
+        self.applying: set[tuple[int, str]] = set()
+        self.pending_prepare: int = 0
+        self.next_sweep_ms = 0
+        # Figures for status and metrics only.
+        self.votes_sent = 0
+        self.rewinds = 0
+
+    # -- queries -------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.caught_up and self.assigned
+
+    def next_txn(self) -> int:
+        return max(self.log.last_txn, self.log.last_decided) + 1
+
+    # -- the one entry point -------------------------------------------------------------------
+
+    def handle(self, event: Event) -> list[Action]:
+        if isinstance(event, Received):
+            return self._on_received(event)
+        if isinstance(event, CaughtUp):
+            self.caught_up = True
+            return [Log("info", f"caught up: last decided txn {self.log.last_decided}")]
+        if isinstance(event, InDoubt):
+            return self._on_in_doubt(event)
+        if isinstance(event, Assigned):
+            return self._on_assigned(event)
+        if isinstance(event, Revoked):
+            return self._on_revoked()
+        if isinstance(event, WillWrite):
+            return self._on_will_write()
+        if isinstance(event, Written):
+            return self._on_written(event)
+        if isinstance(event, Cut):
+            return self._on_cut(event.txn)
+        if isinstance(event, PrepareDone):
+            return self._on_prepared(event.txn)
+        if isinstance(event, PrepareFailed):
+            return self._on_prepare_failed(event)
+        if isinstance(event, PartApplied):
+            return self._on_applied(event)
+        return self._on_tick(event.now_ms)
+
+    # -- control messages ----------------------------------------------------------------------
+
+    def _on_received(self, event: Received) -> list[Action]:
+        msg = event.env.payload
+        self.log.apply(event.env)
+        if event.replay or not self.caught_up:
+            return []
+        if isinstance(msg, Prepare):
+            return self._on_prepare(msg)
+        if isinstance(msg, Decision):
+            return self._on_decision(msg)
+        return []
+
+    def _on_prepare(self, msg: Prepare) -> list[Action]:
+        if msg.txn <= self.log.last_decided:
+            return []  # decided already (a slow reader); nothing to vote on
+        self.pending_prepare = msg.txn
+        part = self.open
+        if part is not None and part.begun and part.txn != msg.txn:
+            # Built for a transaction that will never be prepared: start over from committed state.
+            actions = self._rewind(f"open part {part.txn} does not match PREPARE {msg.txn}")
+            return actions + [PreparePart(msg.txn)]
+        if part is not None:
+            part.txn = msg.txn
+        return [PreparePart(msg.txn)]
+
+    def _on_decision(self, d: Decision) -> list[Action]:
+        actions: list[Action] = []
+        if self.pending_prepare and self.pending_prepare <= d.txn:
+            self.pending_prepare = 0  # decided before we voted: nothing left to prepare for it
+        mine = self.prepared.pop(d.txn, None)
+        if mine is not None:
+            outcome = self.log.outcome_of(d.txn, self.me)
+            if outcome is Outcome.COMMIT:
+                actions.append(self._apply(d.txn, self.me, mine.sinks, Outcome.COMMIT))
+            else:
+                actions.append(self._apply(d.txn, self.me, mine.sinks, Outcome.ABORT))
+                actions.append(
+                    Log("warning", f"own part aborted: {d.reason or 'not included'}", d.txn)
+                )
+        actions += self._resolve_known()
+        # Any prepared part older than this decision was decided too (presumed abort otherwise).
+        for txn in [t for t in self.prepared if t < d.txn]:
+            stale = self.prepared.pop(txn)
+            actions.append(self._apply(txn, self.me, stale.sinks, Outcome.ABORT))
+        if self.open is not None and self.open.txn <= d.txn and not self.open.cut:
+            self.open.txn = d.txn + 1 if not self.open.begun else self.open.txn
+        actions += self._check_chain(d)
+        return actions
+
+    def _check_chain(self, d: Decision) -> list[Action]:
+        """Rewind when the open part does not start at the committed positions."""
+        if any(p for p in self.prepared.values()):
+            return []  # our own undecided part sits between committed state and the open part
+        committed = self.log.positions
+        wrong = {
+            tp: (self.base[tp], committed[tp])
+            for tp in self.base
+            if tp in committed and committed[tp] != self.base[tp]
+        }
+        stale_open = self.open is not None and self.open.begun and self.open.txn <= d.txn
+        if not wrong and not stale_open:
+            return []
+        detail = ", ".join(f"{t}[{p}] {a}->{b}" for (t, p), (a, b) in sorted(wrong.items()))
+        return self._rewind(f"after decision {d.txn} ({d.outcome.value}): {detail or 'stale part'}")
+
+    def _rewind(self, why: str) -> list[Action]:
+        actions: list[Action] = []
+        part = self.open
+        if part is not None and part.begun:
+            actions.append(AbortPart(part.txn, self.me, self.settings.sinks, thread=Thread.DATA))
+        self.open = None
+        for tp in self.base:
+            self.base[tp] = self._start_of(tp, self.base[tp])
+        self.rewinds += 1
+        actions.append(Seek(dict(self.base)))
+        actions.append(Log("warning", f"rewinding to committed positions: {why}"))
+        return actions
+
+    def _start_of(self, tp: TP, fallback: int) -> int:
+        """Where a new part starts in ``tp``: after our own undecided prepared part, else the
+        committed position, else ``fallback``."""
+        ends = [p.end[tp] for _, p in sorted(self.prepared.items()) if tp in p.end]
+        if ends:
+            return ends[-1]
+        return self.log.positions.get(tp, fallback)
+
+    # -- assignment ----------------------------------------------------------------------------
+
+    def _on_assigned(self, event: Assigned) -> list[Action]:
+        actions: list[Action] = []
+        if self.open is not None and self.open.begun:
+            actions.append(
+                AbortPart(self.open.txn, self.me, self.settings.sinks, thread=Thread.DATA)
+            )
+        self.open = None
+        self.generation = event.generation
+        self.member_id = event.member_id
+        self.assigned = True
+        self.base = {tp: self._start_of(tp, off) for tp, off in event.offsets.items()}
+        actions.append(Seek(dict(self.base)))
+        actions.append(
+            Log("info", f"assigned {len(self.base)} partitions in generation {self.generation}")
+        )
+        return actions
+
+    def _on_revoked(self) -> list[Action]:
+        actions: list[Action] = []
+        if self.open is not None and self.open.begun:
+            # Open work for revoked partitions is abandoned and never voted.
+            actions.append(
+                AbortPart(self.open.txn, self.me, self.settings.sinks, thread=Thread.DATA)
+            )
+            actions.append(Log("info", "partitions revoked: open part abandoned", self.open.txn))
+        self.open = None
+        self.base = {}
+        self.assigned = False
+        return actions
+
+    # -- the data path -------------------------------------------------------------------------
+
+    def _ensure_open(self) -> OpenPart:
+        if self.open is None:
+            self.open = OpenPart(self.next_txn(), start=dict(self.base))
+        return self.open
+
+    def _on_will_write(self) -> list[Action]:
+        part = self._ensure_open()
+        if part.begun:
+            return []
+        part.txn = max(part.txn, self.next_txn())
+        part.begun = True
+        return [BeginPart(part.txn)]
+
+    def _on_written(self, event: Written) -> list[Action]:
+        part = self.open
+        if part is None or part.txn != event.txn or not part.begun or part.cut:
+            return []  # written into a part since abandoned; it was aborted and will be re-read
+        for tp, (last, n, dead) in event.batch.items():
+            if tp not in part.start:
+                continue
+            part.end[tp] = last + 1
+            part.records[tp] = part.records.get(tp, 0) + n
+            part.dead[tp] = part.dead.get(tp, 0) + dead
+        return []
+
+    def _on_cut(self, txn: int) -> list[Action]:
+        if txn != self.pending_prepare:
+            return []  # decided or superseded meanwhile
+        part = self._ensure_open()
+        part.txn = txn
+        part.cut = True
+        ends = {tp: part.end.get(tp, start) for tp, start in part.start.items()}
+        sinks = self.settings.sinks if part.begun else ()
+        return [PreparePart(txn, positions=ends, sinks=sinks, ready=True)]
+
+    def _on_prepared(self, txn: int) -> list[Action]:
+        part = self.open
+        if part is None or part.txn != txn or not part.cut:
+            return []
+        self.open = None
+        self.pending_prepare = 0
+        end = {tp: part.end.get(tp, start) for tp, start in part.start.items()}
+        sinks = self.settings.sinks if part.begun else ()
+        self.prepared[txn] = PreparedPart(txn, dict(part.start), end, sinks, voted=True)
+        self.base = dict(end)
+        vote = Vote(
+            txn=txn,
+            participant=self.me,
+            generation=self.generation,
+            member_id=self.member_id,
+            vote=VoteValue.PREPARED,
+            partitions=tuple(
+                PartitionRange(
+                    t,
+                    p,
+                    part.start[(t, p)],
+                    end[(t, p)],
+                    part.records.get((t, p), 0),
+                    part.dead.get((t, p), 0),
+                )
+                for t, p in sorted(part.start)
+            ),
+            sinks=sinks,
+        )
+        self.votes_sent += 1
+        return [SendVote(vote)]
+
+    def _on_prepare_failed(self, event: PrepareFailed) -> list[Action]:
+        part = self.open
+        actions: list[Action] = [
+            SendVote(
+                Vote(
+                    txn=event.txn,
+                    participant=self.me,
+                    generation=self.generation,
+                    member_id=self.member_id,
+                    vote=VoteValue.ABORT,
+                    reason=event.reason,
+                )
+            )
+        ]
+        self.pending_prepare = 0
+        if part is not None:
+            part.cut = False
+        return actions + self._rewind(f"prepare of {event.txn} failed: {event.reason}")
+
+    # -- applying decisions --------------------------------------------------------------------
+
+    def _apply(
+        self, txn: int, participant: str, sinks: tuple[str, ...], outcome: Outcome
+    ) -> Action:
+        self.applying.add((txn, participant))
+        if outcome is Outcome.COMMIT:
+            return CommitPart(txn, participant, sinks)
+        return AbortPart(txn, participant, sinks)
+
+    def _on_applied(self, event: PartApplied) -> list[Action]:
+        key = (event.txn, event.participant)
+        self.applying.discard(key)
+        self.in_doubt.pop(key, None)
+        if event.outcome is Outcome.COMMIT:
+            return [SendApplied(Applied(event.txn, event.participant, self.me))]
+        return []
+
+    def _on_in_doubt(self, event: InDoubt) -> list[Action]:
+        found: dict[tuple[int, str], set[str]] = {}
+        for sink, txn, participant in event.parts:
+            found.setdefault((txn, participant), set()).add(sink)
+        # Committed parts nobody acknowledged (the owner crashed between apply and APPLIED, or is
+        # gone): re-applying is idempotent, and the acknowledgement lets the coordinator complete.
+        for txn, pending in self.log.pending.items():
+            for name, part in pending.parts.items():
+                if name not in pending.acked and (event.sweep or name == self.me):
+                    found.setdefault((txn, name), set()).update(part.sinks)
+        seen_now: set[tuple[int, str]] = set()
+        for key, sinks in sorted(found.items()):
+            txn, participant = key
+            if key in self.applying or (participant == self.me and txn in self.prepared):
+                continue  # this incarnation's own work, handled on its decision
+            if event.sweep and participant != self.me and key not in self.seen_last_sweep:
+                seen_now.add(key)  # finish a foreign part only once it has sat for a whole sweep
+                continue
+            self.in_doubt.setdefault(key, set()).update(sinks)
+        if event.sweep:
+            self.seen_last_sweep = seen_now
+        return self._resolve_known()
+
+    def _resolve_known(self) -> list[Action]:
+        actions: list[Action] = []
+        for key, sinks in sorted(self.in_doubt.items()):
+            if key in self.applying:
+                continue
+            txn, participant = key
+            outcome = self.log.outcome_of(txn, participant)
+            if outcome is not None:
+                actions.append(self._apply(txn, participant, tuple(sorted(sinks)), outcome))
+                actions.append(
+                    Log("info", f"resolving in-doubt part of {participant}: {outcome.value}", txn)
+                )
+        return actions
+
+    def _on_tick(self, now: int) -> list[Action]:
+        if not self.caught_up or now < self.next_sweep_ms:
+            return []
+        self.next_sweep_ms = now + self.settings.sweep_interval_ms
+        return [Sweep()]

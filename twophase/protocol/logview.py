@@ -1,0 +1,134 @@
+"""What the control log says, folded message by message. Pure: no I/O.
+
+Both the coordinator (recovering after failover) and every participant (resolving in-doubt parts)
+read the tail of the control topic from the latest CHECKPOINT and fold it into a :class:`LogView`.
+The view answers the one question recovery asks: *what happened to part P of transaction T?*
+
+Invariant the coordinator keeps, and the view relies on: a transaction is decided before the next
+one is prepared, so every transaction up to :attr:`LogView.last_decided` is decided, and one that
+has no COMMIT decision naming the part was aborted (presumed abort).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from twophase.protocol.messages import (
+    Applied,
+    Checkpoint,
+    Complete,
+    Decision,
+    Envelope,
+    Outcome,
+    Part,
+    PendingCommit,
+    Position,
+    Prepare,
+)
+
+__all__ = ["LogView", "Pending"]
+
+TP = tuple[str, int]
+
+#: Decisions remembered beyond the pending ones. Older committed-and-complete transactions need
+#: no lookup (nothing of theirs is prepared anywhere), so this only bounds memory.
+DECISION_WINDOW = 4096
+
+
+@dataclass(slots=True)
+class Pending:
+    """A committed transaction whose parts are not all applied yet."""
+
+    txn: int
+    parts: dict[str, Part]
+    acked: set[str] = field(default_factory=set)
+
+    @property
+    def complete(self) -> bool:
+        return set(self.parts) <= self.acked
+
+    def to_message(self) -> PendingCommit:
+        return PendingCommit(self.txn, tuple(self.parts.values()), tuple(sorted(self.acked)))
+
+
+@dataclass(slots=True)
+class LogView:
+    last_txn: int = 0
+    last_decided: int = 0
+    positions: dict[TP, int] = field(default_factory=dict)
+    pending: dict[int, Pending] = field(default_factory=dict)
+    undecided: set[int] = field(default_factory=set)
+    decisions: OrderedDict[int, Decision] = field(default_factory=OrderedDict)
+
+    def apply(self, env: Envelope) -> None:
+        """Fold one message in. Duplicates and replays are harmless."""
+        msg = env.payload
+        if isinstance(msg, Prepare):
+            if msg.txn > self.last_decided:
+                self.undecided.add(msg.txn)
+            self.last_txn = max(self.last_txn, msg.txn)
+        elif isinstance(msg, Decision):
+            self.apply_decision(msg)
+        elif isinstance(msg, Applied):
+            pending = self.pending.get(msg.txn)
+            if pending is not None:
+                pending.acked.add(msg.part)
+        elif isinstance(msg, Complete):
+            self.pending.pop(msg.txn, None)
+        elif isinstance(msg, Checkpoint):
+            self.apply_checkpoint(msg)
+
+    def apply_decision(self, d: Decision) -> None:
+        if d.txn in self.decisions or (d.txn <= self.last_decided and d.txn not in self.undecided):
+            return  # a replay; the first decision for a transaction is the only one
+        self.decisions[d.txn] = d
+        while len(self.decisions) > DECISION_WINDOW:
+            self.decisions.popitem(last=False)
+        self.undecided.discard(d.txn)
+        self.last_txn = max(self.last_txn, d.txn)
+        self.last_decided = max(self.last_decided, d.txn)
+        # Anything prepared below a decided transaction and never decided was never going to be.
+        self.undecided = {t for t in self.undecided if t > self.last_decided}
+        if d.outcome is Outcome.COMMIT:
+            for pos in d.positions:
+                self.positions[(pos.topic, pos.partition)] = pos.offset
+            if d.parts:
+                self.pending[d.txn] = Pending(d.txn, {p.participant: p for p in d.parts})
+
+    def apply_checkpoint(self, c: Checkpoint) -> None:
+        if c.last_txn < self.last_decided:
+            return  # an older checkpoint seen after newer decisions: it adds nothing
+        self.last_txn = max(self.last_txn, c.last_txn)
+        self.last_decided = max(self.last_decided, c.last_txn)
+        self.undecided = {t for t in self.undecided if t > self.last_decided}
+        for pos in c.positions:
+            self.positions[(pos.topic, pos.partition)] = pos.offset
+        known = {p.txn: p for p in c.pending}
+        for txn in list(self.pending):
+            if txn <= c.last_txn and txn not in known:
+                del self.pending[txn]
+        for txn, pc in known.items():
+            mine = self.pending.setdefault(txn, Pending(txn, {p.participant: p for p in pc.parts}))
+            mine.acked.update(pc.acked)
+
+    def outcome_of(self, txn: int, participant: str) -> Outcome | None:
+        """COMMIT, ABORT, or None while undecided -- for ``participant``'s part of ``txn``."""
+        decision = self.decisions.get(txn)
+        if decision is not None:
+            if decision.outcome is Outcome.COMMIT and decision.includes(participant):
+                return Outcome.COMMIT
+            return Outcome.ABORT
+        pending = self.pending.get(txn)
+        if pending is not None and participant in pending.parts:
+            return Outcome.COMMIT
+        if txn <= self.last_decided and txn not in self.undecided:
+            return Outcome.ABORT  # presumed abort: no commit decision names this part
+        return None
+
+    def checkpoint(self) -> Checkpoint:
+        return Checkpoint(
+            last_txn=self.last_decided,
+            positions=tuple(Position(t, p, o) for (t, p), o in sorted(self.positions.items())),
+            pending=tuple(p.to_message() for _, p in sorted(self.pending.items())),
+        )
