@@ -1,0 +1,377 @@
+"""The coordinator process: drives :class:`CoordinatorMachine` with Kafka.
+
+Leadership: every coordinator of a pipeline joins the consumer group ``twophase.<pipeline>.
+coordinator`` on the one-partition control topic. The member that owns the partition leads;
+the others stand by. The leader then calls ``init_transactions`` with the pipeline's stable
+``transactional.id``, which bumps the producer epoch and fences any earlier leader still running:
+from then on, that zombie's writes fail with a fencing error and it steps down. Leadership
+itself is therefore only a liveness device; safety comes from Kafka's fencing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import suppress
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from coordinator.machine import (
+    Action,
+    Alarm,
+    CaughtUp,
+    CoordinatorMachine,
+    CoordinatorSettings,
+    LeadershipAcquired,
+    LeadershipLost,
+    Log,
+    Publish,
+    Published,
+    PublishFailed,
+    Received,
+    SourcePartitions,
+    StepDown,
+    Tick,
+)
+from twophase.config import PipelineConfig
+from twophase.errors import FatalError, RetriableError
+from twophase.kafka import CALL_TIMEOUT_S, client_settings, raise_fatal
+from twophase.observability import HealthServer, Metrics
+from twophase.protocol.codec import DecodeError, decode, encode, new_envelope
+from twophase.protocol.messages import Checkpoint, Decision, Outcome, Payload, Prepare
+
+__all__ = ["CoordinatorRuntime"]
+
+log = logging.getLogger("twophase.coordinator")
+
+#: Main-loop poll: the granularity of ticks, so of vote deadlines and commit intervals.
+POLL_S = 0.02
+#: Source partitions are re-read this often, so added partitions join the next cycles.
+PARTITION_REFRESH_S = 10.0
+#: A standby notices a dead leader after the group session times out; 10 s balances failover
+#: time against false failovers during a long GC or I/O stall.
+SESSION_TIMEOUT_MS = 10_000
+_FENCED = {
+    KafkaError._FENCED,
+    KafkaError.PRODUCER_FENCED,
+    KafkaError.INVALID_PRODUCER_EPOCH,
+    KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+}
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class CoordinatorRuntime:
+    def __init__(
+        self, cfg: PipelineConfig, *, instance: str = "", metrics: Metrics | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.instance = instance or cfg.participant_id
+        self.sender = f"coordinator:{self.instance}"
+        self.metrics = metrics or Metrics(cfg.pipeline, "coordinator")
+        self.machine = CoordinatorMachine(
+            CoordinatorSettings(
+                commit_interval_ms=cfg.commit.interval_ms,
+                vote_timeout_ms=cfg.commit.vote_timeout_ms,
+                max_failed_cycles=cfg.commit.max_failed_cycles,
+                checkpoint_every=cfg.commit.checkpoint_every,
+            )
+        )
+        self.health = HealthServer(self.metrics, ready=lambda: True, status=self.status)
+        self.stop_event = threading.Event()
+        self._assigned: bool | None = None  # set by the rebalance callbacks, read by the loop
+        self._replaying = False
+        self.producer: Producer | None = None
+        self.admin = AdminClient(client_settings(cfg, "admin"))
+        # Never subscribes: it only lends the source group's metadata to
+        # send_offsets_to_transaction, so commit decisions move the group's offsets atomically.
+        self.group_handle = Consumer(
+            client_settings(cfg, "group-handle-consumer", **{"group.id": cfg.group_id})
+        )
+        self.consumer = Consumer(
+            client_settings(
+                cfg,
+                "leadership",
+                **{
+                    "group.id": cfg.coordinator_group_id,
+                    "enable.auto.commit": False,
+                    "isolation.level": "read_committed",
+                    "enable.partition.eof": True,
+                    "auto.offset.reset": "earliest",
+                    "session.timeout.ms": SESSION_TIMEOUT_MS,
+                    "heartbeat.interval.ms": SESSION_TIMEOUT_MS // 4,
+                },
+            )
+        )
+        self._pending_decision_start: dict[int, float] = {}
+
+    # -- status --------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        m = self.machine
+        return {
+            "role": "coordinator",
+            "instance": self.instance,
+            "pipeline": self.cfg.pipeline,
+            "leader": m.is_leader,
+            "phase": m.phase.value,
+            "current_txn": m.current_txn,
+            "last_txn": m.log.last_txn,
+            "last_decided": m.log.last_decided,
+            "committed": m.committed,
+            "aborted": m.aborted,
+            "failed_cycles": m.failed_cycles,
+            "alarm": m.alarm,
+            "last_commit_age_s": round(time.time() - m.last_commit_ms / 1000, 3)
+            if m.last_commit_ms
+            else None,
+            "pending_commits": sorted(m.log.pending),
+            "positions": {f"{t}[{p}]": o for (t, p), o in sorted(m.log.positions.items())},
+        }
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        self.health.start(self.cfg.metrics.host, self.cfg.metrics.port)
+        self.consumer.subscribe(
+            [self.cfg.control_topic], on_assign=self._on_assign, on_revoke=self._on_revoke
+        )
+        self._refresh_partitions()
+        next_refresh = time.monotonic() + PARTITION_REFRESH_S
+        log.info(
+            "coordinator %s for pipeline %s waiting for leadership",
+            self.instance,
+            self.cfg.pipeline,
+        )
+        try:
+            while not self.stop_event.is_set():
+                self.health.beat()
+                msg = self.consumer.poll(POLL_S)
+                self._on_leadership_change()
+                if msg is not None:
+                    self._on_message(msg)
+                self._execute(self.machine.handle(Tick(_now_ms())))
+                if time.monotonic() >= next_refresh:
+                    next_refresh = time.monotonic() + PARTITION_REFRESH_S
+                    self._refresh_partitions()
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def close(self) -> None:
+        with suppress(KafkaException, RuntimeError):  # closing twice, or after a fatal error
+            self.consumer.close()
+        self.group_handle.close()
+        if self.producer is not None:
+            self.producer.flush(5)
+        self.health.stop()
+        self.metrics.leader.labels(self.cfg.pipeline).set(0)
+
+    # -- leadership ----------------------------------------------------------------------------
+
+    def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._assigned = bool(partitions)
+
+    def _on_revoke(self, _consumer: Consumer, _partitions: list[TopicPartition]) -> None:
+        self._assigned = False
+
+    def _on_leadership_change(self) -> None:
+        change, self._assigned = self._assigned, None
+        if change is None:
+            return
+        if change and not self.machine.is_leader:
+            self._become_leader()
+        elif not change and self.machine.is_leader:
+            self._execute(
+                self.machine.handle(LeadershipLost(_now_ms(), "control partition revoked"))
+            )
+
+    def _become_leader(self) -> None:
+        producer = Producer(
+            client_settings(
+                self.cfg,
+                "coordinator-producer",
+                **{
+                    "transactional.id": self.cfg.transactional_id,
+                    "enable.idempotence": True,
+                    "acks": "all",
+                    "transaction.timeout.ms": 60_000,
+                },
+            )
+        )
+        # Bumps the epoch: any earlier holder of this transactional.id is fenced from here on,
+        # and a transaction it left open is aborted by the broker.
+        producer.init_transactions(CALL_TIMEOUT_S)
+        self.producer = producer
+        self.metrics.leader.labels(self.cfg.pipeline).set(1)
+        log.info("coordinator %s is now the leader of %s", self.instance, self.cfg.pipeline)
+        self._replaying = True
+        self._execute(self.machine.handle(LeadershipAcquired(_now_ms())))
+        self._refresh_partitions()
+
+    # -- messages ------------------------------------------------------------------------------
+
+    def _on_message(self, msg: Message) -> None:
+        err = msg.error()
+        if err is not None:
+            if err.code() == KafkaError._PARTITION_EOF:
+                if self._replaying:
+                    self._replaying = False
+                    self._execute(self.machine.handle(CaughtUp(_now_ms())))
+                return
+            raise_fatal(err)
+            return
+        raw_headers = msg.headers()
+        headers = (
+            [(k, v if isinstance(v, bytes) or v is None else v.encode()) for k, v in raw_headers]
+            if isinstance(raw_headers, list)
+            else None
+        )
+        try:
+            env = decode(msg.value(), headers, key=self.cfg.hmac_key, pipeline=self.cfg.pipeline)
+        except DecodeError as exc:
+            self.metrics.control_skipped.labels(self.cfg.pipeline, exc.kind).inc()
+            log.warning("skipping control message at offset %s: %s", msg.offset(), exc)
+            return
+        self._execute(self.machine.handle(Received(env, _now_ms())))
+
+    # -- actions -------------------------------------------------------------------------------
+
+    def _execute(self, actions: list[Action]) -> None:
+        queue = list(actions)
+        while queue:
+            action = queue.pop(0)
+            if isinstance(action, Publish):
+                queue.extend(self._publish(action.payload))
+            elif isinstance(action, Log):
+                getattr(log, action.level)(
+                    "%s%s",
+                    f"txn={action.txn} " if action.txn else "",
+                    action.message,
+                    extra={"pipeline": self.cfg.pipeline, "txn": action.txn},
+                )
+            elif isinstance(action, Alarm):
+                self.metrics.alarm.labels(self.cfg.pipeline).set(1 if action.active else 0)
+                if action.active:
+                    log.error("ALARM %s", action.message, extra={"pipeline": self.cfg.pipeline})
+                else:
+                    log.info("alarm cleared: %s", action.message)
+            elif isinstance(action, StepDown):
+                self.metrics.leader.labels(self.cfg.pipeline).set(0)
+                self._drop_producer()
+
+    def _drop_producer(self) -> None:
+        self.producer = None
+
+    def _publish(self, payload: Payload) -> list[Action]:
+        now = _now_ms
+        producer = self.producer
+        if producer is None:
+            return self.machine.handle(PublishFailed(payload, now(), "no producer", fenced=True))
+        env = new_envelope(self.cfg.pipeline, self.sender, payload)
+        value, headers = encode(env, self.cfg.hmac_key)
+        offset: list[int] = []
+
+        def on_delivery(err: KafkaError | None, m: Message) -> None:
+            if err is None:
+                offset.append(m.offset() or 0)
+
+        started = time.monotonic()
+        try:
+            producer.begin_transaction()
+            producer.produce(
+                self.cfg.control_topic,
+                value=value,
+                key=self.cfg.pipeline.encode(),
+                headers=list(headers),
+                on_delivery=on_delivery,
+            )
+            if isinstance(payload, Decision) and payload.outcome is Outcome.COMMIT:
+                producer.send_offsets_to_transaction(
+                    [TopicPartition(p.topic, p.partition, p.offset) for p in payload.positions],
+                    self.group_handle.consumer_group_metadata(),
+                    CALL_TIMEOUT_S,
+                )
+            producer.flush(CALL_TIMEOUT_S)
+            self._commit(producer)
+        except KafkaException as exc:
+            err: KafkaError = exc.args[0]
+            fenced = err.fatal() or err.code() in _FENCED
+            if fenced:
+                self.metrics.fenced.labels(self.cfg.pipeline).inc()
+                log.error("fenced while publishing %s: %s", type(payload).__name__, err.str())
+            elif err.txn_requires_abort():
+                self._abort(producer)
+            return self.machine.handle(PublishFailed(payload, now(), err.str(), fenced=fenced))
+        except RetriableError as exc:
+            self._abort(producer)
+            return self.machine.handle(PublishFailed(payload, now(), str(exc)))
+        self._observe(payload, time.monotonic() - started)
+        if isinstance(payload, Checkpoint) and offset:
+            # Readers start at the latest checkpoint: the coordinator group's offset points at it.
+            self.consumer.commit(
+                offsets=[TopicPartition(self.cfg.control_topic, 0, offset[0])], asynchronous=False
+            )
+        return self.machine.handle(Published(payload, now()))
+
+    def _commit(self, producer: Producer) -> None:
+        for _attempt in range(5):
+            try:
+                producer.commit_transaction(CALL_TIMEOUT_S)
+                return
+            except KafkaException as exc:
+                err: KafkaError = exc.args[0]
+                if err.retriable() and not err.txn_requires_abort() and not err.fatal():
+                    continue  # librdkafka: a retriable commit_transaction may simply be retried
+                raise
+        raise RetriableError("commit_transaction kept failing")
+
+    def _abort(self, producer: Producer) -> None:
+        try:
+            producer.abort_transaction(CALL_TIMEOUT_S)
+        except KafkaException as exc:
+            log.warning("abort_transaction failed: %s", exc.args[0].str())
+
+    def _observe(self, payload: Payload, write_s: float) -> None:
+        p = self.cfg.pipeline
+        if isinstance(payload, Prepare):
+            self._pending_decision_start[payload.txn] = time.monotonic() - write_s
+        elif isinstance(payload, Decision):
+            self.metrics.cycles.labels(p, payload.outcome.value).inc()
+            self.metrics.cycle_seconds.labels(p, "decision_write").observe(write_s)
+            started = self._pending_decision_start.pop(payload.txn, None)
+            if started is not None:
+                self.metrics.cycle_seconds.labels(p, "prepare_to_decision").observe(
+                    time.monotonic() - started
+                )
+            if payload.outcome is Outcome.COMMIT:
+                self.metrics.last_commit.labels(p).set(time.time())
+
+    # -- source partitions ---------------------------------------------------------------------
+
+    def _refresh_partitions(self) -> None:
+        try:
+            md = self.admin.list_topics(timeout=CALL_TIMEOUT_S)
+        except KafkaException as exc:
+            log.warning("cannot read source topic metadata: %s", exc.args[0].str())
+            return
+        tps: set[tuple[str, int]] = set()
+        for topic in self.cfg.source_topics:
+            t = md.topics.get(topic)
+            if t is None or t.error is not None:
+                raise FatalError(
+                    f"source topic {topic} does not exist (run `twophase topics create`)"
+                )
+            tps.update((topic, p) for p in t.partitions)
+        committed = self.group_handle.committed(
+            [TopicPartition(t, p) for t, p in sorted(tps)], timeout=CALL_TIMEOUT_S
+        )
+        offsets = {(c.topic, c.partition): c.offset for c in committed if c.offset >= 0}
+        self._execute(self.machine.handle(SourcePartitions(frozenset(tps), offsets)))

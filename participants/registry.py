@@ -1,0 +1,59 @@
+"""Sinks by name: built-ins and any package registered under the ``twophase.sinks`` entry points."""
+
+from __future__ import annotations
+
+import logging
+from importlib.metadata import entry_points
+from typing import Any
+
+from pydantic import ValidationError
+
+from participants.sdk import Sink, SinkContext
+from twophase.errors import ConfigError
+
+__all__ = ["ENTRY_POINT_GROUP", "available_sinks", "build_sinks", "sink_class"]
+
+ENTRY_POINT_GROUP = "twophase.sinks"
+
+
+def available_sinks() -> dict[str, str]:
+    """type name -> ``module:Class`` of every installed sink."""
+    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def sink_class(type_name: str) -> type[Sink]:
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == type_name:
+            cls = ep.load()
+            if not (isinstance(cls, type) and issubclass(cls, Sink)):
+                raise ConfigError("type", f"{ep.value} is not a participants.sdk.Sink")
+            return cls
+    known = ", ".join(sorted(available_sinks())) or "none"
+    raise ConfigError("type", f"unknown sink type {type_name!r} (installed: {known})")
+
+
+def build_sinks(
+    raw_sinks: list[dict[str, Any]], *, pipeline: str, participant: str, source: str = ""
+) -> list[Sink]:
+    """Validate every sink section with its own model; errors name ``sinks[i].field``."""
+    sinks = []
+    for i, raw in enumerate(raw_sinks):
+        try:
+            cls = sink_class(str(raw.get("type")))
+        except ConfigError as exc:
+            raise ConfigError(
+                f"sinks[{i}].type", str(exc).split(": ", 1)[-1], source=source
+            ) from None
+        context = SinkContext(
+            pipeline=pipeline,
+            participant=participant,
+            sink_name=str(raw["name"]),
+            logger=logging.getLogger(f"twophase.sink.{raw['name']}"),
+        )
+        try:
+            sinks.append(cls.from_mapping(raw, context))
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            raise ConfigError(f"sinks[{i}].{where}", err["msg"], source=source) from None
+    return sinks

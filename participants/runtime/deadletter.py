@@ -1,0 +1,130 @@
+"""Decoding source records, and the dead-letter topic for the ones no sink can take.
+
+A dead-lettered record counts as handled inside the transaction that met it: its offset is
+covered by the part's vote, and the DLQ write is flushed before the vote goes out, so it is never
+lost. If that transaction aborts, the record is read and dead-lettered again: the DLQ is
+at-least-once, keyed by the source coordinates (``topic:partition:offset``) so a reader can
+de-duplicate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import orjson
+from confluent_kafka import KafkaError, Message, Producer
+
+from participants.sdk import Record
+from twophase.errors import RetriableError
+
+__all__ = ["DeadLetters", "decode_batch"]
+
+H_REASON = "twophase.reason"
+
+
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    msg: Message
+    reason: str
+
+
+def _key(m: Message) -> bytes | None:
+    key = m.key()
+    return key if isinstance(key, bytes) else None
+
+
+def decode_batch(
+    msgs: Sequence[Message], max_record_bytes: int
+) -> tuple[list[Record], list[Undecodable]]:
+    """JSON objects become :class:`Record`; anything else is returned with the reason."""
+    good: list[Record] = []
+    bad: list[Undecodable] = []
+    loads = orjson.loads
+    for m in msgs:
+        value = m.value()
+        if value is None:
+            bad.append(Undecodable(m, "null value (tombstone): nothing to write"))
+            continue
+        if len(value) > max_record_bytes:
+            bad.append(Undecodable(m, f"oversize: {len(value)} bytes > {max_record_bytes}"))
+            continue
+        try:
+            obj = loads(value)
+        except orjson.JSONDecodeError as exc:
+            bad.append(Undecodable(m, f"undecodable: not JSON ({exc})"))
+            continue
+        if not isinstance(obj, dict):
+            bad.append(
+                Undecodable(m, f"undecodable: JSON {type(obj).__name__}, expected an object")
+            )
+            continue
+        ts = m.timestamp()[1]
+        good.append(
+            Record(
+                topic=m.topic() or "",
+                partition=m.partition() or 0,
+                offset=m.offset() or 0,
+                timestamp_ms=ts if ts and ts > 0 else 0,
+                key=_key(m),
+                value=obj,
+                size=len(value),
+            )
+        )
+    return good, bad
+
+
+class DeadLetters:
+    """Produces rejected records to the DLQ with the reason and source coordinates in headers."""
+
+    def __init__(self, producer: Producer, topic: str, pipeline: str, participant: str) -> None:
+        self.producer = producer
+        self.topic = topic
+        self.pipeline = pipeline
+        self.participant = participant
+        self._errors: list[KafkaError] = []
+
+    def send(
+        self,
+        *,
+        topic: str,
+        partition: int,
+        offset: int,
+        key: bytes | None,
+        value: bytes | None,
+        reason: str,
+        txn: int,
+        sink: str = "",
+    ) -> None:
+        headers = [
+            (H_REASON, reason.encode()[:4000]),
+            ("twophase.pipeline", self.pipeline.encode()),
+            ("twophase.participant", self.participant.encode()),
+            ("twophase.txn", str(txn).encode()),
+            ("twophase.source.topic", topic.encode()),
+            ("twophase.source.partition", str(partition).encode()),
+            ("twophase.source.offset", str(offset).encode()),
+            ("twophase.source.key", key or b""),
+        ]
+        if sink:
+            headers.append(("twophase.sink", sink.encode()))
+        self.producer.produce(
+            self.topic,
+            value=value,
+            key=f"{topic}:{partition}:{offset}".encode(),
+            headers=headers,  # type: ignore[arg-type]
+            on_delivery=self._on_delivery,
+        )
+        self.producer.poll(0)
+
+    def _on_delivery(self, err: KafkaError | None, _msg: Message) -> None:
+        if err is not None:
+            self._errors.append(err)
+
+    def flush(self, timeout_s: float) -> None:
+        """Before a vote: every dead letter of the part is durable, or the prepare fails."""
+        if self.producer.flush(timeout_s) > 0:
+            raise RetriableError(f"dead letters not delivered within {timeout_s}s")
+        if self._errors:
+            err, self._errors = self._errors[0], []
+            raise RetriableError(f"dead letter not delivered: {err.str()}")

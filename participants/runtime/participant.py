@@ -1,0 +1,572 @@
+"""The participant process. See the package docstring for the two-thread design."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import suppress
+from functools import partial
+from typing import Any, TypeVar
+
+from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPartition
+
+from participants.machine import (
+    AbortPart,
+    Action,
+    Assigned,
+    BeginPart,
+    CaughtUp,
+    CommitPart,
+    Cut,
+    Event,
+    InDoubt,
+    Log,
+    PartApplied,
+    ParticipantMachine,
+    ParticipantSettings,
+    PrepareDone,
+    PrepareFailed,
+    PreparePart,
+    Received,
+    Revoked,
+    Seek,
+    SendApplied,
+    SendVote,
+    Sweep,
+    Thread,
+    Tick,
+    WillWrite,
+    Written,
+)
+from participants.registry import build_sinks
+from participants.runtime.deadletter import DeadLetters, decode_batch
+from participants.sdk import (
+    BackpressureError,
+    FatalSinkError,
+    PartId,
+    Record,
+    RetriableSinkError,
+    Sink,
+    SinkError,
+    UnknownPartError,
+)
+from twophase.config import PipelineConfig
+from twophase.errors import FatalError, RetriableError
+from twophase.kafka import (
+    CALL_TIMEOUT_S,
+    ControlReader,
+    ControlWriter,
+    client_settings,
+    group_generation,
+    raise_fatal,
+)
+from twophase.observability import HealthServer, Metrics
+from twophase.protocol.messages import Outcome
+
+__all__ = ["ParticipantRuntime"]
+
+log = logging.getLogger("twophase.participant")
+T = TypeVar("T")
+
+#: Data-thread poll: short, so queued control actions (prepare, rewind) run promptly.
+CONSUME_TIMEOUT_S = 0.05
+#: Control-thread poll.
+CONTROL_POLL_S = 0.02
+#: How long a sink call is retried on retriable errors before the part is given up (abort vote).
+SINK_RETRY_BUDGET_S = 60.0
+#: Lag is recomputed this often; it needs a watermark request per partition.
+LAG_REFRESH_S = 5.0
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _key(msg: Message) -> bytes | None:
+    key = msg.key()
+    return key if isinstance(key, bytes) else None
+
+
+def _crash_point(name: str) -> None:
+    """Fault injection for the chaos and end-to-end tests: ``TWOPHASE_CRASH_AT=name:n`` kills the
+    process (SIGKILL, no clean-up) the n-th time it passes ``name``."""
+    spec = os.environ.get("TWOPHASE_CRASH_AT", "")
+    if not spec.startswith(name + ":"):
+        return
+    count = int(os.environ.get("_TWOPHASE_CRASH_COUNT", "0")) + 1
+    os.environ["_TWOPHASE_CRASH_COUNT"] = str(count)
+    if count >= int(spec.split(":", 1)[1]):
+        logging.getLogger("twophase.crash").warning("crash point %s reached: SIGKILL", name)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class ParticipantRuntime:
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        *,
+        participant_id: str = "",
+        metrics: Metrics | None = None,
+        sinks: Sequence[Sink] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.me = participant_id or cfg.participant_id
+        self.metrics = metrics or Metrics(cfg.pipeline, "participant")
+        self.sinks = (
+            list(sinks)
+            if sinks is not None
+            else build_sinks(
+                cfg.sinks, pipeline=cfg.pipeline, participant=self.me, source=cfg.source_file
+            )
+        )
+        self.sink_by_name = {s.name: s for s in self.sinks}
+        self.machine = ParticipantMachine(
+            ParticipantSettings(
+                participant=self.me,
+                sinks=tuple(self.sink_by_name),
+                sweep_interval_ms=cfg.participant.sweep_interval_ms,
+            )
+        )
+        self.lock = threading.RLock()
+        self.data_queue: queue.Queue[Action] = queue.Queue()
+        self.stop_event = threading.Event()
+        self.fatal: BaseException | None = None
+        self.producer = Producer(
+            client_settings(
+                cfg,
+                "participant-producer",
+                **{"enable.idempotence": True, "acks": "all", "linger.ms": 5},
+            )
+        )
+        self.control = ControlWriter(cfg, f"participant:{self.me}", self.producer)
+        self.dlq = DeadLetters(self.producer, cfg.dead_letter_topic, cfg.pipeline, self.me)
+        self.consumer = Consumer(
+            client_settings(
+                cfg,
+                "source-consumer",
+                **{
+                    "group.id": cfg.group_id,
+                    "enable.auto.commit": False,
+                    "enable.auto.offset.store": False,
+                    "auto.offset.reset": "earliest",
+                    "isolation.level": "read_committed",
+                    "partition.assignment.strategy": "range",
+                    "session.timeout.ms": 10_000,
+                    "heartbeat.interval.ms": 2_500,
+                },
+            )
+        )
+        self.health = HealthServer(
+            self.metrics, ready=lambda: self.machine.ready, status=self.status
+        )
+        self._paused = False
+        self._next_lag = 0.0
+        self._assignment: list[TopicPartition] = []
+
+    # -- status --------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        with self.lock:
+            m = self.machine
+            return {
+                "role": "participant",
+                "participant": self.me,
+                "pipeline": self.cfg.pipeline,
+                "ready": m.ready,
+                "generation": m.generation,
+                "partitions": sorted(f"{t}[{p}]" for t, p in m.base),
+                "open_txn": m.open.txn if m.open else None,
+                "prepared": sorted(m.prepared),
+                "in_doubt": sorted(f"{t}:{p}" for t, p in m.in_doubt),
+                "last_decided": m.log.last_decided,
+                "votes_sent": m.votes_sent,
+                "rewinds": m.rewinds,
+                "sinks": list(self.sink_by_name),
+            }
+
+    # -- entry point ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Recover, then consume until :meth:`stop` or a fatal error (re-raised)."""
+        self.health.start(self.cfg.metrics.host, self.cfg.metrics.port)
+        try:
+            for sink in self.sinks:
+                sink.setup()
+            reader = ControlReader(self.cfg, on_skip=self._count_skip)
+            for env in reader.replay():
+                self._feed(Received(env, replay=True))
+            self._feed(CaughtUp())
+            self._run(self._feed(InDoubt(self._list_in_doubt())), Thread.CONTROL)
+            control = threading.Thread(
+                target=self._guard(self._control_loop, reader), name="control", daemon=True
+            )
+            control.start()
+            self.consumer.subscribe(
+                self.cfg.source_topics, on_assign=self._on_assign, on_revoke=self._on_revoke
+            )
+            log.info("participant %s running for pipeline %s", self.me, self.cfg.pipeline)
+            while not self.stop_event.is_set():
+                self.health.beat()
+                self._data_step()
+            control.join(timeout=10)
+            reader.close()
+        finally:
+            self._close()
+        if self.fatal is not None:
+            raise self.fatal
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def _close(self) -> None:
+        with suppress(KafkaException, RuntimeError):  # already closed, or after a fatal error
+            self.consumer.close()
+        self.producer.flush(5)
+        for sink in self.sinks:
+            sink.close()
+        self.health.stop()
+
+    def _guard(self, fn: Callable[..., None], *args: Any) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn(*args)
+            except BaseException as exc:  # a dead control thread must stop the process
+                log.exception("control thread failed")
+                self.fatal = exc
+                self.stop_event.set()
+
+        return run
+
+    def _count_skip(self, kind: str) -> None:
+        self.metrics.control_skipped.labels(self.cfg.pipeline, kind).inc()
+
+    # -- the machine ---------------------------------------------------------------------------
+
+    def _feed(self, event: Event) -> list[Action]:
+        with self.lock:
+            return self.machine.handle(event)
+
+    def _run(self, actions: list[Action], here: Thread) -> None:
+        """Execute actions meant for this thread; queue the data thread's."""
+        for action in actions:
+            target = getattr(action, "thread", here)
+            if here is Thread.CONTROL and target is Thread.DATA:
+                self.data_queue.put(action)
+            else:
+                self._execute(action, here)
+
+    def _execute(self, action: Action, here: Thread) -> None:
+        if isinstance(action, (CommitPart, AbortPart)):
+            self._apply(action, here)
+        elif isinstance(action, SendVote):
+            _crash_point("before_vote")
+            self._retry(lambda: self.control.send(action.vote), "send vote")
+            _crash_point("after_vote")
+        elif isinstance(action, SendApplied):
+            self._retry(lambda: self.control.send(action.applied), "send applied")
+        elif isinstance(action, Sweep):
+            self._run(self._feed(InDoubt(self._list_in_doubt(), sweep=True)), here)
+        elif isinstance(action, BeginPart):
+            part = PartId(self.cfg.pipeline, action.txn, self.me)
+            for sink in self.sinks:
+                self._retry(partial(sink.begin, part), f"begin {sink.name}")
+        elif isinstance(action, PreparePart):
+            self._prepare(action)
+        elif isinstance(action, Seek):
+            self._seek(action.offsets)
+        elif isinstance(action, Log):
+            getattr(log, action.level)(
+                "%s%s",
+                f"txn={action.txn} " if action.txn else "",
+                action.message,
+                extra={"pipeline": self.cfg.pipeline, "txn": action.txn, "participant": self.me},
+            )
+
+    def _retry(self, fn: Callable[[], T], what: str) -> T:
+        """Retriable errors are retried here, with back-off, within one budget; sinks never retry."""
+        deadline = time.monotonic() + SINK_RETRY_BUDGET_S
+        delay = 0.05
+        while True:
+            try:
+                return fn()
+            except BackpressureError as exc:
+                wait = exc.retry_after_s
+                err: Exception = exc
+            except (RetriableSinkError, RetriableError) as exc:
+                wait = delay
+                delay = min(delay * 2, 2.0)
+                err = exc
+            if time.monotonic() + wait > deadline or self.stop_event.is_set():
+                raise RetriableError(f"{what}: gave up after {SINK_RETRY_BUDGET_S}s: {err}")
+            log.warning("%s failed, retrying in %.2fs: %s", what, wait, err)
+            time.sleep(wait)
+
+    # -- decisions -----------------------------------------------------------------------------
+
+    def _apply(self, action: CommitPart | AbortPart, here: Thread) -> None:
+        commit = isinstance(action, CommitPart)
+        part = PartId(self.cfg.pipeline, action.txn, action.participant)
+        ctx = f"txn={action.txn} part={action.participant}"
+        for name in action.sinks:
+            sink = self.sink_by_name.get(name)
+            if sink is None:
+                log.error("%s names sink %s which this participant does not have", ctx, name)
+                return
+            if commit:
+                _crash_point("before_commit")
+            try:
+                self._retry(partial(sink.commit if commit else sink.abort, part), f"{ctx} {name}")
+            except UnknownPartError as exc:
+                if action.participant == self.me:
+                    raise FatalError(
+                        f"{ctx}: own prepared part lost in sink {name}: {exc}"
+                    ) from None
+                log.warning(
+                    "%s: sink %s cannot see this part (%s); leaving it to its owner", ctx, name, exc
+                )
+                return
+            if commit:
+                _crash_point("mid_commit")
+        log.info(
+            "%s %s in %s",
+            ctx,
+            "committed" if commit else "aborted",
+            ", ".join(action.sinks) or "no sink",
+        )
+        outcome = Outcome.COMMIT if commit else Outcome.ABORT
+        self._run(self._feed(PartApplied(action.txn, action.participant, outcome)), here)
+
+    def _list_in_doubt(self) -> tuple[tuple[str, int, str], ...]:
+        found = []
+        for sink in self.sinks:
+            for part in self._retry(sink.in_doubt, f"in_doubt {sink.name}"):
+                if part.pipeline == self.cfg.pipeline:
+                    found.append((sink.name, part.txn, part.participant))
+        self.metrics.in_doubt.labels(self.cfg.pipeline).set(len(found))
+        return tuple(found)
+
+    # -- control thread ------------------------------------------------------------------------
+
+    def _control_loop(self, reader: ControlReader) -> None:
+        while not self.stop_event.is_set():
+            env = reader.poll(CONTROL_POLL_S)
+            if env is not None:
+                self._run(self._feed(Received(env)), Thread.CONTROL)
+            self._run(self._feed(Tick(_now_ms())), Thread.CONTROL)
+
+    # -- data thread ---------------------------------------------------------------------------
+
+    def _data_step(self) -> None:
+        self._drain_queue()
+        if self.fatal is not None:
+            return
+        msgs = self.consumer.consume(self.cfg.participant.max_batch_records, CONSUME_TIMEOUT_S)
+        if self._drain_queue():
+            return  # a rewind happened: what was just fetched will be fetched again
+        good = [m for m in msgs if m.error() is None]
+        for m in msgs:
+            err = m.error()
+            if err is not None:
+                raise_fatal(err)
+        if good and not self._paused:
+            self._write(good)
+        if time.monotonic() >= self._next_lag:
+            self._next_lag = time.monotonic() + LAG_REFRESH_S
+            self._update_lag()
+
+    def _drain_queue(self) -> bool:
+        seeked = False
+        while True:
+            try:
+                action = self.data_queue.get_nowait()
+            except queue.Empty:
+                return seeked
+            if isinstance(action, Seek):
+                seeked = True
+            if isinstance(action, PreparePart) and not action.ready:
+                self._run(self._feed(Cut(action.txn)), Thread.DATA)
+            else:
+                self._execute(action, Thread.DATA)
+
+    def _prepare(self, action: PreparePart) -> None:
+        part = PartId(self.cfg.pipeline, action.txn, self.me)
+        started = time.monotonic()
+        try:
+            self.dlq.flush(CALL_TIMEOUT_S)
+            for name in action.sinks:
+                sink = self.sink_by_name[name]
+                self._retry(partial(sink.prepare, part, action.positions), f"prepare {name}")
+        except FatalSinkError:
+            raise
+        except (SinkError, RetriableError) as exc:
+            log.warning("txn=%s prepare failed: %s", action.txn, exc)
+            self._run(self._feed(PrepareFailed(action.txn, str(exc))), Thread.DATA)
+            return
+        self.metrics.cycle_seconds.labels(self.cfg.pipeline, "prepare").observe(
+            time.monotonic() - started
+        )
+        _crash_point("after_prepare")
+        self._run(self._feed(PrepareDone(action.txn)), Thread.DATA)
+
+    def _write(self, msgs: list[Message]) -> None:
+        actions = self._feed(WillWrite())
+        self._run(actions, Thread.DATA)
+        with self.lock:
+            part_txn = self.machine.open.txn if self.machine.open else 0
+        part = PartId(self.cfg.pipeline, part_txn, self.me)
+        records, bad = decode_batch(msgs, self.cfg.participant.max_record_bytes)
+        dead: dict[tuple[str, int], int] = {}
+        for u in bad:
+            self._dead_letter(
+                u.msg.topic() or "",
+                u.msg.partition() or 0,
+                u.msg.offset() or 0,
+                _key(u.msg),
+                u.msg.value(),
+                u.reason,
+                part_txn,
+            )
+            tp = (u.msg.topic() or "", u.msg.partition() or 0)
+            dead[tp] = dead.get(tp, 0) + 1
+        remaining: list[Record] = records
+        try:
+            for sink in self.sinks:
+                rejected = self._retry(partial(sink.write, part, remaining), f"write {sink.name}")
+                if rejected:
+                    ids = set()
+                    for r in rejected:
+                        rec = r.record
+                        ids.add(rec.record_id)
+                        self._dead_letter(
+                            rec.topic,
+                            rec.partition,
+                            rec.offset,
+                            rec.key,
+                            None,
+                            f"rejected by sink {sink.name}: {r.reason}",
+                            part_txn,
+                            sink=sink.name,
+                            record=rec,
+                        )
+                        tp = (rec.topic, rec.partition)
+                        dead[tp] = dead.get(tp, 0) + 1
+                    remaining = [r for r in remaining if r.record_id not in ids]
+                self.metrics.records.labels(self.cfg.pipeline, sink.name).inc(len(remaining))
+                self.metrics.bytes.labels(self.cfg.pipeline, sink.name).inc(
+                    sum(r.size for r in remaining)
+                )
+        except FatalSinkError:
+            raise
+        except (SinkError, RetriableError) as exc:
+            # The open part is lost; stop reading until the next PREPARE fails it and rewinds.
+            log.error(
+                "txn=%s write failed, the part will be aborted and re-read: %s", part_txn, exc
+            )
+            self._pause()
+            return
+        written: dict[tuple[str, int], int] = {}
+        for rec in remaining:
+            written[(rec.topic, rec.partition)] = written.get((rec.topic, rec.partition), 0) + 1
+        batch: dict[tuple[str, int], tuple[int, int, int]] = {}
+        for m in msgs:
+            tp = (m.topic() or "", m.partition() or 0)
+            last = max(batch.get(tp, (-1, 0, 0))[0], m.offset() or 0)
+            batch[tp] = (last, written.get(tp, 0), dead.get(tp, 0))
+        self._run(self._feed(Written(part_txn, batch)), Thread.DATA)
+
+    def _dead_letter(
+        self,
+        topic: str,
+        partition: int,
+        offset: int,
+        key: bytes | None,
+        value: bytes | None,
+        reason: str,
+        txn: int,
+        *,
+        sink: str = "",
+        record: Record | None = None,
+    ) -> None:
+        if value is None and record is not None:
+            import orjson
+
+            value = orjson.dumps(record.value)
+        self.dlq.send(
+            topic=topic,
+            partition=partition,
+            offset=offset,
+            key=key,
+            value=value,
+            reason=reason,
+            txn=txn,
+            sink=sink,
+        )
+        self.metrics.dead_lettered.labels(self.cfg.pipeline, reason.split(":")[0][:40]).inc()
+        log.warning("txn=%s dead-lettered %s[%s]@%s: %s", txn, topic, partition, offset, reason)
+
+    # -- consumer positions --------------------------------------------------------------------
+
+    def _pause(self) -> None:
+        if not self._paused and self._assignment:
+            self.consumer.pause(self._assignment)
+        self._paused = True
+
+    def _seek(self, offsets: dict[tuple[str, int], int] | Any) -> None:
+        owned = {(tp.topic, tp.partition) for tp in self._assignment}
+        targets = [
+            TopicPartition(t, p, o) for (t, p), o in sorted(offsets.items()) if (t, p) in owned
+        ]
+        if self._paused and self._assignment:
+            self.consumer.resume(self._assignment)
+            self._paused = False
+        for tp in targets:
+            try:
+                self.consumer.seek(tp)
+            except KafkaException:
+                # Not fetching yet (just assigned): re-assigning sets the start offsets instead.
+                self.consumer.assign(
+                    [TopicPartition(t.topic, t.partition, t.offset) for t in targets]
+                )
+                break
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        generation, member = group_generation(consumer)
+        committed = consumer.committed(partitions, timeout=CALL_TIMEOUT_S) if partitions else []
+        offsets: dict[tuple[str, int], int] = {}
+        for c in committed:
+            off = c.offset
+            if off < 0:
+                off, _high = consumer.get_watermark_offsets(c, timeout=CALL_TIMEOUT_S)
+            offsets[(c.topic, c.partition)] = off
+        actions = self._feed(Assigned(generation, member, offsets))
+        start = offsets
+        for a in actions:
+            if isinstance(a, Seek):
+                start = dict(a.offsets)
+        self._assignment = [TopicPartition(t, p, start[(t, p)]) for t, p in sorted(start)]
+        consumer.assign(self._assignment)
+        self._paused = False
+        self._run([a for a in actions if not isinstance(a, Seek)], Thread.DATA)
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._run(self._feed(Revoked()), Thread.DATA)
+        self._assignment = []
+        self._paused = False
+        consumer.unassign()
+
+    def _update_lag(self) -> None:
+        for tp in self._assignment:
+            try:
+                _low, high = self.consumer.get_watermark_offsets(tp, cached=True)
+                pos = self.consumer.position([TopicPartition(tp.topic, tp.partition)])[0].offset
+            except KafkaException:
+                continue
+            if high >= 0 and pos >= 0:
+                self.metrics.lag.labels(self.cfg.pipeline, tp.topic, str(tp.partition)).set(
+                    high - pos
+                )

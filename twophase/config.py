@@ -1,0 +1,236 @@
+"""Pipeline configuration: one YAML file, validated at start-up, errors that name the field.
+
+Secrets never sit in the file: a value ``${ENV:NAME}`` is read from the environment and
+``${FILE:/path}`` from a file (a mounted Kubernetes secret). Any environment variable
+``TWOPHASE__A__B=value`` overrides ``a.b`` in the file (double underscores separate levels).
+Every librdkafka setting passes through under ``kafka.config`` (all clients), ``kafka.consumer``
+and ``kafka.producer``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+
+from twophase.errors import ConfigError
+
+__all__ = [
+    "CommitConfig",
+    "ControlConfig",
+    "KafkaConfig",
+    "ParticipantConfig",
+    "PipelineConfig",
+    "SourceConfig",
+    "load_config",
+    "parse_config",
+]
+
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$"
+_REF = re.compile(r"\$\{(ENV|FILE):([^}]+)\}")
+_SECRET_KEYS = ("password", "secret", "key", "token", "uri", "dsn", "sasl.password")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class KafkaConfig(_Strict):
+    bootstrap_servers: str
+    #: librdkafka settings for every client (security.protocol, sasl.*, ssl.*, ...).
+    config: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    consumer: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    producer: dict[str, str | int | float | bool] = Field(default_factory=dict)
+
+
+class ControlConfig(_Strict):
+    topic: str = ""
+    #: HMAC-SHA256 key for control messages; with it, unauthenticated messages are rejected.
+    hmac_key: SecretStr | None = None
+    partitions: int = 1
+    replication_factor: int = Field(default=3, ge=1)
+    topic_config: dict[str, str] = Field(default_factory=dict)
+
+
+class SourceConfig(_Strict):
+    topic: str = Field(min_length=1)
+    format: Literal["json"] = "json"
+    partitions: int = Field(default=4, ge=1)
+    replication_factor: int = Field(default=3, ge=1)
+
+
+class DeadLetterConfig(_Strict):
+    topic: str = ""
+    partitions: int = Field(default=1, ge=1)
+    replication_factor: int = Field(default=3, ge=1)
+
+
+class CommitConfig(_Strict):
+    interval_ms: int = Field(default=1000, ge=50)
+    vote_timeout_ms: int = Field(default=10_000, ge=100)
+    max_failed_cycles: int = Field(default=5, ge=1)
+    checkpoint_every: int = Field(default=20, ge=1)
+
+
+class ParticipantConfig(_Strict):
+    id: str = ""
+    max_batch_records: int = Field(default=5000, ge=1)
+    max_record_bytes: int = Field(default=1_048_576, ge=1)
+    sweep_interval_ms: int = Field(default=15_000, ge=100)
+
+
+class MetricsConfig(_Strict):
+    host: str = "0.0.0.0"
+    port: int = Field(default=9400, ge=0, le=65535)
+
+
+class PipelineConfig(_Strict):
+    pipeline: str = Field(pattern=_NAME)
+    kafka: KafkaConfig
+    control: ControlConfig = ControlConfig()
+    sources: list[SourceConfig] = Field(min_length=1)
+    dead_letter: DeadLetterConfig = DeadLetterConfig()
+    commit: CommitConfig = CommitConfig()
+    participant: ParticipantConfig = ParticipantConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    #: Each entry is validated by its sink's own model (see participants.registry).
+    sinks: list[dict[str, Any]] = Field(min_length=1)
+    source_file: str = ""
+
+    @field_validator("sinks")
+    @classmethod
+    def _sink_names(cls, sinks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        names = [s.get("name") for s in sinks]
+        for i, name in enumerate(names):
+            if not isinstance(name, str) or not re.match(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$", name):
+                raise ValueError(f"sinks[{i}].name must be 1-32 of [A-Za-z0-9_-], got {name!r}")
+            if "type" not in sinks[i]:
+                raise ValueError(f"sinks[{i}].type is required")
+        if len(set(names)) != len(names):
+            raise ValueError("sink names must be unique")
+        return sinks
+
+    @property
+    def control_topic(self) -> str:
+        return self.control.topic or f"twophase.control.{self.pipeline}"
+
+    @property
+    def dead_letter_topic(self) -> str:
+        return self.dead_letter.topic or f"{self.pipeline}.dlq"
+
+    @property
+    def group_id(self) -> str:
+        """The participants' consumer group over the source topics."""
+        return f"twophase.{self.pipeline}"
+
+    @property
+    def coordinator_group_id(self) -> str:
+        """The coordinators' group on the control topic: its owner is the leader."""
+        return f"twophase.{self.pipeline}.coordinator"
+
+    @property
+    def transactional_id(self) -> str:
+        """Stable per pipeline, never random: Kafka's epoch fencing depends on it."""
+        return f"twophase.{self.pipeline}.coordinator"
+
+    @property
+    def participant_id(self) -> str:
+        raw = (
+            self.participant.id or os.environ.get("TWOPHASE_PARTICIPANT_ID") or socket.gethostname()
+        )
+        return re.sub(r"[^A-Za-z0-9_.-]", "-", raw)[:64]
+
+    @property
+    def hmac_key(self) -> bytes | None:
+        key = self.control.hmac_key
+        return key.get_secret_value().encode() if key else None
+
+    @property
+    def source_topics(self) -> list[str]:
+        return [s.topic for s in self.sources]
+
+
+def _resolve(value: Any, path: str, source: str) -> Any:
+    if isinstance(value, dict):
+        return {k: _resolve(v, f"{path}.{k}" if path else str(k), source) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_resolve(v, f"{path}[{i}]", source) for i, v in enumerate(value)]
+    if not isinstance(value, str):
+        return value
+
+    def sub(m: re.Match[str]) -> str:
+        kind, ref = m.group(1), m.group(2).strip()
+        if kind == "ENV":
+            if ref not in os.environ:
+                raise ConfigError(path, f"environment variable {ref} is not set", source=source)
+            return os.environ[ref]
+        try:
+            return Path(ref).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(
+                path, f"cannot read secret file {ref}: {exc.strerror}", source=source
+            ) from None
+
+    return _REF.sub(sub, value)
+
+
+def _overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in env.items():
+        if not name.startswith("TWOPHASE__"):
+            continue
+        keys = [k.lower() for k in name[len("TWOPHASE__") :].split("__") if k]
+        node = out
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        if keys:
+            node[keys[-1]] = yaml.safe_load(value) if value else value
+    return out
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_config(
+    raw: Any, *, source: str = "<config>", env: Mapping[str, str] | None = None
+) -> PipelineConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError("(root)", "expected a mapping", source=source)
+    merged = _merge(raw, _overrides(os.environ if env is None else env))
+    resolved = _resolve(merged, "", source)
+    try:
+        return PipelineConfig.model_validate({**resolved, "source_file": source})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(
+            str(p) if not isinstance(p, int) else f"[{p}]" for p in err["loc"]
+        ).replace(".[", "[")
+        raise ConfigError(field or "(root)", err["msg"], source=source) from None
+
+
+def load_config(path: str | Path) -> PipelineConfig:
+    p = Path(path)
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except OSError as exc:
+        raise ConfigError("(file)", f"cannot read: {exc.strerror}", source=str(p)) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError("(file)", f"not valid YAML: {exc}", source=str(p)) from None
+    return parse_config(raw, source=str(p))
+
+
+def redact(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy safe to log: values of secret-looking keys are masked."""
+    return {
+        k: "***" if any(s in k.lower() for s in _SECRET_KEYS) else v for k, v in settings.items()
+    }

@@ -1,0 +1,242 @@
+"""Kafka plumbing shared by the coordinator and the participants: client settings, the control
+log reader, topic creation, and the consumer group's generation.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient
+from confluent_kafka.cimpl import NewTopic
+
+from twophase.config import PipelineConfig
+from twophase.errors import FatalError, RetriableError
+from twophase.protocol.codec import DecodeError, decode, encode, new_envelope
+from twophase.protocol.messages import Envelope, Payload
+
+__all__ = [
+    "ControlReader",
+    "ControlWriter",
+    "client_settings",
+    "create_topics",
+    "group_generation",
+    "raise_fatal",
+]
+
+log = logging.getLogger(__name__)
+
+#: How long a blocking Kafka call may take before we call it a failure. Broker restarts take
+#: a few seconds; longer than this and the caller's own retry/abort logic should decide.
+CALL_TIMEOUT_S = 30.0
+
+
+def client_settings(cfg: PipelineConfig, role: str, **extra: Any) -> dict[str, Any]:
+    """librdkafka settings for one client: ours, then the user's passthrough, then ``extra``."""
+    base: dict[str, Any] = {
+        "bootstrap.servers": cfg.kafka.bootstrap_servers,
+        "client.id": f"twophase-{cfg.pipeline}-{role}",
+    }
+    base.update(cfg.kafka.config)
+    if role.endswith("consumer") or role in {"control-reader", "leadership"}:
+        base.update(cfg.kafka.consumer)
+    else:
+        base.update(cfg.kafka.producer)
+    base.update(extra)
+    return base
+
+
+def group_generation(consumer: Consumer) -> tuple[int, str]:
+    """The consumer's group generation and member id.
+
+    confluent-kafka hands the group metadata out as librdkafka's serialized ``CGMDv2`` blob:
+    magic, int32 generation (host order), int16 member-id length, member id, ... .
+    """
+    blob = consumer.consumer_group_metadata()
+    magic = b"CGMDv2:"
+    if not isinstance(blob, bytes) or not blob.startswith(magic):
+        raise FatalError("unsupported librdkafka group metadata format; cannot read the generation")
+    off = len(magic)
+    (generation,) = struct.unpack_from("=i", blob, off)
+    (mlen,) = struct.unpack_from("=h", blob, off + 4)
+    member = blob[off + 6 : off + 6 + max(mlen, 0)].decode(errors="replace")
+    return int(generation), member
+
+
+def raise_fatal(err: KafkaError) -> None:
+    """Consumer error events: fatal ones stop the process, the rest (a broker restarting, a
+    connection reset) are logged -- librdkafka recovers from them by itself."""
+    if err.code() == KafkaError._PARTITION_EOF:
+        return
+    if err.fatal():
+        raise FatalError(f"Kafka: {err.str()}")
+    log.warning("Kafka: %s", err.str())
+
+
+def create_topics(cfg: PipelineConfig, *, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, str]:
+    """Create the control, dead-letter and source topics if missing; returns topic -> outcome.
+
+    Replication factors and min.insync.replicas are clamped to the broker count so the same
+    config works on a one-broker laptop stack and a real cluster.
+    """
+    from twophase.protocol.topics import topic_settings
+
+    admin = AdminClient(client_settings(cfg, "admin"))
+    brokers = len(admin.list_topics(timeout=timeout_s).brokers)
+    wanted = []
+    for name, partitions, rf, conf in topic_settings(cfg):
+        rf = max(1, min(rf, brokers))
+        conf = dict(conf)
+        if "min.insync.replicas" in conf:
+            conf["min.insync.replicas"] = str(
+                max(1, min(int(conf["min.insync.replicas"]), rf - 1 or 1))
+            )
+        wanted.append(NewTopic(name, num_partitions=partitions, replication_factor=rf, config=conf))
+    existing = set(admin.list_topics(timeout=timeout_s).topics)
+    result = {t.topic: "exists" for t in wanted if t.topic in existing}
+    todo = [t for t in wanted if t.topic not in existing]
+    if todo:
+        for topic, fut in admin.create_topics(todo, operation_timeout=timeout_s).items():
+            try:
+                fut.result()
+                result[topic] = "created"
+            except KafkaException as exc:
+                if exc.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                    result[topic] = "exists"
+                else:
+                    raise FatalError(f"cannot create topic {topic}: {exc.args[0].str()}") from None
+    _wait_for_topics(admin, [t.topic for t in wanted], timeout_s)
+    return result
+
+
+def _wait_for_topics(admin: AdminClient, topics: list[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        md = admin.list_topics(timeout=timeout_s).topics
+        if all(t in md and md[t].partitions and not md[t].error for t in topics):
+            return
+        time.sleep(0.1)
+    raise RetriableError(f"topics not ready after {timeout_s}s: {topics}")
+
+
+@dataclass
+class ControlReader:
+    """Reads one pipeline's control partition: the tail from the latest checkpoint, then live.
+
+    The coordinator group's committed offset on the control partition points at the latest
+    CHECKPOINT (the coordinator commits it after writing one), so recovery reads a bounded tail.
+    """
+
+    cfg: PipelineConfig
+    on_skip: Callable[[str], None] = lambda kind: None
+
+    def __post_init__(self) -> None:
+        self.consumer = Consumer(
+            client_settings(
+                self.cfg,
+                "control-reader",
+                **{
+                    # Never joins the group; only reads the coordinator group's committed offset.
+                    "group.id": self.cfg.coordinator_group_id,
+                    "enable.auto.commit": False,
+                    "isolation.level": "read_committed",
+                    "enable.partition.eof": True,
+                    "auto.offset.reset": "earliest",
+                },
+            )
+        )
+        self.tp = TopicPartition(self.cfg.control_topic, 0)
+        committed = self.consumer.committed([self.tp], timeout=CALL_TIMEOUT_S)[0].offset
+        start = committed if committed >= 0 else OFFSET_BEGINNING
+        self.consumer.assign([TopicPartition(self.cfg.control_topic, 0, start)])
+        self.at_end = False
+
+    def poll(self, timeout_s: float) -> Envelope | None:
+        msg = self.consumer.poll(timeout_s)
+        if msg is None:
+            return None
+        err = msg.error()
+        if err is not None:
+            if err.code() == KafkaError._PARTITION_EOF:
+                self.at_end = True
+                return None
+            raise_fatal(err)
+            return None
+        return self._decode(msg)
+
+    def _decode(self, msg: Message) -> Envelope | None:
+        try:
+            headers = msg.headers()
+            return decode(
+                msg.value(),
+                [(k, v if isinstance(v, bytes) or v is None else v.encode()) for k, v in headers]
+                if isinstance(headers, list)
+                else None,
+                key=self.cfg.hmac_key,
+                pipeline=self.cfg.pipeline,
+            )
+        except DecodeError as exc:
+            log.warning(
+                "skipping control message at %s[%s]@%s: %s",
+                msg.topic(),
+                msg.partition(),
+                msg.offset(),
+                exc,
+            )
+            self.on_skip(exc.kind)
+            return None
+
+    def replay(self) -> Iterator[Envelope]:
+        """Every message from the start point up to the current end (read_committed)."""
+        while not self.at_end:
+            env = self.poll(1.0)
+            if env is not None:
+                yield env
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+class ControlWriter:
+    """Participants' writes to the control topic: idempotent, acks=all, flushed per message."""
+
+    def __init__(self, cfg: PipelineConfig, sender: str, producer: Producer) -> None:
+        self.cfg = cfg
+        self.sender = sender
+        self.producer = producer
+
+    def envelope(self, payload: Payload) -> Envelope:
+        return new_envelope(self.cfg.pipeline, self.sender, payload)
+
+    def send(self, payload: Payload, *, timeout_s: float = CALL_TIMEOUT_S) -> None:
+        value, headers = encode(self.envelope(payload), self.cfg.hmac_key)
+        errors: list[KafkaError] = []
+
+        def on_delivery(err: KafkaError | None, _msg: Message) -> None:
+            if err is not None:
+                errors.append(err)
+
+        self.producer.produce(
+            self.cfg.control_topic,
+            value=value,
+            key=self.cfg.pipeline.encode(),
+            headers=list(headers),
+            on_delivery=on_delivery,
+        )
+        if self.producer.flush(timeout_s) > 0:
+            raise RetriableError(f"control message not delivered within {timeout_s}s")
+        if errors:
+            raise RetriableError(f"control message not delivered: {errors[0].str()}")

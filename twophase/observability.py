@@ -1,0 +1,199 @@
+"""Metrics, health and logging shared by the coordinator and the participants.
+
+Every process serves ``/metrics`` (Prometheus), ``/healthz`` (alive: the main loop ran recently)
+and ``/readyz`` (ready: a participant has its assignment and is caught up; a coordinator is the
+leader or a healthy standby) on one port.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+__all__ = ["HealthServer", "Metrics", "configure_logging"]
+
+#: A main loop that has not ticked for this long is reported dead: well above the slowest
+#: legitimate step (a sink prepare under load), well below Kubernetes' default probe patience.
+LIVENESS_STALL_S = 60.0
+
+_PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    """All metrics of one process, in its own registry (tests run several in one interpreter)."""
+
+    def __init__(self, pipeline: str, role: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.cycles = Counter(
+            "twophase_commit_cycles",
+            "Commit cycles by outcome",
+            ["pipeline", "outcome"],
+            registry=r,
+        )
+        self.cycle_seconds = Histogram(
+            "twophase_cycle_phase_seconds",
+            "Commit cycle latency per phase (prepare->votes, decision write, apply, total)",
+            ["pipeline", "phase"],
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
+        self.records = Counter(
+            "twophase_sink_records", "Records written per sink", ["pipeline", "sink"], registry=r
+        )
+        self.bytes = Counter(
+            "twophase_sink_bytes", "Bytes written per sink", ["pipeline", "sink"], registry=r
+        )
+        self.dead_lettered = Counter(
+            "twophase_dead_lettered_records",
+            "Records sent to the dead-letter topic",
+            ["pipeline", "reason"],
+            registry=r,
+        )
+        self.control_skipped = Counter(
+            "twophase_control_messages_skipped",
+            "Control messages skipped (malformed, unknown type, future version, bad HMAC)",
+            ["pipeline", "kind"],
+            registry=r,
+        )
+        self.in_doubt = Gauge(
+            "twophase_in_doubt_parts",
+            "Prepared parts awaiting a decision",
+            ["pipeline"],
+            registry=r,
+        )
+        self.lag = Gauge(
+            "twophase_consumer_lag",
+            "Records behind the end of each source partition",
+            ["pipeline", "topic", "partition"],
+            registry=r,
+        )
+        self.leader = Gauge(
+            "twophase_leader", "1 while this coordinator leads", ["pipeline"], registry=r
+        )
+        self.fenced = Counter(
+            "twophase_fencing_events", "Times this coordinator was fenced", ["pipeline"], registry=r
+        )
+        self.alarm = Gauge(
+            "twophase_alarm",
+            "1 while consecutive commit cycles keep failing",
+            ["pipeline"],
+            registry=r,
+        )
+        self.rewinds = Counter(
+            "twophase_rewinds", "Open parts abandoned and re-read", ["pipeline"], registry=r
+        )
+        self.last_commit = Gauge(
+            "twophase_last_commit_timestamp_seconds",
+            "When the last commit was decided/applied",
+            ["pipeline"],
+            registry=r,
+        )
+        self.pipeline = pipeline
+        self.role = role
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class HealthServer:
+    """``/metrics``, ``/healthz``, ``/readyz`` on one port, in a daemon thread."""
+
+    def __init__(
+        self, metrics: Metrics, ready: Callable[[], bool], status: Callable[[], dict[str, Any]]
+    ) -> None:
+        self.metrics = metrics
+        self.ready = ready
+        self.status = status
+        self.last_beat = time.monotonic()
+        self._server: ThreadingHTTPServer | None = None
+
+    def beat(self) -> None:
+        self.last_beat = time.monotonic()
+
+    def alive(self) -> bool:
+        return time.monotonic() - self.last_beat < LIVENESS_STALL_S
+
+    def start(self, host: str, port: int) -> int:
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?")[0]
+                if path == "/metrics":
+                    self._send(200, outer.metrics.render(), CONTENT_TYPE_LATEST)
+                elif path == "/healthz":
+                    ok = outer.alive()
+                    self._send(200 if ok else 503, b"ok\n" if ok else b"stalled\n")
+                elif path == "/readyz":
+                    ok = outer.alive() and outer.ready()
+                    self._send(200 if ok else 503, b"ready\n" if ok else b"not ready\n")
+                elif path == "/status":
+                    body = json.dumps(outer.status(), default=str).encode()
+                    self._send(200, body, "application/json")
+                else:
+                    self._send(404, b"not found\n")
+
+            def _send(self, code: int, body: bytes, ctype: str = "text/plain") -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass  # probes every few seconds would drown the real logs
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        threading.Thread(target=self._server.serve_forever, daemon=True, name="health").start()
+        return int(self._server.server_address[1])
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key in ("pipeline", "txn", "topic", "partition", "participant", "sink"):
+            if hasattr(record, key):
+                out[key] = getattr(record, key)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def configure_logging(fmt: str | None = None, level: str | None = None) -> None:
+    """Entry points only. ``TWOPHASE_LOG_FORMAT=json|text``, ``TWOPHASE_LOG_LEVEL``."""
+    fmt = fmt or os.environ.get("TWOPHASE_LOG_FORMAT", "text")
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level or os.environ.get("TWOPHASE_LOG_LEVEL", "INFO"))
