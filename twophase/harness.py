@@ -1,0 +1,380 @@
+"""Run a whole pipeline as real processes and check the result against the source.
+
+Used by ``make demo``, the end-to-end tests and the chaos run. Verification reads the sinks and
+the source topic directly -- it never trusts the product's own bookkeeping: every generated
+record carries a unique ``id``; each sink must hold every id exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import yaml
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+__all__ = [
+    "Cluster",
+    "Scenario",
+    "control_summary",
+    "end_offsets",
+    "group_offsets",
+    "produce",
+    "summary_json",
+    "verify",
+    "wait_until",
+]
+
+
+@dataclass
+class Scenario:
+    name: str
+    bootstrap: str
+    pg_dsn: str
+    mongo_uri: str
+    workdir: Path
+    partitions: int = 4
+    interval_ms: int = 1000
+    vote_timeout_ms: int = 10_000
+    hmac_key: str = "demo-hmac-key"
+    mongo: bool = True
+    files: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def topic(self) -> str:
+        return f"{self.name}.orders"
+
+    @property
+    def table(self) -> str:
+        return f"{self.name.replace('-', '_').replace('.', '_')}_orders"
+
+    @property
+    def files_path(self) -> Path:
+        return self.workdir / "files"
+
+    @property
+    def config_path(self) -> Path:
+        return self.workdir / "pipeline.yaml"
+
+    def config(self) -> dict[str, Any]:
+        sinks: list[dict[str, Any]] = [
+            {
+                "name": "pg",
+                "type": "postgres",
+                "dsn": self.pg_dsn,
+                "table": self.table,
+                "mode": "insert",
+            }
+        ]
+        if self.mongo:
+            sinks.append(
+                {
+                    "name": "mongo",
+                    "type": "mongodb",
+                    "uri": self.mongo_uri,
+                    "database": self.table,
+                    "collection": "orders",
+                    "mode": "insert",
+                }
+            )
+        if self.files:
+            sinks.append(
+                {
+                    "name": "files",
+                    "type": "files",
+                    "path": str(self.files_path),
+                    "format": "parquet",
+                }
+            )
+        cfg: dict[str, Any] = {
+            "pipeline": self.name,
+            "kafka": {"bootstrap_servers": self.bootstrap},
+            "control": {"hmac_key": self.hmac_key, "replication_factor": 1},
+            "sources": [
+                {"topic": self.topic, "partitions": self.partitions, "replication_factor": 1}
+            ],
+            "dead_letter": {"replication_factor": 1},
+            "commit": {"interval_ms": self.interval_ms, "vote_timeout_ms": self.vote_timeout_ms},
+            "participant": {"sweep_interval_ms": 3000},
+            "metrics": {"port": 0},
+            "sinks": sinks,
+        }
+        cfg.update(self.extra)
+        return cfg
+
+    def write(self) -> Path:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(yaml.safe_dump(self.config(), sort_keys=False))
+        return self.config_path
+
+    def prepare_stores(self) -> None:
+        import psycopg
+
+        with psycopg.connect(self.pg_dsn, autocommit=True) as conn:
+            conn.execute(f"DROP TABLE IF EXISTS {self.table}")
+            conn.execute(
+                f"CREATE TABLE {self.table} (id bigint NOT NULL, customer text, "
+                "amount numeric(12,2), currency text, ts timestamptz, note text)"
+            )
+
+
+def record(i: int, rng: random.Random) -> bytes:
+    """One ~200-byte order event with a unique id."""
+    return orjson.dumps(
+        {
+            "id": i,
+            "customer": f"customer-{rng.randrange(10_000):05d}",
+            "amount": round(rng.uniform(1, 5000), 2),
+            "currency": rng.choice(["EUR", "USD", "GBP"]),
+            "ts": "2026-11-21T12:00:00Z",
+            "note": "x" * rng.randrange(60, 90),
+        }
+    )
+
+
+def produce(bootstrap: str, topic: str, start: int, count: int, *, seed: int = 7) -> None:
+    rng = random.Random(seed + start)
+    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20, "enable.idempotence": True})
+    for i in range(start, start + count):
+        while True:
+            try:
+                p.produce(topic, key=str(i).encode(), value=record(i, rng))
+                break
+            except BufferError:
+                p.poll(0.1)
+        if i % 10_000 == 0:
+            p.poll(0)
+    if p.flush(60) > 0:
+        raise RuntimeError("source records not delivered")
+
+
+def wait_until(pred: Callable[[], bool], timeout_s: float, what: str, every_s: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(every_s)
+    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+class Cluster:
+    """Coordinator and participant processes of one scenario."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.s = scenario
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.logs = scenario.workdir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+
+    def start(
+        self, role: str, name: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        full_env = {**os.environ, "TWOPHASE_PARTICIPANT_ID": name, "PYTHONUNBUFFERED": "1"}
+        full_env.pop("TWOPHASE_CRASH_AT", None)
+        full_env.update(env or {})
+        log = (self.logs / f"{name}.log").open("ab")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "twophase.cli", role, "run", str(self.s.config_path)],
+            env=full_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        self.procs[name] = proc
+        return proc
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(sig)
+        proc.wait(30)
+
+    def alive(self, name: str) -> bool:
+        return self.procs[name].poll() is None
+
+    def stop_all(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def log_tail(self, name: str, lines: int = 40) -> str:
+        path = self.logs / f"{name}.log"
+        return (
+            "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+            if path.exists()
+            else ""
+        )
+
+
+def end_offsets(bootstrap: str, topic: str, partitions: int) -> dict[int, int]:
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "twophase-harness-probe"})
+    try:
+        return {
+            p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+            for p in range(partitions)
+        }
+    finally:
+        c.close()
+
+
+def group_offsets(bootstrap: str, group: str, topic: str, partitions: int) -> dict[int, int]:
+    c = Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": group, "isolation.level": "read_committed"}
+    )
+    try:
+        got = c.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=10)
+        return {tp.partition: tp.offset for tp in got}
+    finally:
+        c.close()
+
+
+@dataclass
+class SinkReport:
+    rows: int
+    distinct: int
+    duplicated: int
+    missing: int
+    orphaned_prepared: int
+    staging_leftovers: int
+
+    @property
+    def ok(self) -> bool:
+        return not (
+            self.duplicated or self.missing or self.orphaned_prepared or self.staging_leftovers
+        )
+
+
+def _counts_report(ids: list[int], expected: set[int], prepared: int, staging: int) -> SinkReport:
+    seen: dict[int, int] = {}
+    for i in ids:
+        seen[i] = seen.get(i, 0) + 1
+    dup = sum(c - 1 for c in seen.values() if c > 1)
+    missing = len(expected - set(seen))
+    return SinkReport(len(ids), len(seen), dup, missing, prepared, staging)
+
+
+def verify(s: Scenario, expected: set[int]) -> dict[str, SinkReport]:
+    """Read every sink directly and compare with the ids produced."""
+    import psycopg
+
+    out: dict[str, SinkReport] = {}
+    with psycopg.connect(s.pg_dsn, autocommit=True) as conn:
+        ids = [r[0] for r in conn.execute(f"SELECT id FROM {s.table}")]
+        prepared = conn.execute(
+            "SELECT count(*) FROM pg_prepared_xacts WHERE gid LIKE %s", (f"%{s.name}~%",)
+        ).fetchone()
+    out["pg"] = _counts_report(ids, expected, int(prepared[0]) if prepared else 0, 0)
+    if s.mongo:
+        from pymongo import MongoClient
+
+        client: MongoClient[dict[str, Any]] = MongoClient(s.mongo_uri)
+        db = client[s.table]
+        ids = [d["id"] for d in db["orders"].find({}, {"id": 1, "_id": 0})]
+        staging = sum(
+            db[name].count_documents({}) for name in db.list_collection_names() if "staging" in name
+        )
+        markers = (
+            db["twophase_parts"].count_documents({"state": "prepared"})
+            if "twophase_parts" in db.list_collection_names()
+            else 0
+        )
+        out["mongo"] = _counts_report(ids, expected, markers, staging)
+        client.close()
+    if s.files:
+        import pyarrow.dataset as ds
+
+        base = s.files_path
+        data = base / s.topic
+        ids = (
+            ds.dataset(str(data), format="parquet", partitioning="hive")
+            .to_table(columns=["id"])
+            .column("id")
+            .to_pylist()
+            if data.exists()
+            else []
+        )
+        book = base / "_twophase" / s.name
+        prepared_dirs = list((book / "prepared").glob("*")) if (book / "prepared").exists() else []
+        open_dirs = list((book / "open").glob("*")) if (book / "open").exists() else []
+        out["files"] = _counts_report(ids, expected, len(prepared_dirs), len(open_dirs))
+    return out
+
+
+def control_summary(s: Scenario) -> dict[str, Any]:
+    """Commits, aborts and commit latency, read from the control topic."""
+    from twophase.protocol.codec import DecodeError, decode
+    from twophase.protocol.messages import Decision, Prepare
+
+    c = Consumer(
+        {
+            "bootstrap.servers": s.bootstrap,
+            "group.id": "twophase-harness-summary",
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+            "auto.offset.reset": "earliest",
+        }
+    )
+    c.assign([TopicPartition(f"twophase.control.{s.name}", 0, 0)])
+    prepared_at: dict[int, int] = {}
+    latencies: list[int] = []
+    commits = aborts = 0
+    reasons: dict[str, int] = {}
+    while True:
+        m = c.poll(5)
+        if m is None or (m.error() and m.error().code() == -191):  # _PARTITION_EOF
+            break
+        if m.error():
+            continue
+        try:
+            env = decode(
+                m.value(),
+                [(k, v) for k, v in (m.headers() or []) if isinstance(v, bytes)],
+                key=s.hmac_key.encode(),
+            )
+        except DecodeError:
+            continue
+        p = env.payload
+        if isinstance(p, Prepare):
+            prepared_at[p.txn] = env.ts_ms
+        elif isinstance(p, Decision):
+            if p.outcome.value == "commit":
+                commits += 1
+                if p.txn in prepared_at:
+                    latencies.append(env.ts_ms - prepared_at[p.txn])
+            else:
+                aborts += 1
+                key = p.reason.split(":")[0][:60]
+                reasons[key] = reasons.get(key, 0) + 1
+    c.close()
+    latencies.sort()
+
+    def pct(q: float) -> int | None:
+        return latencies[min(len(latencies) - 1, int(q * len(latencies)))] if latencies else None
+
+    return {
+        "committed": commits,
+        "aborted": aborts,
+        "abort_reasons": reasons,
+        "commit_latency_ms": {"p50": pct(0.5), "p99": pct(0.99)},
+    }
+
+
+def summary_json(reports: dict[str, SinkReport]) -> str:
+    return json.dumps({k: vars(v) for k, v in reports.items()}, indent=2)
