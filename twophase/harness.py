@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 import yaml
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 __all__ = [
     "Cluster",
@@ -203,7 +203,7 @@ class Cluster:
         return self.procs[name].poll() is None
 
     def stop_all(self) -> None:
-        for name, proc in self.procs.items():
+        for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 20
