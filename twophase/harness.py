@@ -338,16 +338,17 @@ def control_summary(s: Scenario) -> dict[str, Any]:
     reasons: dict[str, int] = {}
     while True:
         m = c.poll(5)
-        if m is None or (m.error() and m.error().code() == -191):  # _PARTITION_EOF
+        if m is None:
             break
-        if m.error():
+        err = m.error()
+        if err is not None:
+            if err.code() == KafkaError._PARTITION_EOF:
+                break
             continue
+        raw = m.headers()
+        headers = [(k, v) for k, v in raw if isinstance(v, bytes)] if isinstance(raw, list) else []
         try:
-            env = decode(
-                m.value(),
-                [(k, v) for k, v in (m.headers() or []) if isinstance(v, bytes)],
-                key=s.hmac_key.encode(),
-            )
+            env = decode(m.value(), headers, key=s.hmac_key.encode())
         except DecodeError:
             continue
         p = env.payload
