@@ -9,9 +9,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 import yaml
-from chartkit import CI_VALUES, Renderer, one, pod_specs
+from chartkit import (
+    CHART,
+    CI_VALUES,
+    REPO,
+    Renderer,
+    one,
+    parse,
+    pod_specs,
+    run_helm,
+    template_args,
+)
 
 # Stand-ins for what the Secrets would hold; only their shape matters to validation.
 DUMMY_SECRETS = {
@@ -113,3 +124,32 @@ def test_participant_id_comes_from_the_env_the_chart_sets(render: Renderer) -> N
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def docs_values() -> str:
+    """The values example in docs/helm.md (the YAML block that starts with its file name)."""
+    text = (REPO / "docs" / "helm.md").read_text()
+    blocks = re.findall(r"```yaml\n(# orders-values\.yaml\n.*?)```", text, flags=re.S)
+    assert len(blocks) == 1, "docs/helm.md must keep one `# orders-values.yaml` example"
+    return blocks[0]
+
+
+def test_docs_example_renders_validates_and_passes_twophase_validate(
+    helm: Path, tmp_path: Path
+) -> None:
+    values_file = tmp_path / "orders-values.yaml"
+    values_file.write_text(docs_values())
+    result = run_helm(helm, *template_args(CHART, "-f", str(values_file)))
+    assert result.returncode == 0, result.stderr
+    manifests = parse(result.stdout)
+    for m in manifests:
+        if m["apiVersion"] != "monitoring.coreos.com/v1":
+            kubernetes_validate.validate(m, "1.36.0", strict=True)
+    config_file = tmp_path / "pipeline.yaml"
+    config_file.write_text(one(manifests, "ConfigMap", "-pipeline")["data"]["pipeline.yaml"])
+    env = {
+        name: DUMMY_SECRETS.get(name, "x")
+        for name in re.findall(r"\$\{ENV:(\w+)\}", config_file.read_text())
+    }
+    validated = run_cli("validate", str(config_file), env=env)
+    assert validated.returncode == 0, validated.stdout + validated.stderr
