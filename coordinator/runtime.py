@@ -37,7 +37,7 @@ from coordinator.machine import (
     Tick,
 )
 from twophase.config import PipelineConfig
-from twophase.errors import FatalError, RetriableError
+from twophase.errors import FatalError, FencedError, RetriableError
 from twophase.kafka import CALL_TIMEOUT_S, client_settings, raise_fatal
 from twophase.observability import HealthServer, Metrics
 from twophase.protocol.codec import DecodeError, decode, encode, new_envelope
@@ -86,6 +86,7 @@ class CoordinatorRuntime:
         self.stop_event = threading.Event()
         self._assigned: bool | None = None  # set by the rebalance callbacks, read by the loop
         self._replaying = False
+        self._fenced = False
         self.producer: Producer | None = None
         self.admin = AdminClient(client_settings(cfg, "admin"))
         # Never subscribes: it only lends the source group's metadata to
@@ -266,6 +267,10 @@ class CoordinatorRuntime:
             elif isinstance(action, StepDown):
                 self.metrics.leader.labels(self.cfg.pipeline).set(0)
                 self._drop_producer()
+                if self._fenced:
+                    # Still owning the control partition, this process would keep a newer leader's
+                    # standby from taking over; exit and come back as a fresh group member.
+                    raise FencedError(f"coordinator {self.instance}: {action.reason}")
 
     def _drop_producer(self) -> None:
         self.producer = None
@@ -305,6 +310,7 @@ class CoordinatorRuntime:
             err: KafkaError = exc.args[0]
             fenced = err.fatal() or err.code() in _FENCED
             if fenced:
+                self._fenced = True
                 self.metrics.fenced.labels(self.cfg.pipeline).inc()
                 log.error("fenced while publishing %s: %s", type(payload).__name__, err.str())
             elif err.txn_requires_abort():

@@ -29,11 +29,26 @@ __all__ = [
     "control_summary",
     "end_offsets",
     "group_offsets",
+    "load_stack_env",
     "produce",
     "summary_json",
     "verify",
     "wait_until",
 ]
+
+
+def load_stack_env(path: str | Path | None = None) -> dict[str, str]:
+    """The local stack's addresses, from the file ``stack/stack.sh up`` writes."""
+    default = Path(os.environ.get("TWOPHASE_STACK_DIR", Path.cwd() / ".stack")) / "stack.env"
+    env_file = Path(path) if path else default
+    if not env_file.exists():
+        raise RuntimeError(f"{env_file} not found: run `make stack-up` first")
+    out = {}
+    for line in env_file.read_text().splitlines():
+        if "=" in line and not line.lstrip().startswith("#"):
+            k, v = line.split("=", 1)
+            out[k.strip()] = v.strip().strip("'\"")
+    return out
 
 
 @dataclass
@@ -66,6 +81,18 @@ class Scenario:
     @property
     def config_path(self) -> Path:
         return self.workdir / "pipeline.yaml"
+
+    @classmethod
+    def on_stack(cls, name: str, workdir: Path, **kw: Any) -> Scenario:
+        env = load_stack_env()
+        return cls(
+            name=name,
+            bootstrap=env["TWOPHASE_KAFKA_BOOTSTRAP"],
+            pg_dsn=env["TWOPHASE_PG_DSN"],
+            mongo_uri=env["TWOPHASE_MONGO_URI"],
+            workdir=workdir,
+            **kw,
+        )
 
     def config(self) -> dict[str, Any]:
         sinks: list[dict[str, Any]] = [

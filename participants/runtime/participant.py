@@ -66,7 +66,7 @@ from twophase.kafka import (
     raise_fatal,
 )
 from twophase.observability import HealthServer, Metrics
-from twophase.protocol.messages import Outcome
+from twophase.protocol.messages import Outcome, Prepare
 
 __all__ = ["ParticipantRuntime"]
 
@@ -103,6 +103,20 @@ def _crash_point(name: str) -> None:
     if count >= int(spec.split(":", 1)[1]):
         logging.getLogger("twophase.crash").warning("crash point %s reached: SIGKILL", name)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _delay_point(name: str) -> None:
+    """``TWOPHASE_DELAY_AT=name:n:seconds`` sleeps once, the n-th time ``name`` is passed: used by
+    the tests to hold a participant still while the group rebalances around it."""
+    spec = os.environ.get("TWOPHASE_DELAY_AT", "").split(":")
+    if len(spec) != 3 or spec[0] != name:
+        return
+    key = f"_TWOPHASE_DELAY_COUNT_{name}"
+    count = int(os.environ.get(key, "0")) + 1
+    os.environ[key] = str(count)
+    if count == int(spec[1]):
+        logging.getLogger("twophase.delay").warning("delay point %s reached: %ss", name, spec[2])
+        time.sleep(float(spec[2]))
 
 
 class ParticipantRuntime:
@@ -356,6 +370,8 @@ class ParticipantRuntime:
         while not self.stop_event.is_set():
             env = reader.poll(CONTROL_POLL_S)
             if env is not None:
+                if isinstance(env.payload, Prepare):
+                    _delay_point("on_prepare")
                 self._run(self._feed(Received(env)), Thread.CONTROL)
             self._run(self._feed(Tick(_now_ms())), Thread.CONTROL)
 
@@ -434,10 +450,13 @@ class ParticipantRuntime:
             tp = (u.msg.topic() or "", u.msg.partition() or 0)
             dead[tp] = dead.get(tp, 0) + 1
         remaining: list[Record] = records
+        raw: dict[str, bytes | None] = {}
         try:
             for sink in self.sinks:
                 rejected = self._retry(partial(sink.write, part, remaining), f"write {sink.name}")
                 if rejected:
+                    if not raw:
+                        raw = {f"{m.topic()}:{m.partition()}:{m.offset()}": m.value() for m in msgs}
                     ids = set()
                     for r in rejected:
                         rec = r.record
@@ -447,11 +466,10 @@ class ParticipantRuntime:
                             rec.partition,
                             rec.offset,
                             rec.key,
-                            None,
+                            raw.get(rec.record_id),
                             f"rejected by sink {sink.name}: {r.reason}",
                             part_txn,
                             sink=sink.name,
-                            record=rec,
                         )
                         tp = (rec.topic, rec.partition)
                         dead[tp] = dead.get(tp, 0) + 1
@@ -490,12 +508,7 @@ class ParticipantRuntime:
         txn: int,
         *,
         sink: str = "",
-        record: Record | None = None,
     ) -> None:
-        if value is None and record is not None:
-            import orjson
-
-            value = orjson.dumps(record.value)
         self.dlq.send(
             topic=topic,
             partition=partition,

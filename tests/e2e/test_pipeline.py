@@ -1,0 +1,230 @@
+"""End to end on the real stack: coordinator and participant processes writing all three sinks.
+
+Every check reads the sinks and Kafka directly (twophase.harness.verify); nothing trusts the
+product's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from twophase.config import load_config
+from twophase.harness import (
+    Cluster,
+    Scenario,
+    control_summary,
+    end_offsets,
+    group_offsets,
+    produce,
+    summary_json,
+    verify,
+    wait_until,
+)
+from twophase.kafka import create_topics
+
+
+def _scenario(tmp_path: Path, prefix: str, **kw: object) -> Scenario:
+    s = Scenario.on_stack(f"{prefix}-{uuid.uuid4().hex[:6]}", tmp_path, **kw)  # type: ignore[arg-type]
+    s.write()
+    s.prepare_stores()
+    create_topics(load_config(s.config_path))
+    return s
+
+
+def _caught_up(s: Scenario) -> bool:
+    return group_offsets(s.bootstrap, f"twophase.{s.name}", s.topic, s.partitions) == end_offsets(
+        s.bootstrap, s.topic, s.partitions
+    )
+
+
+def _settle(s: Scenario, cluster: Cluster, expected: set[int], timeout_s: float) -> dict:
+    """Wait for the group to reach the end, then for every sink to finish applying."""
+    try:
+        wait_until(lambda: _caught_up(s), timeout_s, "committed offsets to reach the end offsets")
+        wait_until(
+            lambda: all(r.ok for r in verify(s, expected).values()), 120, "sinks to finish applying"
+        )
+    except TimeoutError:
+        for name in cluster.procs:
+            print(f"===== {name}\n{cluster.log_tail(name, 60)}")
+        print(summary_json(verify(s, expected)))
+        raise
+    return verify(s, expected)
+
+
+def _leader(cluster: Cluster, names: list[str]) -> str:
+    """The coordinator that took the lead (only one does while both live)."""
+
+    def find() -> str | None:
+        return next((n for n in names if "is now the leader" in cluster.log_tail(n, 500)), None)
+
+    wait_until(lambda: find() is not None, 60, "a coordinator to lead")
+    return find() or ""
+
+
+@pytest.mark.slow
+def test_100k_records_exactly_once_through_kills(tmp_path: Path) -> None:
+    s = _scenario(tmp_path, "e2e", interval_ms=1000, vote_timeout_ms=8000)
+    n = 100_000
+    produce(s.bootstrap, s.topic, 0, n)
+    c = Cluster(s)
+    c.start("coordinator", "coord-0")
+    c.start("coordinator", "coord-1")
+    # p-0 dies by SIGKILL right after its 4th vote: its part is prepared and not yet decided.
+    c.start("participant", "p-0", {"TWOPHASE_CRASH_AT": "after_vote:4"})
+    c.start("participant", "p-1")
+    try:
+        wait_until(lambda: not c.alive("p-0"), 120, "p-0 to hit its crash point")
+        c.start("participant", "p-0")
+        # Kill the leading coordinator mid-run; the standby takes over after the session timeout.
+        leader = _leader(c, ["coord-0", "coord-1"])
+        time.sleep(3)
+        c.kill(leader)
+        c.start("coordinator", leader)
+        report = _settle(s, c, set(range(n)), 600)
+    finally:
+        c.stop_all()
+    summary = control_summary(s)
+    print(summary_json(report), summary)
+    for sink, r in report.items():
+        assert r.ok, f"{sink}: {r}"
+        assert r.distinct == n
+    assert summary["committed"] > 0
+
+
+def test_deposed_coordinator_cannot_write_a_decision(tmp_path: Path) -> None:
+    import threading
+
+    from coordinator.runtime import CoordinatorRuntime
+    from twophase.errors import FencedError
+
+    s = _scenario(tmp_path, "fence", mongo=False, files=False, interval_ms=200)
+    cfg = load_config(s.config_path)
+    c = Cluster(s)
+    c.start("participant", "p-0")
+    zombie = CoordinatorRuntime(cfg, instance="zombie")
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            zombie.run()
+        except FencedError as exc:  # anything else fails the assertion below
+            failure.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        wait_until(lambda: zombie.machine.committed >= 2, 60, "the first coordinator to commit")
+        # A new leader's first act: init_transactions with the pipeline's transactional.id.
+        usurper = Producer(
+            {"bootstrap.servers": s.bootstrap, "transactional.id": cfg.transactional_id}
+        )
+        usurper.init_transactions(30)
+        fenced_at = end_offsets(s.bootstrap, cfg.control_topic, 1)[0]
+        t.join(60)
+        assert not t.is_alive(), "the deposed coordinator kept running"
+        assert failure and isinstance(failure[0], FencedError), failure
+        assert zombie.metrics.fenced.labels(s.name)._value.get() >= 1
+        # Nothing it tried after the fence reached the log (read_committed).
+        reader = Consumer(
+            {
+                "bootstrap.servers": s.bootstrap,
+                "group.id": f"probe-{s.name}",
+                "isolation.level": "read_committed",
+                "enable.partition.eof": True,
+            }
+        )
+        reader.assign([TopicPartition(cfg.control_topic, 0, fenced_at)])
+        late = []
+        while True:
+            m = reader.poll(5)
+            if m is None or m.error():
+                break
+            if b"coordinator:zombie" in (m.value() or b""):
+                late.append(m.offset())
+        reader.close()
+        assert late == []
+    finally:
+        c.stop_all()
+        zombie.stop()
+
+
+def test_rebalance_mid_cycle_aborts_it_and_data_lands_once(tmp_path: Path) -> None:
+    s = _scenario(tmp_path, "rebal", interval_ms=500, vote_timeout_ms=20_000, mongo=False)
+    n = 20_000
+    produce(s.bootstrap, s.topic, 0, n)
+    c = Cluster(s)
+    c.start("coordinator", "coord-0")
+    # p-0 holds its 3rd PREPARE for 8 s before acting on it; p-2 joins during that hold.
+    c.start("participant", "p-0", {"TWOPHASE_DELAY_AT": "on_prepare:3:8"})
+    c.start("participant", "p-1")
+    try:
+        wait_until(
+            lambda: "delay point on_prepare reached" in c.log_tail("p-0", 200), 90, "p-0 to hold"
+        )
+        c.start("participant", "p-2")
+        produce(s.bootstrap, s.topic, n, n)
+        report = _settle(s, c, set(range(2 * n)), 300)
+    finally:
+        c.stop_all()
+    summary = control_summary(s)
+    print(summary)
+    assert any("generation" in r or "claimed" in r for r in summary["abort_reasons"]), summary
+    for sink, r in report.items():
+        assert r.ok, f"{sink}: {r}"
+
+
+def test_poison_records_go_to_the_dead_letter_topic(tmp_path: Path) -> None:
+    s = _scenario(tmp_path, "poison", interval_ms=500)
+    n = 2_000
+    produce(s.bootstrap, s.topic, 0, n)
+    p = Producer({"bootstrap.servers": s.bootstrap})
+    poison = {
+        b"\xff\xfe not json": "undecodable",
+        b"[1, 2, 3]": "undecodable",
+        b'{"id": "not-a-number", "customer": "x"}': "rejected by sink pg",
+    }
+    for value in poison:
+        p.produce(s.topic, value=value, partition=1)
+    p.flush(30)
+    produce(s.bootstrap, s.topic, n, n)
+    c = Cluster(s)
+    c.start("coordinator", "coord-0")
+    c.start("participant", "p-0")
+    try:
+        report = _settle(s, c, set(range(2 * n)), 300)
+    finally:
+        c.stop_all()
+    for sink, r in report.items():
+        assert r.ok, f"{sink}: {r}"
+    dlq = Consumer(
+        {
+            "bootstrap.servers": s.bootstrap,
+            "group.id": f"dlq-{s.name}",
+            "auto.offset.reset": "earliest",
+        }
+    )
+    dlq.subscribe([f"{s.name}.dlq"])
+    got = {}
+    deadline = time.monotonic() + 30
+    while len(got) < len(poison) and time.monotonic() < deadline:
+        m = dlq.poll(1)
+        if m is None or m.error():
+            continue
+        h = dict(m.headers() or [])
+        got[m.value()] = h
+    dlq.close()
+    assert set(got) >= {b"\xff\xfe not json", b"[1, 2, 3]"}
+    assert len(got) == len(poison), got.keys()
+    for value, headers in got.items():
+        reason = headers["twophase.reason"].decode()
+        assert headers["twophase.source.topic"] == s.topic.encode()
+        assert headers["twophase.source.partition"] == b"1"
+        assert int(headers["twophase.source.offset"]) >= 0
+        if value in poison:
+            assert reason.startswith(poison[value]), reason
