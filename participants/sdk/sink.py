@@ -15,6 +15,9 @@ Rules a sink must keep (the conformance kit in :mod:`participants.sdk.testkit` c
   on new connections, after a crash of this one. It stores ``positions`` in the same local
   transaction as the data, together with a per-part marker, so the store itself can say whether
   a part is prepared, committed, or unknown.
+* ``abort`` of an *open* part forgets it: ``begin`` with the same :class:`PartId` may follow. A
+  rewind re-reads the same transaction's records, and the coordinator's transaction number is
+  the part's name, so the same id is opened again.
 * ``commit``, ``abort`` are idempotent by :class:`PartId`. ``commit`` of an already committed part
   is a no-op; of an unknown part raises :class:`UnknownPartError`. ``abort`` of an unknown or
   already aborted part is a no-op; ``abort`` of a committed part raises ``FatalSinkError``.
