@@ -1,0 +1,81 @@
+"""The wire contract: golden examples against the JSON Schemas and the Python binding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import orjson
+import pytest
+
+from twophase.errors import ProtocolError
+from twophase.protocol import DecodeError, decode, encode
+from twophase.protocol.codec import to_dict, validate
+
+EXAMPLES = sorted((Path(__file__).parents[2] / "control-topic" / "examples" / "v1").glob("*.json"))
+
+
+def test_there_is_an_example_for_every_message_type() -> None:
+    types = {json.loads(p.read_text())["type"] for p in EXAMPLES}
+    assert types == {1, 2, 3, 4, 5, 6}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_example_matches_schema_and_binding(path: Path) -> None:
+    raw = json.loads(path.read_text())
+    validate(raw)  # the schema accepts it
+    env = decode(path.read_bytes())  # the binding reads it
+    assert to_dict(env) == raw  # and writes exactly the same thing back
+    value, _ = encode(env)
+    assert orjson.loads(value) == raw
+
+
+def test_unknown_fields_are_ignored_on_read() -> None:
+    raw = json.loads((EXAMPLES[0]).read_text())
+    raw["future_field"] = {"x": 1}
+    raw["payload"]["also_new"] = True
+    env = decode(orjson.dumps(raw))
+    assert env.pipeline == raw["pipeline"]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "kind"),
+    [
+        (lambda r: r.update(type=99), "unknown_type"),
+        (lambda r: r.update(version=2), "future_version"),
+        (lambda r: r.pop("payload"), "malformed"),
+        (lambda r: r["payload"].pop("txn"), "malformed"),
+    ],
+)
+def test_bad_messages_are_classified(mutate, kind) -> None:  # type: ignore[no-untyped-def]
+    raw = json.loads(EXAMPLES[0].read_text())
+    mutate(raw)
+    with pytest.raises(DecodeError) as err:
+        decode(orjson.dumps(raw))
+    assert err.value.kind == kind
+
+
+def test_truncated_and_non_json_messages_are_malformed() -> None:
+    data = EXAMPLES[0].read_bytes()
+    for value in (data[: len(data) // 2], b"\x00\x01", b"[]"):
+        with pytest.raises(DecodeError) as err:
+            decode(value)
+        assert err.value.kind == "malformed"
+
+
+def test_hmac_rejects_forged_and_unsigned_messages() -> None:
+    env = decode(EXAMPLES[0].read_bytes())
+    value, headers = encode(env, b"right-key")
+    assert decode(value, headers, key=b"right-key") == env
+    forged, forged_headers = encode(env, b"wrong-key")
+    for v, h in ((forged, forged_headers), (value, [])):
+        with pytest.raises(DecodeError) as err:
+            decode(v, h, key=b"right-key")
+        assert err.value.kind == "bad_auth"
+
+
+def test_writer_refuses_invalid_messages() -> None:
+    raw = json.loads(EXAMPLES[0].read_text())
+    raw["payload"]["txn"] = 0
+    with pytest.raises(ProtocolError, match="txn"):
+        validate(raw)
