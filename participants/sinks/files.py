@@ -1,0 +1,1291 @@
+"""Files sink: Parquet (default) or JSON Lines, published by atomic rename, one manifest per part.
+
+Layout under the configured ``path`` (bookkeeping sits under ``_twophase/``, which Spark, DuckDB
+and ``pyarrow.dataset`` skip by default, like every name that starts with ``_`` or ``.``)::
+
+    {path}/{topic}/date=YYYY-MM-DD/part-{txn:012d}-{participant}-{seq:04d}.parquet   committed data
+    {path}/_twophase/{pipeline}/open/{token}/          the part being written (+ LOCK, held by flock)
+    {path}/_twophase/{pipeline}/prepared/{token}/      staged: fsynced data files + PREPARED.json
+    {path}/_twophase/{pipeline}/manifests/{txn:012d}-{participant}.json   commit marker + file list
+    {path}/_twophase/{pipeline}/trash/                 directories being deleted
+
+Life of a part:
+
+* ``begin``: create ``open/{token}/`` and hold an exclusive ``flock`` on its ``LOCK`` file for as
+  long as this process owns the part. The kernel drops the lock when the process dies, which is
+  how :meth:`FileSink.stale_parts` tells abandoned parts from live ones.
+* ``write``: records are grouped per output file (topic and UTC date of the record timestamp) and
+  buffered as Arrow tables (Parquet) or encoded lines (JSON Lines). A buffer that reaches
+  ``max_file_records`` is written to a complete, fsynced file in the open directory; when all
+  buffers together exceed ``max_buffered_records`` the largest is written early.
+* ``prepare``: write the remaining buffers, write ``PREPARED.json`` (positions, the file list with
+  target paths, record counts, sizes, SHA-256) atomically, fsync the directory, then rename
+  ``open/{token}`` to ``prepared/{token}`` -- the atomic prepare -- and fsync both parents.
+* ``commit``: hard-link every staged file to its target (no-replace, so a file is never
+  overwritten; rename where hard links are unsupported), fsync the target directories, write the
+  manifest atomically -- the commit point of this part in this store -- and discard the staged
+  directory. Every step can be repeated, by any process, after a crash at any point.
+* ``abort``: the open or prepared directory disappears by one rename into ``trash/``.
+
+What readers see: no file appears in ``{path}/{topic}`` before ``commit``, and every file that
+appears is complete (it was fsynced before it was linked). While a part commits, a reader that
+lists the directories may see some of its files before others; the manifest is the atomic view:
+read ``manifests/*.json`` and load exactly the files they list for a transactionally consistent
+snapshot.
+
+Schema (Parquet): with ``schema`` configured, each record is checked against it and a value that
+does not fit is returned as :class:`Rejected` naming the field; all files then share one schema.
+Without it, the schema is inferred per output file of a part (ints widen to floats, objects merge
+their keys); a value whose type conflicts with earlier records of the same output file is
+rejected naming the field. Inferred schemas can differ between parts, so configure ``schema`` for
+datasets that readers scan as one table. Parquet cannot store an empty group, so ``{}`` nested in
+a record is stored as null.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import errno
+import fcntl
+import hashlib
+import itertools
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Self
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import Field, model_validator
+
+from participants.sdk import (
+    AbortTransactionError,
+    BackpressureError,
+    FatalSinkError,
+    PartId,
+    Positions,
+    Record,
+    Rejected,
+    RetriableSinkError,
+    Sink,
+    SinkConfig,
+    SinkContext,
+    SinkError,
+    UnknownPartError,
+)
+from participants.sdk.staging import (
+    discard_tree,
+    fsync_dir,
+    makedirs_durable,
+    read_json,
+    remove_tree,
+    write_durable,
+    write_json_atomic,
+)
+
+__all__ = ["FieldType", "FileSink", "FileSinkConfig"]
+
+#: Bookkeeping directory under ``path``; the leading underscore hides it from dataset readers.
+STATE_DIR = "_twophase"
+PREPARED_FILE = "PREPARED.json"
+LOCK_FILE = "LOCK"
+DOCUMENT_VERSION = 1
+
+#: What Hive and Spark read back as a null partition value: records without a timestamp.
+NULL_DATE = "__HIVE_DEFAULT_PARTITION__"
+SOURCE_COLUMNS = ("_topic", "_partition", "_offset", "_timestamp_ms")
+
+# Freeing disk space takes an operator or a retention job, not milliseconds: asking the runtime
+# to come back in half a minute keeps a full disk from turning into a busy retry loop.
+_DISK_FULL_RETRY_S = 30.0
+
+_DAY_MS = 86_400_000
+_FATAL_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.EXDEV})
+_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+# link(2) fails with these where the file system has no hard links (or forbids them to us).
+_NO_HARDLINK_ERRNOS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK})
+_TOPIC_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+_ARROW_VALUE_ERRORS: tuple[type[BaseException], ...] = (
+    pa.ArrowInvalid,
+    pa.ArrowTypeError,
+    pa.ArrowNotImplementedError,
+    OverflowError,
+)
+
+FieldType = Literal[
+    "string", "int32", "int64", "float32", "float64", "bool", "timestamp", "date", "json"
+]
+
+_ARROW_TYPES: dict[str, Any] = {
+    "string": pa.string(),
+    "int32": pa.int32(),
+    "int64": pa.int64(),
+    "float32": pa.float32(),
+    "float64": pa.float64(),
+    "bool": pa.bool_(),
+    "timestamp": pa.timestamp("ms", tz="UTC"),
+    "date": pa.date32(),
+    "json": pa.string(),
+}
+
+
+class FileSinkConfig(SinkConfig):
+    """``sinks[]`` entry of ``type: files``."""
+
+    type: Literal["files"]
+    #: Base directory of the dataset; must be one local (POSIX) file system.
+    path: Path
+    format: Literal["parquet", "jsonl"] = "parquet"
+    #: Parquet codec. Default snappy for Parquet; JSON Lines supports only ``none``.
+    compression: Literal["snappy", "zstd", "none"] | None = None
+    #: ``topic+date``: ``{path}/{topic}/date=YYYY-MM-DD/`` (UTC date of the record timestamp).
+    partition_by: Literal["topic+date", "topic", "none"] = "topic+date"
+    #: A file is closed and a new one started after this many records.
+    max_file_records: int = Field(default=250_000, ge=1)
+    #: Records held in memory across all files of the open part; default 2 x max_file_records.
+    max_buffered_records: int | None = Field(default=None, ge=1)
+    #: ``{field: type}``. Records are checked against it; without it Parquet infers per file.
+    schema_: dict[str, FieldType] | None = Field(default=None, alias="schema")
+    #: With ``schema``: reject records that carry fields it does not name, or drop those fields.
+    unknown_fields: Literal["reject", "drop"] = "reject"
+    #: Add ``_topic``, ``_partition``, ``_offset``, ``_timestamp_ms`` to every row.
+    source_columns: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.format == "jsonl" and self.compression not in (None, "none"):
+            raise ValueError("compression: JSON Lines files support only 'none'")
+        if self.schema_ is not None:
+            if not self.schema_:
+                raise ValueError("schema: name at least one field (or leave it out to infer)")
+            if self.source_columns and (clash := set(SOURCE_COLUMNS) & set(self.schema_)):
+                raise ValueError(f"schema: {sorted(clash)} collide with source_columns")
+        return self
+
+    @property
+    def parquet_compression(self) -> str:
+        return self.compression or "snappy"
+
+    @property
+    def buffered_limit(self) -> int:
+        return self.max_buffered_records or 2 * self.max_file_records
+
+
+# -- staged files and buffers ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _FileEntry:
+    """One data file of a part: where it is staged, where it goes, and how to recognise it."""
+
+    name: str  # inside the open/prepared directory
+    target: str  # relative to ``path``, POSIX separators
+    topic: str | None
+    records: int
+    size: int
+    sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "target": self.target,
+            "topic": self.topic,
+            "records": self.records,
+            "bytes": self.size,
+            "sha256": self.sha256,
+        }
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> _FileEntry:
+        return cls(
+            name=str(raw["name"]),
+            target=str(raw["target"]),
+            topic=None if raw.get("topic") is None else str(raw["topic"]),
+            records=int(raw["records"]),
+            size=int(raw["bytes"]),
+            sha256=str(raw["sha256"]),
+        )
+
+
+#: Output file group: (topic or None, date or None).
+_Key = tuple[str | None, str | None]
+
+
+@dataclass(slots=True)
+class _Buffer:
+    """Records of one output file not yet written: Arrow tables or encoded JSON lines."""
+
+    chunks: list[Any] = field(default_factory=list)
+    rows: int = 0
+    #: Inferred Parquet only: the schema this output group has settled on so far in this part.
+    schema: Any = None
+
+
+@dataclass(slots=True)
+class _OpenPart:
+    part: PartId
+    directory: Path
+    lock_fd: int
+    buffers: dict[_Key, _Buffer] = field(default_factory=dict)
+    files: list[_FileEntry] = field(default_factory=list)
+    seq: int = 0
+    records: int = 0
+    rejected: int = 0
+    buffered: int = 0
+    #: Set when a write or flush failed half-way: the part can only be aborted.
+    broken: str | None = None
+    started: float = field(default_factory=time.monotonic)
+
+
+class _Mismatch(ValueError):
+    def __init__(self, field_name: str, reason: str) -> None:
+        super().__init__(f"field {field_name!r}: {reason}")
+        self.field_name = field_name
+
+
+def _rejected(record: Record, reason: str, field_name: str | None) -> Rejected:
+    return Rejected(record, reason, {"field": field_name} if field_name else {})
+
+
+# -- configured schema -----------------------------------------------------------------------
+
+
+def _describe(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _to_string(value: Any) -> Any:
+    if not isinstance(value, str):
+        raise ValueError(f"expected string, got {_describe(value)}")
+    return value
+
+
+def _to_int(bits: int) -> Callable[[Any], Any]:
+    low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"expected int{bits}, got {_describe(value)}")
+        if not low <= value <= high:
+            raise ValueError(f"out of the int{bits} range")
+        return value
+
+    return convert
+
+
+def _to_float(bits: int, limit: float) -> Callable[[Any], Any]:
+    def convert(value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"expected float{bits}, got {_describe(value)}")
+        try:
+            number = float(value)
+        except OverflowError:
+            raise ValueError(f"out of the float{bits} range") from None
+        if abs(number) > limit and abs(number) != float("inf"):
+            raise ValueError(f"out of the float{bits} range")
+        return number
+
+    return convert
+
+
+def _to_bool(value: Any) -> Any:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected bool, got {_describe(value)}")
+    return value
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _to_timestamp(value: Any) -> Any:
+    """Epoch milliseconds (int) or an ISO-8601 string; naive times are UTC."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            moment = datetime.fromisoformat(value)
+        except ValueError:
+            raise ValueError("expected an ISO-8601 timestamp or epoch milliseconds") from None
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=UTC)
+        return (moment - _EPOCH) // timedelta(milliseconds=1)
+    raise ValueError(f"expected timestamp, got {_describe(value)}")
+
+
+def _to_date(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return date.fromisoformat(value)
+        except ValueError:
+            raise ValueError("expected a YYYY-MM-DD date") from None
+    raise ValueError(f"expected date, got {_describe(value)}")
+
+
+def _to_json(value: Any) -> Any:
+    return orjson.dumps(value).decode()
+
+
+_CONVERTERS: dict[str, Callable[[Any], Any]] = {
+    "string": _to_string,
+    "int32": _to_int(32),
+    "int64": _to_int(64),
+    "float32": _to_float(32, 3.4028234663852886e38),
+    "float64": _to_float(64, float("inf")),
+    "bool": _to_bool,
+    "timestamp": _to_timestamp,
+    "date": _to_date,
+    "json": _to_json,
+}
+
+
+class _SchemaCheck:
+    """Checks a record against the configured ``{field: type}`` and converts it for Arrow."""
+
+    def __init__(self, schema: Mapping[str, str], unknown_fields: str) -> None:
+        self.fields = [(name, _CONVERTERS[kind]) for name, kind in schema.items()]
+        self.names = frozenset(schema)
+        self.reject_unknown = unknown_fields == "reject"
+
+    def unknown(self, value: Mapping[str, Any]) -> str | None:
+        if self.reject_unknown and not value.keys() <= self.names:
+            return next(k for k in value if k not in self.names)
+        return None
+
+    def convert(self, value: Mapping[str, Any]) -> list[Any]:
+        """The row in schema order; raises :class:`_Mismatch` naming the first bad field."""
+        if (extra := self.unknown(value)) is not None:
+            raise _Mismatch(extra, "not in the configured schema")
+        row: list[Any] = []
+        for name, convert in self.fields:
+            raw = value.get(name)
+            if raw is None:
+                row.append(None)
+                continue
+            try:
+                row.append(convert(raw))
+            except ValueError as exc:
+                raise _Mismatch(name, str(exc)) from None
+        return row
+
+
+# -- encoders --------------------------------------------------------------------------------
+
+
+class _Encoder(abc.ABC):
+    """Turns records into buffered chunks and chunks into the bytes of one file."""
+
+    extension: ClassVar[str]
+
+    def __init__(self, config: FileSinkConfig) -> None:
+        self.config = config
+        self.check = _SchemaCheck(config.schema_, config.unknown_fields) if config.schema_ else None
+
+    @abc.abstractmethod
+    def encode(self, records: Sequence[Record], buf: _Buffer) -> tuple[Any, list[Rejected]]:
+        """A chunk of the accepted records (None when none is), and the rejected ones."""
+
+    @abc.abstractmethod
+    def serialize(self, chunks: list[Any], part: PartId) -> memoryview:
+        """The complete file content for ``chunks``."""
+
+    @staticmethod
+    def rows(chunk: Any) -> int:
+        return len(chunk)
+
+    @abc.abstractmethod
+    def cut(self, chunk: Any, start: int, length: int) -> Any:
+        """Rows ``start .. start+length`` of ``chunk``."""
+
+
+class _JsonLinesEncoder(_Encoder):
+    extension = "jsonl"
+
+    def encode(self, records: Sequence[Record], buf: _Buffer) -> tuple[Any, list[Rejected]]:
+        lines: list[bytes] = []
+        rejected: list[Rejected] = []
+        check, source = self.check, self.config.source_columns
+        drop = check is not None and not check.reject_unknown
+        for record in records:
+            value: dict[str, Any] = record.value
+            try:
+                if check is not None:
+                    check.convert(value)
+                    if drop and not value.keys() <= check.names:
+                        value = {k: v for k, v in value.items() if k in check.names}
+                if source:
+                    if clash := next((c for c in SOURCE_COLUMNS if c in value), None):
+                        raise _Mismatch(clash, "collides with a source column")
+                    value = {
+                        **value,
+                        "_topic": record.topic,
+                        "_partition": record.partition,
+                        "_offset": record.offset,
+                        "_timestamp_ms": record.timestamp_ms,
+                    }
+                lines.append(orjson.dumps(value, option=orjson.OPT_APPEND_NEWLINE))
+            except _Mismatch as exc:
+                rejected.append(_rejected(record, str(exc), exc.field_name))
+            except orjson.JSONEncodeError as exc:
+                rejected.append(_rejected(record, f"value cannot be written as JSON: {exc}", None))
+        return (lines or None), rejected
+
+    def serialize(self, chunks: list[Any], part: PartId) -> memoryview:
+        return memoryview(b"".join(itertools.chain.from_iterable(chunks)))
+
+    def cut(self, chunk: Any, start: int, length: int) -> Any:
+        return chunk[start : start + length]
+
+
+class _ParquetEncoder(_Encoder):
+    extension = "parquet"
+
+    def __init__(self, config: FileSinkConfig) -> None:
+        super().__init__(config)
+        schema = config.schema_ or {}
+        self.arrow_schema = pa.schema([(name, _ARROW_TYPES[kind]) for name, kind in schema.items()])
+
+    def encode(self, records: Sequence[Record], buf: _Buffer) -> tuple[Any, list[Rejected]]:
+        if self.check is not None:
+            return self._encode_configured(records, self.check)
+        return self._encode_inferred(records, buf)
+
+    def cut(self, chunk: Any, start: int, length: int) -> Any:
+        return chunk.slice(start, length)
+
+    def serialize(self, chunks: list[Any], part: PartId) -> memoryview:
+        table = (
+            chunks[0]
+            if len(chunks) == 1
+            else pa.concat_tables(chunks, promote_options="permissive")
+        )
+        table = _without_empty_structs(table)
+        table = table.replace_schema_metadata({"twophase.part": part.token})
+        out = pa.BufferOutputStream()
+        pq.write_table(table, out, compression=self.config.parquet_compression)
+        return memoryview(out.getvalue())
+
+    # -- configured schema --
+
+    def _encode_configured(
+        self, records: Sequence[Record], check: _SchemaCheck
+    ) -> tuple[Any, list[Rejected]]:
+        columns: list[list[Any]] = [[] for _ in check.fields]
+        kept: list[Record] = []
+        rejected: list[Rejected] = []
+        source = self.config.source_columns
+        for record in records:
+            try:
+                row = check.convert(record.value)
+                if source and (
+                    clash := next((c for c in SOURCE_COLUMNS if c in record.value), None)
+                ):
+                    raise _Mismatch(clash, "collides with a source column")
+            except _Mismatch as exc:
+                rejected.append(_rejected(record, str(exc), exc.field_name))
+                continue
+            for column, value in zip(columns, row, strict=True):
+                column.append(value)
+            kept.append(record)
+        if not kept:
+            return None, rejected
+        arrays = [
+            pa.array(column, type=f.type)
+            for column, f in zip(columns, self.arrow_schema, strict=True)
+        ]
+        names = list(self.arrow_schema.names)
+        if source:
+            arrays.extend(_source_arrays(kept))
+            names.extend(SOURCE_COLUMNS)
+        return pa.Table.from_arrays(arrays, names=names), rejected
+
+    # -- inferred schema --
+
+    def _encode_inferred(
+        self, records: Sequence[Record], buf: _Buffer
+    ) -> tuple[Any, list[Rejected]]:
+        source = self.config.source_columns
+        bad: dict[int, tuple[str | None, str]] = {}  # row -> (field, reason); first reason wins
+        values: list[dict[str, Any]] = [r.value for r in records]
+        for i, value in enumerate(values):
+            if not value and not source:
+                bad[i] = (
+                    None,
+                    "empty object: a Parquet row needs a column (or set source_columns)",
+                )
+            elif source and (clash := next((c for c in SOURCE_COLUMNS if c in value), None)):
+                bad[i] = (clash, f"field {clash!r}: collides with a source column")
+        if bad:
+            values = [{} if i in bad else v for i, v in enumerate(values)]
+
+        try:
+            batch = pa.RecordBatch.from_struct_array(pa.array(values))
+            columns: dict[str, Any] = dict(zip(batch.schema.names, batch.columns, strict=True))
+        except _ARROW_VALUE_ERRORS:
+            columns = _columns_one_by_one(values, bad)
+
+        if buf.schema is not None:
+            for name, column in list(columns.items()):
+                index = buf.schema.get_field_index(name)
+                if index < 0 or column.type == buf.schema.field(index).type:
+                    continue
+                settled = buf.schema.field(index).type
+                if _mergeable(buf.chunks, name, settled, column):
+                    continue
+                reason = f"field {name!r}: {column.type} does not fit {settled} of earlier records"
+                for i in _valid_rows(column):
+                    bad.setdefault(i, (name, reason))
+                columns[name] = pa.nulls(len(column), type=settled)
+
+        arrays, names = list(columns.values()), list(columns)
+        if source:
+            arrays.extend(_source_arrays(records))
+            names.extend(SOURCE_COLUMNS)
+        rejected = [_rejected(records[i], reason, f) for i, (f, reason) in sorted(bad.items())]
+        if len(bad) == len(records) or not arrays:
+            return None, rejected
+        table = pa.Table.from_arrays(arrays, names=names)
+        if bad:
+            table = table.take([i for i in range(len(records)) if i not in bad])
+        buf.schema = (
+            table.schema
+            if buf.schema is None
+            else pa.unify_schemas([buf.schema, table.schema], promote_options="permissive")
+        )
+        return table, rejected
+
+
+def _source_arrays(records: Sequence[Record]) -> list[Any]:
+    return [
+        pa.array([r.topic for r in records], type=pa.string()),
+        pa.array([r.partition for r in records], type=pa.int32()),
+        pa.array([r.offset for r in records], type=pa.int64()),
+        pa.array([r.timestamp_ms for r in records], type=pa.int64()),
+    ]
+
+
+def _valid_rows(column: Any) -> list[int]:
+    return [i for i, ok in enumerate(column.is_valid().to_pylist()) if ok]
+
+
+def _unify_types(a: Any, b: Any) -> Any:
+    merged = pa.unify_schemas(
+        [pa.schema([("f", a)]), pa.schema([("f", b)])], promote_options="permissive"
+    )
+    return merged.field(0).type
+
+
+def _mergeable(chunks: list[Any], name: str, settled: Any, column: Any) -> bool:
+    """Can ``column`` join the buffered chunks (and the files already written) of its group?"""
+    try:
+        _unify_types(settled, column.type)
+        parts = [pa.table({name: c.column(name)}) for c in chunks if name in c.column_names]
+        # The cast that serialize() will do, tried now: int64 -> double fails past 2**53.
+        pa.concat_tables([*parts, pa.table({name: column})], promote_options="permissive")
+    except _ARROW_VALUE_ERRORS:
+        return False
+    return True
+
+
+def _columns_one_by_one(
+    values: list[dict[str, Any]], bad: dict[int, tuple[str | None, str]]
+) -> dict[str, Any]:
+    """Slow path when the batch does not convert at once: find the values that break it.
+
+    The first value of a field sets its type; later values must merge with it (ints widen to
+    floats, objects merge keys) or their record is rejected, naming the field.
+    """
+    columns: dict[str, Any] = {}
+    for name in dict.fromkeys(k for v in values for k in v):
+        column = [v.get(name) for v in values]
+        try:
+            columns[name] = pa.array(column)
+            continue
+        except _ARROW_VALUE_ERRORS:
+            pass
+        settled: Any = None
+        for i, value in enumerate(column):
+            if value is None:
+                continue
+            try:
+                kind = pa.array([value]).type
+            except _ARROW_VALUE_ERRORS as exc:
+                bad.setdefault(i, (name, f"field {name!r}: not storable in Parquet: {exc}"[:300]))
+                column[i] = None
+                continue
+            try:
+                settled = kind if settled is None else _unify_types(settled, kind)
+            except _ARROW_VALUE_ERRORS:
+                bad.setdefault(
+                    i, (name, f"field {name!r}: {kind} does not fit {settled} of earlier records")
+                )
+                column[i] = None
+        try:
+            columns[name] = pa.array(column, type=settled)
+        except _ARROW_VALUE_ERRORS:
+            for i, value in enumerate(column):
+                try:
+                    pa.array([value], type=settled)
+                except _ARROW_VALUE_ERRORS as exc:
+                    bad.setdefault(
+                        i, (name, f"field {name!r}: does not fit {settled}: {exc}"[:300])
+                    )
+                    column[i] = None
+            columns[name] = pa.array(column, type=settled)
+    return columns
+
+
+def _has_empty_struct(kind: Any) -> bool:
+    if pa.types.is_struct(kind):
+        return kind.num_fields == 0 or any(
+            _has_empty_struct(kind.field(i).type) for i in range(kind.num_fields)
+        )
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return _has_empty_struct(kind.value_type)
+    return False
+
+
+def _without_empty_struct_type(kind: Any) -> Any:
+    if pa.types.is_struct(kind):
+        if kind.num_fields == 0:
+            return pa.null()
+        return pa.struct(
+            [
+                pa.field(kind.field(i).name, _without_empty_struct_type(kind.field(i).type))
+                for i in range(kind.num_fields)
+            ]
+        )
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return pa.list_(_without_empty_struct_type(kind.value_type))
+    return kind
+
+
+def _without_empty_struct_value(value: Any, kind: Any) -> Any:
+    if value is None:
+        return None
+    if pa.types.is_struct(kind):
+        if kind.num_fields == 0:
+            return None
+        return {
+            kind.field(i).name: _without_empty_struct_value(
+                value.get(kind.field(i).name), kind.field(i).type
+            )
+            for i in range(kind.num_fields)
+        }
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return [_without_empty_struct_value(v, kind.value_type) for v in value]
+    return value
+
+
+def _without_empty_structs(table: Any) -> Any:
+    """Parquet has no empty group: store ``{}`` (type ``struct<>``) as null instead."""
+    for i, f in enumerate(table.schema):
+        if _has_empty_struct(f.type):
+            kind = _without_empty_struct_type(f.type)
+            values = [_without_empty_struct_value(v, f.type) for v in table.column(i).to_pylist()]
+            table = table.set_column(i, pa.field(f.name, kind), pa.array(values, type=kind))
+    return table
+
+
+# -- the sink --------------------------------------------------------------------------------
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+def _positions_json(positions: Positions) -> list[dict[str, Any]]:
+    return [
+        {"topic": topic, "partition": partition, "offset": offset}
+        for (topic, partition), offset in sorted(positions.items())
+    ]
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class FileSink(Sink):
+    """Exactly-once Parquet / JSON Lines files: staged, fsynced, published by atomic rename."""
+
+    config_model: ClassVar[type[SinkConfig]] = FileSinkConfig
+    config: FileSinkConfig
+
+    def __init__(self, config: SinkConfig, context: SinkContext) -> None:
+        if not isinstance(config, FileSinkConfig):
+            raise TypeError(f"FileSink needs a FileSinkConfig, got {type(config).__name__}")
+        super().__init__(config, context)
+        self.base = config.path.absolute()
+        self.state = self.base / STATE_DIR / context.pipeline
+        self._encoder: _Encoder = (
+            _ParquetEncoder(config) if config.format == "parquet" else _JsonLinesEncoder(config)
+        )
+        self._open: _OpenPart | None = None
+        # Guards the open part: write/prepare against an abort of it from the decision thread.
+        self._lock = threading.RLock()
+        # Serialises commit/abort/in_doubt in this process; other processes are safe because
+        # every step is idempotent and checks the file system, not memory.
+        self._decide_lock = threading.Lock()
+        self._hardlinks = True
+        self._dates: dict[int, str] = {}
+
+    # -- directories --
+
+    def _dir(self, kind: str) -> Path:
+        return self.state / kind
+
+    def _open_dir(self, part: PartId) -> Path:
+        return self.state / "open" / part.token
+
+    def _prepared_dir(self, part: PartId) -> Path:
+        return self.state / "prepared" / part.token
+
+    def _manifest(self, part: PartId) -> Path:
+        return self.state / "manifests" / f"{part.txn:012d}-{part.participant}.json"
+
+    # -- errors --
+
+    @contextlib.contextmanager
+    def _fs(self, action: str, part: PartId | None, failure: type[SinkError]) -> Iterator[None]:
+        """Map OSError to the SDK's three branches; permissions and read-only stores are fatal."""
+        try:
+            yield
+        except SinkError:
+            raise
+        except OSError as exc:
+            where = f"part {part.token}: " if part else ""
+            message = f"{where}{action} failed under {self.base}: {exc}"
+            if exc.errno in _FATAL_ERRNOS:
+                raise FatalSinkError(message, sink=self.name) from exc
+            if failure is RetriableSinkError and exc.errno in _DISK_FULL_ERRNOS:
+                raise BackpressureError(
+                    message, retry_after_s=_DISK_FULL_RETRY_S, sink=self.name
+                ) from exc
+            raise failure(message, sink=self.name) from exc
+        except pa.ArrowException as exc:
+            where = f"part {part.token}: " if part else ""
+            raise FatalSinkError(
+                f"{where}{action}: Arrow refused the data: {exc}", sink=self.name
+            ) from exc
+
+    def _require_owned(self, part: PartId) -> None:
+        if not self.owns(part):
+            raise FatalSinkError(
+                f"part {part.token} belongs to pipeline {part.pipeline!r}, this sink serves "
+                f"{self.context.pipeline!r}",
+                sink=self.name,
+            )
+
+    # -- life cycle --
+
+    def setup(self) -> None:
+        with self._fs("setup", None, RetriableSinkError):
+            for kind in ("open", "prepared", "manifests", "trash"):
+                makedirs_durable(self._dir(kind))
+            for leftover in self._dir("trash").iterdir():
+                remove_tree(leftover)
+            for entry in self._dir("open").iterdir():
+                # ``.begin-*``: a begin that died before its rename; nobody can own it.
+                if entry.name.startswith(".") and (fd := self._claim(entry)) is not None:
+                    remove_tree(entry)
+                    if fd >= 0:
+                        os.close(fd)
+            if os.stat(self.base).st_dev != os.stat(self.state).st_dev:
+                raise FatalSinkError(
+                    f"{self.state} is on another file system than {self.base}: "
+                    "publishing by rename needs one file system",
+                    sink=self.name,
+                )
+            self._hardlinks = self._probe_hardlinks()
+        self.log.info(
+            "files sink %s ready: %s, format %s, staging %s%s",
+            self.name,
+            self.base,
+            self.config.format,
+            self.state,
+            "" if self._hardlinks else " (no hard links: publishing by rename)",
+        )
+
+    def _probe_hardlinks(self) -> bool:
+        probe = self._dir("trash") / f"probe-{uuid.uuid4().hex[:12]}"
+        write_durable(probe, b"")
+        try:
+            os.link(probe, probe.with_name(probe.name + ".link"))
+        except OSError as exc:
+            if exc.errno in _NO_HARDLINK_ERRNOS:
+                return False
+            raise
+        finally:
+            probe.unlink(missing_ok=True)
+            probe.with_name(probe.name + ".link").unlink(missing_ok=True)
+        return True
+
+    def begin(self, part: PartId) -> None:
+        self._require_owned(part)
+        with self._lock:
+            if self._open is not None:
+                raise FatalSinkError(
+                    f"begin({part.token}) while part {self._open.part.token} is still open: "
+                    "prepare or abort it first",
+                    sink=self.name,
+                )
+            with self._fs("begin", part, RetriableSinkError):
+                if self._manifest(part).exists():
+                    raise FatalSinkError(f"part {part.token} is already committed", sink=self.name)
+                if self._prepared_dir(part).exists():
+                    raise FatalSinkError(f"part {part.token} is already prepared", sink=self.name)
+                target = self._open_dir(part)
+                if target.exists():
+                    self._discard_abandoned(part, target)
+                self._open = _OpenPart(part, target, self._create_locked(target))
+        self.log.debug("part %s: begun in %s", part.token, target)
+
+    def _create_locked(self, target: Path) -> int:
+        """Create ``target`` with its LOCK already held, so it never exists unlocked."""
+        building = target.with_name(f".begin-{target.name}-{uuid.uuid4().hex[:12]}")
+        building.mkdir()
+        fd = os.open(building / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            owner = {"host": socket.gethostname(), "pid": os.getpid(), "since": _now()}
+            os.write(fd, orjson.dumps(owner))
+            os.rename(building, target)
+        except BaseException:
+            os.close(fd)
+            remove_tree(building)
+            raise
+        return fd
+
+    def write(self, part: PartId, records: Sequence[Record]) -> Sequence[Rejected]:
+        with self._lock:
+            op = self._writable(part)
+            try:
+                with self._fs("write", part, AbortTransactionError):
+                    return self._write(op, records)
+            except SinkError as exc:
+                op.broken = str(exc)
+                raise
+
+    def _writable(self, part: PartId) -> _OpenPart:
+        op = self._open
+        if op is None or op.part != part:
+            raise AbortTransactionError(
+                f"part {part.token} is not open here (never begun, aborted, or already prepared)",
+                sink=self.name,
+            )
+        if op.broken is not None:
+            raise AbortTransactionError(
+                f"part {part.token} failed earlier and can only be aborted: {op.broken}",
+                sink=self.name,
+            )
+        return op
+
+    def _write(self, op: _OpenPart, records: Sequence[Record]) -> list[Rejected]:
+        rejected: list[Rejected] = []
+        groups: dict[_Key, list[Record]] = {}
+        for record in records:
+            key = self._key(record)
+            if isinstance(key, str):
+                rejected.append(_rejected(record, key, None))
+            else:
+                groups.setdefault(key, []).append(record)
+        for key, group in groups.items():
+            buf = op.buffers.setdefault(key, _Buffer())
+            chunk, refused = self._encoder.encode(group, buf)
+            rejected.extend(refused)
+            if chunk is not None:
+                self._append(op, key, buf, chunk)
+        limit = self.config.buffered_limit
+        while op.buffered > limit:
+            key, buf = max(op.buffers.items(), key=lambda kv: kv[1].rows)
+            self._flush(op, key, buf)
+        op.rejected += len(rejected)
+        return rejected
+
+    def _key(self, record: Record) -> _Key | str:
+        """The output group of ``record``, or why it has none."""
+        mode = self.config.partition_by
+        if mode == "none":
+            return (None, None)
+        topic = record.topic
+        if topic in (".", "..", STATE_DIR) or not topic or not _TOPIC_CHARS.issuperset(topic):
+            return f"topic {topic!r} cannot name a directory of this sink"
+        if mode == "topic":
+            return (topic, None)
+        ts = record.timestamp_ms
+        if ts < 0:
+            return (topic, NULL_DATE)
+        day = ts // _DAY_MS
+        text = self._dates.get(day)
+        if text is None:
+            if len(self._dates) > 4096:
+                self._dates.clear()
+            text = self._dates[day] = (date(1970, 1, 1) + timedelta(days=day)).isoformat()
+        return (topic, text)
+
+    def _append(self, op: _OpenPart, key: _Key, buf: _Buffer, chunk: Any) -> None:
+        total, start, limit = self._encoder.rows(chunk), 0, self.config.max_file_records
+        while start < total:
+            take = min(limit - buf.rows, total - start)
+            piece = chunk if take == total else self._encoder.cut(chunk, start, take)
+            buf.chunks.append(piece)
+            buf.rows += take
+            op.buffered += take
+            op.records += take
+            start += take
+            if buf.rows >= limit:
+                self._flush(op, key, buf)
+
+    def _flush(self, op: _OpenPart, key: _Key, buf: _Buffer) -> None:
+        """Write the buffered rows of ``key`` as one complete, fsynced file in the open dir."""
+        data = self._encoder.serialize(buf.chunks, op.part)
+        seq, ext = op.seq, self._encoder.extension
+        name = f"{seq:04d}.{ext}"
+        write_durable(op.directory / name, data)
+        topic, day = key
+        filename = f"part-{op.part.txn:012d}-{op.part.participant}-{seq:04d}.{ext}"
+        target = "/".join(
+            p for p in (topic, None if day is None else f"date={day}", filename) if p is not None
+        )
+        op.files.append(
+            _FileEntry(name, target, topic, buf.rows, data.nbytes, hashlib.sha256(data).hexdigest())
+        )
+        op.seq += 1
+        op.buffered -= buf.rows
+        buf.chunks, buf.rows = [], 0
+
+    def prepare(self, part: PartId, positions: Positions) -> None:
+        self._require_owned(part)
+        with self._lock:
+            op = self._open
+            if op is None or op.part != part:
+                self._prepare_again(part, positions)
+                return
+            self._writable(part)
+            try:
+                with self._fs("prepare", part, AbortTransactionError):
+                    for key, buf in sorted(op.buffers.items(), key=lambda kv: str(kv[0])):
+                        if buf.rows:
+                            self._flush(op, key, buf)
+                    write_json_atomic(op.directory / PREPARED_FILE, self._document(op, positions))
+                    prepared = self._prepared_dir(part)
+                    os.rename(op.directory, prepared)  # the prepare: atomic and complete
+                    fsync_dir(prepared.parent)
+                    fsync_dir(op.directory.parent)
+            except SinkError as exc:
+                op.broken = str(exc)
+                raise
+            self._open = None
+            os.close(op.lock_fd)
+        self.log.info(
+            "part %s: prepared %d records in %d files (%d rejected) in %.3fs",
+            part.token,
+            op.records,
+            len(op.files),
+            op.rejected,
+            time.monotonic() - op.started,
+        )
+
+    def _document(self, op: _OpenPart, positions: Positions) -> dict[str, Any]:
+        return {
+            "version": DOCUMENT_VERSION,
+            "token": op.part.token,
+            "pipeline": op.part.pipeline,
+            "txn": op.part.txn,
+            "participant": op.part.participant,
+            "sink": self.name,
+            "format": self.config.format,
+            "positions": _positions_json(positions),
+            "records": op.records,
+            "rejected": op.rejected,
+            "files": [f.to_json() for f in op.files],
+            "prepared_at": _now(),
+            "prepared_by": {"host": socket.gethostname(), "pid": os.getpid()},
+        }
+
+    def _prepare_again(self, part: PartId, positions: Positions) -> None:
+        """prepare() of a part that is not open here: fine if it is already durably prepared."""
+        with self._fs("prepare", part, AbortTransactionError):
+            prepared = self._prepared_dir(part)
+            try:
+                document = read_json(prepared / PREPARED_FILE)
+            except FileNotFoundError:
+                if self._manifest(part).exists():
+                    self.log.warning("part %s: prepare after commit, nothing to do", part.token)
+                    return
+                raise AbortTransactionError(
+                    f"part {part.token} is not open here (never begun, or aborted)",
+                    sink=self.name,
+                ) from None
+            if document.get("positions") != _positions_json(positions):
+                raise FatalSinkError(
+                    f"part {part.token} is already prepared with other positions", sink=self.name
+                )
+            fsync_dir(prepared.parent)
+
+    def commit(self, part: PartId) -> None:
+        self._require_owned(part)
+        with self._decide_lock, self._fs("commit", part, RetriableSinkError):
+            manifest = self._manifest(part)
+            prepared = self._prepared_dir(part)
+            if manifest.exists():
+                if self._discard(prepared):
+                    self.log.info(
+                        "part %s: was committed; removed its staged leftovers", part.token
+                    )
+                return
+            staged = self._read_prepared(part, prepared)
+            if staged is None:
+                if manifest.exists():  # a concurrent committer finished between our two looks
+                    return
+                raise UnknownPartError(
+                    f"commit of part {part.token}: neither prepared nor committed in {self.state}",
+                    sink=self.name,
+                )
+            document, files = staged
+            directories: dict[Path, None] = {}
+            for entry in files:
+                target = self.base / entry.target
+                if target.parent not in directories:
+                    makedirs_durable(target.parent)
+                    directories[target.parent] = None
+                if not self._publish(part, prepared / entry.name, target, entry):
+                    return  # another process completed the commit meanwhile
+            for directory in directories:
+                fsync_dir(directory)
+            if prepared.exists():
+                fsync_dir(prepared)  # in rename mode, the sources left this directory
+            document.pop("prepared_by", None)
+            document["files"] = [
+                {k: v for k, v in f.to_json().items() if k != "name"} for f in files
+            ]
+            document["committed_at"] = _now()
+            write_json_atomic(manifest, document)  # the commit point of this part here
+            self._discard(prepared)
+        self.log.info(
+            "part %s: committed %d records in %d files", part.token, document["records"], len(files)
+        )
+
+    def _read_prepared(
+        self, part: PartId, prepared: Path
+    ) -> tuple[dict[str, Any], list[_FileEntry]] | None:
+        """PREPARED.json of ``part`` and its files; None when the part is not prepared."""
+        try:
+            document = read_json(prepared / PREPARED_FILE)
+            if not isinstance(document, dict) or not isinstance(document.get("files"), list):
+                raise ValueError("not a PREPARED document")
+            return document, [_FileEntry.from_json(raw) for raw in document["files"]]
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
+            raise FatalSinkError(
+                f"part {part.token}: {prepared / PREPARED_FILE} is unreadable: {exc}",
+                sink=self.name,
+            ) from exc
+
+    def _publish(self, part: PartId, source: Path, target: Path, entry: _FileEntry) -> bool:
+        """Put ``source`` at ``target`` without ever replacing another file there.
+
+        Repeatable after a crash at any point: a target that already holds this file (same inode,
+        or the source is gone and size and checksum match) counts as done. False when the source
+        and target are both gone but the manifest exists: another process finished the commit.
+        """
+        if self._hardlinks:
+            try:
+                os.link(source, target)
+                return True
+            except FileExistsError:
+                pass
+            except FileNotFoundError:
+                if source.exists():
+                    raise  # the target directory vanished; the runtime retries
+                return self._already_published(part, target, entry)
+            except OSError as exc:
+                if exc.errno not in _NO_HARDLINK_ERRNOS:
+                    raise
+                self._hardlinks = False
+                self.log.warning("part %s: no hard links here, publishing by rename", part.token)
+                return self._publish(part, source, target, entry)
+            try:
+                if os.path.samefile(source, target):
+                    return True  # linked by an interrupted commit
+            except FileNotFoundError:
+                return self._already_published(part, target, entry)
+            raise self._collision(part, target)
+        if target.exists():
+            if source.exists():
+                raise self._collision(part, target)
+            return self._already_published(part, target, entry)
+        try:
+            os.rename(source, target)
+        except FileNotFoundError:
+            return self._already_published(part, target, entry)
+        return True
+
+    def _already_published(self, part: PartId, target: Path, entry: _FileEntry) -> bool:
+        try:
+            size = target.stat().st_size
+        except FileNotFoundError:
+            if self._manifest(part).exists():
+                return False
+            raise FatalSinkError(
+                f"part {part.token}: {entry.name} is neither staged nor at {target}",
+                sink=self.name,
+            ) from None
+        if size != entry.size or _sha256_of(target) != entry.sha256:
+            raise self._collision(part, target)
+        return True
+
+    def _collision(self, part: PartId, target: Path) -> FatalSinkError:
+        return FatalSinkError(
+            f"part {part.token}: {target} already exists and is another file; refusing to "
+            "overwrite it (do two pipelines write the same path with the same participant names?)",
+            sink=self.name,
+        )
+
+    def abort(self, part: PartId) -> None:
+        self._require_owned(part)
+        with self._lock:
+            op = self._open
+            if op is not None and op.part == part:
+                self._open = None
+                os.close(op.lock_fd)  # the directory itself goes below, like any other
+        with self._decide_lock, self._fs("abort", part, RetriableSinkError):
+            if self._manifest(part).exists():
+                raise FatalSinkError(
+                    f"abort of part {part.token}, which is already committed", sink=self.name
+                )
+            prepared = self._prepared_dir(part)
+            removed = False
+            if prepared.exists():
+                self._refuse_if_publishing(part, prepared)
+                removed = self._discard(prepared)
+            opened = self._open_dir(part)
+            if opened.exists():
+                self._discard_abandoned(part, opened)
+                removed = True
+        if removed:
+            self.log.info("part %s: aborted", part.token)
+
+    def _refuse_if_publishing(self, part: PartId, prepared: Path) -> None:
+        """Abort after commit started would leave a partial part visible: refuse loudly."""
+        staged = self._read_prepared(part, prepared)
+        for entry in staged[1] if staged else []:
+            source, target = prepared / entry.name, self.base / entry.target
+            if not target.exists():
+                continue
+            if not source.exists() or os.path.samefile(source, target):
+                raise FatalSinkError(
+                    f"abort of part {part.token}, whose commit has already published {target}",
+                    sink=self.name,
+                )
+
+    def _discard_abandoned(self, part: PartId, opened: Path) -> None:
+        fd = self._claim(opened)
+        if fd is None:
+            raise RetriableSinkError(
+                f"part {part.token} is open in another live process ({opened / LOCK_FILE})",
+                sink=self.name,
+            )
+        try:
+            self._discard(opened)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def _claim(self, opened: Path) -> int | None:
+        """Lock an open part's LOCK if its owner is gone: the fd (-1 without a LOCK), else None.
+
+        After taking the lock, checks that the LOCK still lives in ``opened``: the owner releases
+        the lock right after it renamed the directory to ``prepared/``, and that must not count
+        as abandoned.
+        """
+        lock = opened / LOCK_FILE
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except FileNotFoundError:
+            return -1 if opened.exists() else None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held, now = os.fstat(fd), os.stat(lock)
+            if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+                return fd
+        except (BlockingIOError, FileNotFoundError):
+            pass
+        os.close(fd)
+        return None
+
+    def _discard(self, directory: Path) -> bool:
+        return discard_tree(directory, self._dir("trash"))
+
+    def in_doubt(self) -> list[PartId]:
+        parts: list[PartId] = []
+        with self._decide_lock, self._fs("in_doubt", None, RetriableSinkError):
+            for entry in self._dir("prepared").iterdir():
+                if entry.name.startswith("."):
+                    continue
+                try:
+                    part = PartId.parse(entry.name)
+                except ValueError:
+                    self.log.warning("ignoring %s: not a part directory", entry)
+                    continue
+                if not self.owns(part):
+                    self.log.warning("ignoring %s: belongs to pipeline %s", entry, part.pipeline)
+                    continue
+                if self._manifest(part).exists():
+                    self._discard(entry)  # committed; a crash interrupted the cleanup
+                    continue
+                parts.append(part)
+        return sorted(parts)
+
+    def stale_parts(self) -> list[PartId]:
+        """Open (never prepared) parts of this pipeline whose writer process is gone.
+
+        They can never be prepared, so :meth:`abort` of each is always right. Liveness comes from
+        the kernel: the writer holds ``flock`` on the part's LOCK until it prepares, aborts or
+        dies, so no pid, host name or clock is trusted. (On NFS, ``flock`` needs NFSv4 locks.)
+        """
+        stale: list[PartId] = []
+        with self._lock:
+            mine = self._open.part if self._open is not None else None
+        # No lock needed past this point: a part this process opens meanwhile has its LOCK held.
+        with self._fs("stale_parts", None, RetriableSinkError):
+            for entry in self._dir("open").iterdir():
+                if entry.name.startswith("."):
+                    continue
+                try:
+                    part = PartId.parse(entry.name)
+                except ValueError:
+                    continue
+                if part == mine or not self.owns(part):
+                    continue
+                fd = self._claim(entry)
+                if fd is not None:
+                    stale.append(part)
+                    if fd >= 0:
+                        os.close(fd)
+        return sorted(stale)
+
+    def close(self) -> None:
+        """Discard the open part, if any (it can never be prepared now); prepared parts stay."""
+        with self._lock:
+            op = self._open
+        if op is None:
+            return
+        try:
+            self.abort(op.part)
+        except SinkError as exc:
+            self.log.warning(
+                "part %s: could not discard the open part on close: %s", op.part.token, exc
+            )
