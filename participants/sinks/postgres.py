@@ -1,0 +1,1256 @@
+"""PostgreSQL sink: real two-phase commit (``PREPARE TRANSACTION`` / ``COMMIT PREPARED``).
+
+One part is one PostgreSQL transaction, started with psycopg's ``tpc_begin(gid)`` on a
+connection of its own and prepared with ``tpc_prepare()``. The global id is
+``twophase:{sink}:{part.token}``, so any process can find a pipeline's prepared parts in
+``pg_prepared_xacts`` and finish them. The prepared transaction also inserts a row into the marker
+table (positions and counts), so the store itself tells the state of a part:
+
+========================  ===================  ==================
+gid in pg_prepared_xacts  marker row visible   state
+========================  ===================  ==================
+yes                       no                   prepared
+no                        yes                  committed
+no                        no                   unknown / aborted
+========================  ===================  ==================
+
+Connections: one for the open part, one per prepared part still waiting for its decision (up to
+:data:`_MAX_HELD_PREPARED`; older ones are closed, which leaves their prepared transaction intact),
+a couple of idle ones for reuse, and one autocommit *admin* connection for the catalog, recovery
+(``COMMIT PREPARED 'gid'`` from a connection that did not prepare) and ``in_doubt``. Each
+connection is used by one thread at a time: the open part's by the writer (and ``abort`` of the
+open part waits on the part's own lock), a prepared part's by whoever pops it to decide it, the
+admin connection under its own lock.
+
+Write path: every :meth:`PostgresSink.write` converts JSON values on the client (bad ones come
+back as :class:`Rejected`), then sends each batch under a ``SAVEPOINT``: ``COPY`` into the target
+in insert mode, ``INSERT .. SELECT FROM unnest(arrays) ON CONFLICT DO UPDATE`` in upsert mode
+(temporary staging tables are not an option: PostgreSQL refuses to ``PREPARE`` a transaction that
+touched one). When the server refuses a batch for its data (SQLSTATE class 22/23), the sink rolls
+back to the savepoint and bisects until it has isolated the offending rows, which it rejects with
+the server's reason; the rest is written. A failed ``write`` therefore never leaves half a batch
+in the part.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
+
+from participants.sdk import (
+    AbortTransactionError,
+    FatalSinkError,
+    PartId,
+    Positions,
+    Record,
+    Rejected,
+    RetriableSinkError,
+    Sink,
+    SinkConfig,
+    SinkContext,
+    UnknownPartError,
+)
+from participants.sinks._pgtypes import BadValue, Column, Converter, binary_type, converter_for
+
+__all__ = ["PostgresSink", "PostgresSinkConfig"]
+
+Connection = psycopg.Connection[tuple[Any, ...]]
+
+#: PostgreSQL's GIDSIZE is 200 bytes including the terminating NUL.
+_GID_MAX_BYTES = 199
+_GID_PREFIX = "twophase"
+#: Longest part token: two 64-character names, a 12-digit txn number and two "~".
+_TOKEN_MAX = 64 + 1 + 12 + 1 + 64
+#: So that "twophase:{sink}:{token}" always fits in _GID_MAX_BYTES (9 + 40 + 1 + 142 = 192).
+SINK_NAME_MAX = 40
+#: Prepared parts whose connection we keep so the decision is one round trip on a warm
+#: connection. Beyond this (a slow coordinator), the oldest connection is closed -- its prepared
+#: transaction lives on in the server and is committed through the admin connection.
+_MAX_HELD_PREPARED = 4
+#: Idle connections kept for the next part; two cover the usual open + just-committed overlap.
+_MAX_IDLE = 2
+#: Savepoints: one around each write() so that a failed write leaves the part as it was (the
+#: runtime may retry it), and nested ones only while isolating rows the server refused. Kept
+#: few on purpose: each one that writes is a subtransaction, and more than 64 of them in one
+#: transaction slows every snapshot on the server until the part is decided.
+_WRITE_SAVEPOINT = sql.Identifier("twophase_write")
+_BATCH_SAVEPOINT = sql.Identifier("twophase_batch")
+#: SQLSTATE classes/codes that mean "this row's data", isolated per row and rejected:
+#: 22 data exception, 23 integrity violation, 21 cardinality (two rows of one upsert batch that
+#: PostgreSQL finds equal and Python did not, e.g. citext keys), P0001 a trigger's RAISE
+#: EXCEPTION (validation triggers are the usual source).
+_ROW_ERROR_CLASSES = ("21", "22", "23")
+_ROW_ERROR_CODES = frozenset({"P0001"})
+#: Transient conditions after which the part survives (we roll back to the savepoint): lock
+#: timeout, statement timeout, out of resources. The runtime retries the same write.
+_RETRIABLE_CODES = frozenset({"55P03", "57014"})
+_RETRIABLE_CLASSES = ("53",)
+#: Configuration/permission problems that no retry fixes.
+_FATAL_CLASSES = ("28", "42")
+#: libpq reports failed logins without a SQLSTATE; these say a retry cannot help.
+_CONNECT_FATAL_HINTS = (
+    "password authentication failed",
+    "no pg_hba.conf entry",
+    "does not exist",  # database or role
+    "invalid connection option",
+)
+_MAX_PREPARED_ZERO = (
+    "PostgreSQL max_prepared_transactions is 0; two-phase commit needs it > 0 "
+    "(set it in postgresql.conf and restart)"
+)
+
+_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+#: Column types in create_table are spliced into DDL: allow type syntax, never a statement.
+_SQL_TYPE_PATTERN = r'^[A-Za-z_][A-Za-z0-9_ ,()\[\]".]*$'
+
+
+class PostgresSinkConfig(SinkConfig):
+    """Configuration of a ``postgres`` sink (``sinks[]`` entry of a pipeline)."""
+
+    type: Literal["postgres"]
+    #: Part of every prepared transaction's gid, hence short and without ":".
+    name: str = Field(min_length=1, max_length=SINK_NAME_MAX, pattern=_NAME_PATTERN)
+    #: libpq connection string or URI. Prefer ``password`` (or PGPASSWORD / .pgpass) over a
+    #: password inside the DSN; either way neither is ever logged.
+    dsn: str = Field(min_length=1, repr=False)
+    password: SecretStr | None = None
+    #: Target table, optionally ``schema.table``. Names are exact (case-sensitive), not folded.
+    table: str = Field(min_length=1)
+    mode: Literal["insert", "upsert"] = "insert"
+    #: Upsert key: target columns with a unique index or primary key on exactly these columns.
+    key: list[str] = Field(default_factory=list, validate_default=True)
+    #: Target column -> JSON field (``a.b`` for nested). Default: every table column, fed from
+    #: the same-named field. An absent field leaves the column to its DEFAULT on insert and
+    #: untouched on update; an explicit JSON null stores NULL.
+    columns: dict[str, str] | None = None
+    #: Column -> SQL type: create the target table with these columns when it does not exist
+    #: (with the upsert key as primary key). Without it the table must exist.
+    create_table: dict[str, str] | None = None
+    #: Table of per-part markers, optionally ``schema.table``; created when missing.
+    marker_table: str = Field(default="twophase_parts", min_length=1)
+    #: libpq's connect_timeout (whole seconds).
+    connect_timeout_s: int = Field(default=10, ge=1, le=600)
+    #: Session statement_timeout; None keeps the server's.
+    statement_timeout_ms: int | None = Field(default=None, gt=0)
+
+    @field_validator("dsn")
+    @classmethod
+    def _dsn_parses(cls, value: str) -> str:
+        try:
+            conninfo_to_dict(value)
+        except psycopg.ProgrammingError:
+            # Not echoing the value: it may hold a password.
+            raise ValueError("not a valid libpq connection string or URI") from None
+        return value
+
+    @field_validator("table", "marker_table")
+    @classmethod
+    def _qualified_name(cls, value: str) -> str:
+        parts = value.split(".")
+        if len(parts) > 2 or not all(parts):
+            raise ValueError(f"{value!r}: expected 'table' or 'schema.table'")
+        return value
+
+    @field_validator("key")
+    @classmethod
+    def _key_for_upsert(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        mode = info.data.get("mode")
+        if mode == "upsert" and not value:
+            raise ValueError("required (one or more target columns) when mode is 'upsert'")
+        if mode == "insert" and value:
+            raise ValueError("only used when mode is 'upsert'")
+        if len(set(value)) != len(value):
+            raise ValueError("names a column twice")
+        return value
+
+    @field_validator("columns")
+    @classmethod
+    def _columns_cover_key(
+        cls, value: dict[str, str] | None, info: ValidationInfo
+    ) -> dict[str, str] | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("must map at least one column (or be omitted)")
+        missing = [k for k in info.data.get("key", []) if k not in value]
+        if missing:
+            raise ValueError(f"must map the upsert key column(s) {', '.join(missing)}")
+        for column, path in value.items():
+            if not path or any(not step for step in path.split(".")):
+                raise ValueError(f"column {column!r}: {path!r} is not a field path")
+        return value
+
+    @field_validator("create_table")
+    @classmethod
+    def _create_table_types(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("must declare at least one column")
+        for column, sql_type in value.items():
+            if not re.match(_SQL_TYPE_PATTERN, sql_type):
+                raise ValueError(f"column {column!r}: {sql_type!r} is not a column type")
+        return value
+
+
+# -- internals ------------------------------------------------------------------------------
+
+
+class _Absent:
+    """Marks a field missing from the record (as opposed to an explicit JSON null)."""
+
+
+_ABSENT = _Absent()
+
+
+def _nested_getter(path: str) -> Callable[[dict[str, Any]], Any] | None:
+    """Reads ``path`` ("a.b.c") from a record value; _ABSENT when any step is missing."""
+    if "." not in path:
+        return None
+    steps = path.split(".")
+
+    def get_nested(value: dict[str, Any]) -> Any:
+        current: Any = value
+        for step in steps:
+            if not isinstance(current, dict) or step not in current:
+                return _ABSENT
+            current = current[step]
+        return current
+
+    return get_nested
+
+
+@dataclass(frozen=True, slots=True)
+class _Mapped:
+    """One target column fed from one JSON field."""
+
+    column: Column
+    field: str
+    #: None: ``field`` is a top-level key (the fast path); else reads a dotted path.
+    get: Callable[[dict[str, Any]], Any] | None
+    convert: Converter
+    is_key: bool
+
+
+#: Per column: field, getter (None = top level), converter, reason when absent (None = allowed),
+#: reason when null (None = allowed).
+_PlanStep = tuple[str, Callable[[dict[str, Any]], Any] | None, Converter, str | None, str | None]
+
+
+@dataclass(slots=True)
+class _Row:
+    """A converted row: ``values`` spans every mapped column; ``mask`` bit i = column i present.
+
+    In upsert mode one row may merge several records with the same key (later fields overlay
+    earlier ones, as running them one after the other would); ``history`` then keeps each
+    record's own row so a server-side refusal can be pinned on the right record.
+    """
+
+    mask: int
+    values: list[Any]
+    records: list[Record]
+    history: list[_Row] | None = None
+
+
+class _RowError(Exception):
+    """The server refused the batch for its data (SQLSTATE 22/23/P0001)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class _OpenPart:
+    part: PartId
+    gid: str
+    conn: Connection | None
+    records: int = 0
+    rejected: int = 0
+    #: Set when the transaction is gone (connection lost, deadlock): only abort() helps now.
+    broken: str | None = None
+    #: Held by write/prepare for their whole run, so abort() from another thread waits for them.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _sqlstate(exc: BaseException) -> str:
+    return getattr(exc, "sqlstate", None) or ""
+
+
+def _is_row_error(exc: psycopg.Error) -> bool:
+    state = _sqlstate(exc)
+    return state[:2] in _ROW_ERROR_CLASSES or state in _ROW_ERROR_CODES
+
+
+#: What a failed COPY/merge can raise: the server's errors, and psycopg's when it cannot encode
+#: a value (a converter bug or a type we pass through) -- the latter is that row's fault.
+_ENCODE_ERRORS = (psycopg.Error, ValueError, TypeError, OverflowError, struct.error)
+
+
+def _is_row_refusal(conn: Connection, exc: BaseException) -> bool:
+    """True when ``exc`` is about the rows' data and the connection is fine."""
+    if conn.closed or conn.broken:
+        return False
+    if isinstance(exc, psycopg.Error):
+        return not _is_lost(conn, exc) and _is_row_error(exc)
+    return True
+
+
+def _is_lost(conn: Connection | None, exc: BaseException) -> bool:
+    """True when the connection cannot be used any more (network, server shutdown, ...)."""
+    if conn is not None and (conn.closed or conn.broken):
+        return True
+    state = _sqlstate(exc)
+    return state.startswith("08") or state in ("57P01", "57P02", "57P03")
+
+
+def _server_reason(exc: psycopg.Error) -> str:
+    diag = exc.diag
+    message = diag.message_primary or str(exc).strip().splitlines()[0]
+    where = []
+    if diag.column_name:
+        where.append(f"column {diag.column_name}")
+    if diag.constraint_name:
+        where.append(f"constraint {diag.constraint_name}")
+    suffix = f" ({', '.join(where)})" if where else ""
+    return f"PostgreSQL refused the row: {message}{suffix} [SQLSTATE {_sqlstate(exc)}]"
+
+
+def _qualified(name: str) -> sql.Composable:
+    return sql.Identifier(*name.split("."))
+
+
+def _positions_json(positions: Positions) -> str:
+    by_topic: dict[str, dict[str, int]] = {}
+    for (topic, partition), offset in sorted(positions.items()):
+        by_topic.setdefault(topic, {})[str(partition)] = offset
+    return orjson.dumps(by_topic).decode()
+
+
+class PostgresSink(Sink):
+    """Exactly-once delivery into one PostgreSQL table with real two-phase commit."""
+
+    config_model = PostgresSinkConfig
+
+    def __init__(self, config: SinkConfig, context: SinkContext) -> None:
+        super().__init__(config, context)
+        if not isinstance(config, PostgresSinkConfig):
+            raise FatalSinkError(
+                f"expected a PostgresSinkConfig, got {type(config).__name__}",
+                sink=context.sink_name,
+            )
+        self.cfg: PostgresSinkConfig = config
+        prefix = f"{_GID_PREFIX}:{context.sink_name}:"
+        if ":" in context.sink_name or len(prefix.encode()) + _TOKEN_MAX > _GID_MAX_BYTES:
+            raise FatalSinkError(
+                f"sink name {context.sink_name!r} must be at most {SINK_NAME_MAX} characters "
+                "without ':' so prepared transaction ids fit PostgreSQL's 200-byte limit",
+                sink=context.sink_name,
+            )
+        self._gid_prefix = prefix
+        self._conninfo = make_conninfo(
+            config.dsn,
+            connect_timeout=str(config.connect_timeout_s),
+            **({"password": config.password.get_secret_value()} if config.password else {}),
+            **(
+                {}
+                if "application_name" in conninfo_to_dict(config.dsn)
+                else {"application_name": f"twophase/{context.pipeline}/{context.sink_name}"}
+            ),
+        )
+        self._target = _qualified(config.table)
+        self._marker = _qualified(config.marker_table)
+        self._lock = threading.Lock()  # guards the fields below
+        self._open: _OpenPart | None = None
+        self._prepared: dict[PartId, Connection] = {}
+        self._idle: list[Connection] = []
+        self._admin_lock = threading.Lock()
+        self._admin: Connection | None = None
+        self._mapped: list[_Mapped] = []
+        self._key_idx: list[int] = []
+        self._plan: list[_PlanStep] = []
+        self._binary_types: list[str] | None = None
+        self._stage: sql.Composable | None = None
+        self._stage_name: str | None = None
+        self._statements: dict[int, tuple[sql.Composed, sql.Composed | None]] = {}
+        self._ready = False
+
+    # -- connections -----------------------------------------------------------------------
+
+    def _connect(self, *, autocommit: bool) -> Connection:
+        try:
+            conn = psycopg.connect(self._conninfo, autocommit=True)
+        except psycopg.OperationalError as exc:
+            message = f"cannot connect to PostgreSQL: {str(exc).strip()}"
+            if any(hint in message for hint in _CONNECT_FATAL_HINTS):
+                raise FatalSinkError(message, sink=self.name) from exc
+            raise RetriableSinkError(message, sink=self.name) from exc
+        try:
+            if self.cfg.statement_timeout_ms is not None:
+                conn.execute(
+                    "SELECT set_config('statement_timeout', %s, false)",
+                    (f"{self.cfg.statement_timeout_ms}ms",),
+                )
+            conn.autocommit = autocommit
+        except psycopg.Error as exc:
+            conn.close()
+            raise RetriableSinkError(
+                f"cannot configure a PostgreSQL session: {exc}", sink=self.name
+            ) from exc
+        return conn
+
+    @contextmanager
+    def _admin_conn(self) -> Iterator[Connection]:
+        """The autocommit admin connection, (re)connected as needed, for one thread at a time."""
+        with self._admin_lock:
+            if self._admin is None or self._admin.closed or self._admin.broken:
+                if self._admin is not None:
+                    self._admin.close()
+                self._admin = self._connect(autocommit=True)
+            try:
+                yield self._admin
+            except psycopg.Error as exc:
+                if _is_lost(self._admin, exc):
+                    self._admin.close()
+                    raise RetriableSinkError(
+                        f"lost the PostgreSQL connection: {str(exc).strip()}", sink=self.name
+                    ) from exc
+                raise
+
+    def _checkout(self) -> Connection:
+        with self._lock:
+            while self._idle:
+                conn = self._idle.pop()
+                if not (conn.closed or conn.broken):
+                    return conn
+        return self._connect(autocommit=False)
+
+    def _checkin(self, conn: Connection) -> None:
+        if (
+            conn.closed
+            or conn.broken
+            or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE
+        ):
+            conn.close()
+            return
+        with self._lock:
+            if len(self._idle) < _MAX_IDLE:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    # -- set-up ----------------------------------------------------------------------------
+
+    @property
+    def staging_table(self) -> str | None:
+        """Upsert mode's UNLOGGED staging table (after setup), for operators; None in insert mode."""
+        return self._stage_name
+
+    def gid(self, part: PartId) -> str:
+        """The prepared-transaction id of ``part`` in this sink."""
+        return f"{self._gid_prefix}{part.token}"
+
+    def setup(self) -> None:
+        with self._admin_conn() as conn:
+            try:
+                self._check_server(conn)
+                self._ensure_marker_table(conn)
+                self._load_target(conn)
+            except psycopg.Error as exc:
+                if _is_lost(conn, exc):
+                    raise
+                raise FatalSinkError(
+                    f"set-up of table {self.cfg.table} failed: {str(exc).strip()}", sink=self.name
+                ) from exc
+        self._ready = True
+        self.log.info(
+            "postgres sink %s ready: table %s, mode %s, columns %s",
+            self.name,
+            self.cfg.table,
+            self.cfg.mode,
+            ", ".join(m.column.name for m in self._mapped),
+        )
+
+    def _check_server(self, conn: Connection) -> None:
+        row = conn.execute("SELECT current_setting('max_prepared_transactions')::int").fetchone()
+        assert row is not None
+        if row[0] <= 0:
+            raise FatalSinkError(_MAX_PREPARED_ZERO, sink=self.name)
+
+    def _ensure_marker_table(self, conn: Connection) -> None:
+        ddl = sql.SQL(
+            """CREATE TABLE IF NOT EXISTS {} (
+                pipeline text NOT NULL,
+                sink text NOT NULL,
+                txn bigint NOT NULL,
+                participant text NOT NULL,
+                positions jsonb NOT NULL,
+                records integer NOT NULL,
+                rejected integer NOT NULL DEFAULT 0,
+                target text NOT NULL,
+                prepared_at timestamptz NOT NULL DEFAULT now(),
+                PRIMARY KEY (pipeline, sink, txn, participant)
+            )"""
+        ).format(self._marker)
+        # UniqueViolation: another participant created it at the same moment.
+        with suppress(psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable):
+            conn.execute(ddl)
+        # Fails with the missing column's name when an older/foreign table has another shape.
+        conn.execute(
+            sql.SQL(
+                "SELECT pipeline, sink, txn, participant, positions, records, rejected, target"
+                " FROM {} LIMIT 0"
+            ).format(self._marker)
+        )
+
+    def _regclass(self, conn: Connection) -> int | None:
+        row = conn.execute(
+            "SELECT to_regclass(%s)::oid", (self._target.as_string(conn),)
+        ).fetchone()
+        return None if row is None or row[0] is None else int(row[0])
+
+    def _load_target(self, conn: Connection) -> None:
+        cfg = self.cfg
+        oid = self._regclass(conn)
+        if oid is None and cfg.create_table is not None:
+            self._create_target(conn)
+            oid = self._regclass(conn)
+        if oid is None:
+            raise FatalSinkError(
+                f"target table {cfg.table} does not exist (create it, or set create_table)",
+                sink=self.name,
+            )
+        rows = conn.execute(
+            """
+            SELECT a.attname,
+                   CASE WHEN t.typtype = 'd' THEN bt.typname ELSE t.typname END,
+                   CASE WHEN t.typtype = 'e' OR bt.typtype = 'e' THEN 'enum'
+                        WHEN t.typcategory = 'A' THEN 'array' ELSE '' END,
+                   format_type(a.atttypid, a.atttypmod),
+                   a.attnotnull OR coalesce(t.typnotnull, false),
+                   a.atthasdef OR a.attidentity <> '',
+                   a.attgenerated <> '',
+                   CASE WHEN coalesce(bt.typname, t.typname) IN ('varchar', 'bpchar')
+                             AND a.atttypmod > 4 THEN a.atttypmod - 4 END
+              FROM pg_attribute a
+              JOIN pg_type t ON t.oid = a.atttypid
+              LEFT JOIN pg_type bt ON t.typtype = 'd' AND bt.oid = t.typbasetype
+             WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped
+             ORDER BY a.attnum
+            """,
+            (oid,),
+        ).fetchall()
+        table_columns: dict[str, tuple[Column, bool]] = {}
+        for name, base, special, sql_type, not_null, has_default, generated, max_len in rows:
+            column = Column(
+                name=name,
+                base_type=special or base,
+                sql_type=sql_type,
+                not_null=bool(not_null),
+                has_default=bool(has_default),
+                max_length=max_len,
+            )
+            table_columns[name] = (column, bool(generated))
+        wanted = (
+            cfg.columns
+            if cfg.columns is not None
+            else {name: name for name, (_, generated) in table_columns.items() if not generated}
+        )
+        mapped: list[_Mapped] = []
+        for column_name, path in wanted.items():
+            if column_name not in table_columns:
+                raise FatalSinkError(
+                    f"columns: table {cfg.table} has no column {column_name!r}", sink=self.name
+                )
+            column, generated = table_columns[column_name]
+            if generated:
+                raise FatalSinkError(
+                    f"columns: {cfg.table}.{column_name} is a generated column", sink=self.name
+                )
+            mapped.append(
+                _Mapped(
+                    column=column,
+                    field=path,
+                    # The default mapping reads the column's own name, dots and all.
+                    get=_nested_getter(path) if cfg.columns is not None else None,
+                    convert=converter_for(column),
+                    is_key=column_name in cfg.key,
+                )
+            )
+        for key in cfg.key:
+            if key not in table_columns:
+                raise FatalSinkError(
+                    f"key: table {cfg.table} has no column {key!r}", sink=self.name
+                )
+        if cfg.mode == "upsert":
+            self._check_unique_key(conn, oid)
+        self._mapped = mapped
+        self._key_idx = [i for i, m in enumerate(mapped) if m.is_key]
+        self._plan = [self._plan_step(m) for m in mapped]
+        binary = [binary_type(m.column.base_type) for m in mapped]
+        # Binary COPY is ~40% faster to produce and parse, but only for types we convert
+        # ourselves; one column the server must parse from text (enum, array, ...) makes it text.
+        self._binary_types = None if None in binary else [b for b in binary if b is not None]
+        self._stage = self._ensure_stage(conn, mapped) if cfg.mode == "upsert" else None
+        self._stage_name = None if self._stage is None else self._stage.as_string(conn)
+        self._statements.clear()
+
+    @staticmethod
+    def _plan_step(m: _Mapped) -> _PlanStep:
+        column = m.column
+        what = "upsert key" if m.is_key else "the column is NOT NULL"
+        absent = None
+        if m.is_key or (column.not_null and not column.has_default):
+            absent = f"column {column.name!r}: field {m.field!r} is missing ({what})"
+        null = None
+        if m.is_key or column.not_null:
+            null = f"column {column.name!r}: field {m.field!r} is null ({what})"
+        return (m.field, m.get, m.convert, absent, null)
+
+    def _ensure_stage(self, conn: Connection, mapped: list[_Mapped]) -> sql.Composable:
+        """The UNLOGGED staging table of upsert mode (a TEMP table would forbid PREPARE).
+
+        Named after the target and the mapped columns' types, so a changed target gets a new
+        one instead of DDL on a table that prepared transactions may hold locks on.
+        """
+        signature = "|".join(
+            [self.cfg.table, *(f"{m.column.name}:{m.column.sql_type}" for m in mapped)]
+        )
+        name = f"twophase_stage_{hashlib.sha1(signature.encode()).hexdigest()[:16]}"
+        schema = self.cfg.marker_table.split(".")[0] if "." in self.cfg.marker_table else None
+        stage = sql.Identifier(schema, name) if schema else sql.Identifier(name)
+        columns = sql.SQL(", ").join(sql.Identifier(m.column.name) for m in mapped)
+        # CREATE TABLE AS copies names and types, no constraints: NOT NULL and CHECK are
+        # checked when the rows reach the target.
+        with suppress(psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable):
+            conn.execute(
+                sql.SQL(
+                    "CREATE UNLOGGED TABLE IF NOT EXISTS {} AS SELECT {} FROM {} WITH NO DATA"
+                ).format(stage, columns, self._target)
+            )
+            conn.execute(
+                sql.SQL("COMMENT ON TABLE {} IS {}").format(
+                    stage,
+                    sql.Literal(
+                        f"twophase upsert staging for {self.cfg.table}; "
+                        "empty outside the transactions that use it"
+                    ),
+                )
+            )
+        return stage
+
+    def _create_target(self, conn: Connection) -> None:
+        assert self.cfg.create_table is not None
+        items: list[sql.Composable] = [
+            sql.SQL("{} {}").format(sql.Identifier(name), sql.SQL(sql_type))
+            for name, sql_type in self.cfg.create_table.items()
+        ]
+        if self.cfg.key:
+            items.append(
+                sql.SQL("PRIMARY KEY ({})").format(
+                    sql.SQL(", ").join(map(sql.Identifier, self.cfg.key))
+                )
+            )
+        # UniqueViolation: created concurrently by another participant.
+        with suppress(psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable):
+            conn.execute(
+                sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
+                    self._target, sql.SQL(", ").join(items)
+                )
+            )
+        self.log.info("postgres sink %s: created table %s", self.name, self.cfg.table)
+
+    def _check_unique_key(self, conn: Connection, oid: int) -> None:
+        rows = conn.execute(
+            """
+            SELECT array_agg(a.attname::text ORDER BY a.attname)
+              FROM pg_index i
+              JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
+             WHERE i.indrelid = %s AND i.indisunique AND i.indpred IS NULL
+                   AND i.indexprs IS NULL
+             GROUP BY i.indexrelid
+            """,
+            (oid,),
+        ).fetchall()
+        if sorted(self.cfg.key) not in [sorted(r[0]) for r in rows]:
+            raise FatalSinkError(
+                f"key: upsert needs a primary key or unique index on exactly "
+                f"({', '.join(self.cfg.key)}) of table {self.cfg.table}",
+                sink=self.name,
+            )
+
+    # -- state of a part in the store --------------------------------------------------------
+
+    def state(self, part: PartId) -> Literal["prepared", "committed", "unknown"]:
+        """What the store says about ``part``: prepared, committed, or unknown (never/aborted)."""
+        with self._admin_conn() as conn:
+            return self._state(conn, part)
+
+    def _state(self, conn: Connection, part: PartId) -> Literal["prepared", "committed", "unknown"]:
+        # Prepared first, marker second: COMMIT PREPARED makes the commit visible before it
+        # removes the gid, so a part cannot slip between the two checks.
+        row = conn.execute(
+            "SELECT count(*) FROM pg_prepared_xacts WHERE gid = %s AND database = current_database()",
+            (self.gid(part),),
+        ).fetchone()
+        if row is not None and row[0]:
+            return "prepared"
+        return "committed" if self._has_marker(conn, part) else "unknown"
+
+    def _has_marker(self, conn: Connection, part: PartId) -> bool:
+        row = conn.execute(
+            sql.SQL(
+                "SELECT count(*) FROM {} WHERE pipeline = %s AND sink = %s AND txn = %s"
+                " AND participant = %s"
+            ).format(self._marker),
+            (part.pipeline, self.name, part.txn, part.participant),
+        ).fetchone()
+        return row is not None and bool(row[0])
+
+    # -- the open part ---------------------------------------------------------------------
+
+    def begin(self, part: PartId) -> None:
+        self._require_ready()
+        with self._lock:
+            if self._open is not None:
+                if self._open.part == part:
+                    return
+                raise FatalSinkError(
+                    f"begin({part.token}) while part {self._open.part.token} is still open; "
+                    "prepare or abort it first",
+                    sink=self.name,
+                )
+        with self._admin_conn() as admin:
+            state = self._state(admin, part)
+        if state != "unknown":
+            raise FatalSinkError(
+                f"part {part.token} is already {state} in {self.cfg.table}; "
+                "a part id must never be reused",
+                sink=self.name,
+            )
+        gid = self.gid(part)
+        conn = self._checkout()
+        try:
+            conn.tpc_begin(gid)
+        except psycopg.Error as exc:
+            conn.close()
+            if not _is_lost(conn, exc):
+                raise
+            conn = self._connect(autocommit=False)  # a stale idle connection: one fresh try
+            try:
+                conn.tpc_begin(gid)
+            except psycopg.Error as exc2:
+                conn.close()
+                raise RetriableSinkError(
+                    f"part {part.token}: cannot start a transaction: {exc2}", sink=self.name
+                ) from exc2
+        with self._lock:
+            self._open = _OpenPart(part=part, gid=gid, conn=conn)
+        self.log.debug("postgres sink %s: part %s open (gid %s)", self.name, part.token, gid)
+
+    def _open_part(self, part: PartId, action: str) -> _OpenPart:
+        with self._lock:
+            op = self._open
+        if op is None or op.part != part:
+            raise AbortTransactionError(
+                f"{action}: part {part.token} is not the open part", sink=self.name
+            )
+        return op
+
+    def _fail(self, op: _OpenPart, reason: str, exc: BaseException | None) -> AbortTransactionError:
+        """Give up the open part's transaction: only abort() can follow."""
+        op.broken = reason
+        if op.conn is not None:
+            op.conn.close()  # rolls the transaction back server-side
+            op.conn = None
+        self.log.warning(
+            "postgres sink %s: part %s must abort: %s", self.name, op.part.token, reason
+        )
+        error = AbortTransactionError(f"part {op.part.token}: {reason}", sink=self.name)
+        if exc is not None:
+            error.__cause__ = exc
+        return error
+
+    def write(self, part: PartId, records: Sequence[Record]) -> Sequence[Rejected]:
+        op = self._open_part(part, "write")
+        with op.lock:
+            if op.broken is not None or op.conn is None:
+                raise AbortTransactionError(
+                    f"part {part.token} cannot continue: {op.broken}", sink=self.name
+                )
+            rejected: list[Rejected] = []
+            rows = self._convert(records, rejected)
+            try:
+                rejected.extend(self._write_rows(op.conn, self._groups(rows)))
+            except _ENCODE_ERRORS as exc:
+                raise self._classify_write_error(op, exc) from exc
+            op.records += len(records) - len(rejected)
+            op.rejected += len(rejected)
+        if rejected:
+            self.log.info(
+                "postgres sink %s: part %s rejected %d of %d records (first: %s)",
+                self.name,
+                part.token,
+                len(rejected),
+                len(records),
+                rejected[0].reason,
+            )
+        return rejected
+
+    def _classify_write_error(self, op: _OpenPart, exc: BaseException) -> Exception:
+        state = _sqlstate(exc)
+        if _is_lost(op.conn, exc):
+            return self._fail(op, f"lost the PostgreSQL connection: {str(exc).strip()}", exc)
+        if state in _RETRIABLE_CODES or state[:2] in _RETRIABLE_CLASSES:
+            # _savepoint rolled the batch back: the part is as before this write.
+            return RetriableSinkError(
+                f"part {op.part.token}: {str(exc).strip()} [SQLSTATE {state}]", sink=self.name
+            )
+        if state[:2] in _FATAL_CLASSES:
+            self._fail(op, str(exc).strip(), exc)
+            return FatalSinkError(
+                f"part {op.part.token}: table {self.cfg.table}: {str(exc).strip()} "
+                f"[SQLSTATE {state}]",
+                sink=self.name,
+            )
+        # Class 40 (serialization failure, deadlock) and anything unexpected: start over.
+        return self._fail(op, f"{str(exc).strip()} [SQLSTATE {state}]", exc)
+
+    # -- conversion ------------------------------------------------------------------------
+
+    def _convert(self, records: Sequence[Record], rejected: list[Rejected]) -> list[_Row]:
+        """Client-side conversion: the hot loop of the sink, kept free of per-column calls."""
+        plan = self._plan
+        upsert = self.cfg.mode == "upsert"
+        key_idx = self._key_idx
+        rows: list[_Row] = []
+        by_key: dict[tuple[Any, ...], _Row] = {}
+        for record in records:
+            value = record.value
+            if not isinstance(value, dict):
+                rejected.append(Rejected(record, "the record value is not a JSON object"))
+                continue
+            values: list[Any] = []
+            append = values.append
+            mask = 0
+            bit = 1
+            reason: str | None = None
+            try:
+                for field_name, get, convert, absent_reason, null_reason in plan:
+                    raw = value.get(field_name, _ABSENT) if get is None else get(value)
+                    if raw is None:
+                        if null_reason is not None:
+                            reason = null_reason
+                            break
+                        append(None)
+                        mask |= bit
+                    elif raw is _ABSENT:
+                        if absent_reason is not None:
+                            reason = absent_reason
+                            break
+                        append(None)
+                    else:
+                        append(convert(raw))
+                        mask |= bit
+                    bit <<= 1
+            except BadValue as exc:
+                column = self._mapped[len(values)]  # the column being converted
+                reason = (
+                    f"column {column.column.name!r} ({column.column.sql_type}) "
+                    f"from field {column.field!r}: {exc}"
+                )
+            if reason is None and mask == 0:
+                reason = "none of the mapped fields is present: " + ", ".join(
+                    sorted({m.field for m in self._mapped})
+                )
+            if reason is not None:
+                rejected.append(Rejected(record, reason))
+                continue
+            row = _Row(mask, values, [record])
+            if not upsert:
+                rows.append(row)
+                continue
+            key = tuple([values[i] for i in key_idx])
+            earlier = by_key.get(key)
+            if earlier is None:
+                by_key[key] = row
+                rows.append(row)
+            else:
+                self._overlay(earlier, row)
+        return rows
+
+    @staticmethod
+    def _overlay(earlier: _Row, later: _Row) -> None:
+        """Merge ``later`` into ``earlier`` (same key) as applying both in order would."""
+        if earlier.history is None:
+            earlier.history = [_Row(earlier.mask, list(earlier.values), list(earlier.records))]
+        earlier.history.append(later)
+        if later.mask == earlier.mask:
+            earlier.values = later.values
+        else:
+            earlier.values = list(earlier.values)  # never alias a history entry's list
+            bit = 1
+            for i in range(len(earlier.values)):
+                if later.mask & bit:
+                    earlier.values[i] = later.values[i]
+                bit <<= 1
+            earlier.mask |= later.mask
+        earlier.records.extend(later.records)
+
+    @staticmethod
+    def _groups(rows: list[_Row]) -> list[tuple[int, list[_Row]]]:
+        groups: dict[int, list[_Row]] = {}
+        for row in rows:
+            groups.setdefault(row.mask, []).append(row)
+        return list(groups.items())
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def _write_rows(self, conn: Connection, groups: list[tuple[int, list[_Row]]]) -> list[Rejected]:
+        """Write all of ``groups`` but the rows the server refuses (returned), or raise and
+        leave the part exactly as it was before."""
+        rejected: list[Rejected] = []
+        write_sp = sql.SQL("SAVEPOINT {}").format(_WRITE_SAVEPOINT)
+        rollback = sql.SQL("ROLLBACK TO SAVEPOINT {}").format(_WRITE_SAVEPOINT)
+        conn.execute(write_sp)
+        try:
+            try:
+                # The common case: one COPY per group and no savepoint but this one.
+                for mask, rows in groups:
+                    self._send(conn, mask, rows)
+            except _ENCODE_ERRORS as exc:
+                if not _is_row_refusal(conn, exc):
+                    raise
+                conn.execute(rollback)  # keeps the savepoint for the careful pass
+                self.log.debug("postgres sink %s: isolating refused rows: %s", self.name, exc)
+                for mask, rows in groups:
+                    self._write_isolating(conn, mask, rows, rejected)
+        except _ENCODE_ERRORS as exc:
+            if not (conn.closed or conn.broken or _is_lost(conn, exc)):
+                conn.execute(rollback)
+                conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(_WRITE_SAVEPOINT))
+            raise
+        conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(_WRITE_SAVEPOINT))
+        return rejected
+
+    def _write_isolating(
+        self, conn: Connection, mask: int, rows: list[_Row], rejected: list[Rejected]
+    ) -> None:
+        """Write ``rows``; when the server refuses them for their data, bisect to the culprits."""
+        try:
+            with self._savepoint(conn, _BATCH_SAVEPOINT):
+                self._send(conn, mask, rows)
+            return
+        except _RowError as exc:
+            if len(rows) > 1:
+                middle = len(rows) // 2
+                self._write_isolating(conn, mask, rows[:middle], rejected)
+                self._write_isolating(conn, mask, rows[middle:], rejected)
+                return
+            row = rows[0]
+            if row.history is not None:
+                # A merged upsert row: replay its records one by one so only the bad one goes.
+                for single in row.history:
+                    self._write_isolating(conn, single.mask, [single], rejected)
+                return
+            rejected.extend(Rejected(r, exc.reason) for r in row.records)
+
+    @contextmanager
+    def _savepoint(self, conn: Connection, name: sql.Identifier) -> Iterator[None]:
+        """Run the block under savepoint ``name``; on failure roll back to it and re-raise,
+        a refusal of the rows' data as :class:`_RowError`."""
+        conn.execute(sql.SQL("SAVEPOINT {}").format(name))
+        try:
+            yield
+        except _ENCODE_ERRORS as exc:
+            if isinstance(exc, psycopg.Error) and _is_lost(conn, exc):
+                raise
+            # An exception inside a COPY block cancels the COPY (CopyFail); the rollback undoes
+            # whatever had reached the server.
+            conn.execute(sql.SQL("ROLLBACK TO SAVEPOINT {}").format(name))
+            conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(name))
+            if not isinstance(exc, psycopg.Error):
+                raise _RowError(f"cannot encode the row: {type(exc).__name__}: {exc}") from exc
+            if _is_row_error(exc):
+                raise _RowError(_server_reason(exc)) from exc
+            raise
+        conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(name))
+
+    def _columns_of(self, mask: int) -> list[int]:
+        return [i for i in range(len(self._mapped)) if mask & (1 << i)]
+
+    def _send(self, conn: Connection, mask: int, rows: list[_Row]) -> None:
+        """COPY ``rows`` (all with ``mask``) into the target, or via the staging table."""
+        idx = self._columns_of(mask)
+        copy_sql, merge_sql = self._statements_for(mask, idx)
+        with conn.cursor() as cur:
+            with cur.copy(copy_sql) as copy:
+                if self._binary_types is not None:
+                    copy.set_types([self._binary_types[i] for i in idx])
+                write_row = copy.write_row
+                if len(idx) == len(self._mapped):
+                    for row in rows:
+                        write_row(row.values)
+                else:
+                    for row in rows:
+                        values = row.values
+                        write_row([values[i] for i in idx])
+            if merge_sql is not None:
+                assert self._stage is not None
+                cur.execute(merge_sql)
+                # Only this transaction's rows are visible to it: every transaction deletes
+                # what it staged before it prepares, so the table is empty to everyone else.
+                cur.execute(sql.SQL("DELETE FROM {}").format(self._stage))
+
+    def _statements_for(
+        self, mask: int, idx: list[int]
+    ) -> tuple[sql.Composed, sql.Composed | None]:
+        cached = self._statements.get(mask)
+        if cached is not None:
+            return cached
+        columns = [self._mapped[i].column for i in idx]
+        names = sql.SQL(", ").join(sql.Identifier(c.name) for c in columns)
+        binary = sql.SQL(" (FORMAT BINARY)" if self._binary_types is not None else "")
+        merge: sql.Composed | None = None
+        if self._stage is None:
+            copy = sql.SQL("COPY {} ({}) FROM STDIN{}").format(self._target, names, binary)
+        else:
+            copy = sql.SQL("COPY {} ({}) FROM STDIN{}").format(self._stage, names, binary)
+            updates = [c for c in columns if c.name not in self.cfg.key]
+            action = (
+                sql.SQL("DO UPDATE SET {}").format(
+                    sql.SQL(", ").join(
+                        sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(c.name))
+                        for c in updates
+                    )
+                )
+                if updates
+                else sql.SQL("DO NOTHING")
+            )
+            merge = sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {} ON CONFLICT ({}) {}").format(
+                self._target,
+                names,
+                names,
+                self._stage,
+                sql.SQL(", ").join(map(sql.Identifier, self.cfg.key)),
+                action,
+            )
+        self._statements[mask] = (copy, merge)
+        return copy, merge
+
+    # -- prepare / commit / abort -------------------------------------------------------------
+
+    def prepare(self, part: PartId, positions: Positions) -> None:
+        op = self._open_part(part, "prepare")
+        started = time.monotonic()
+        with op.lock:
+            if op.broken is not None or op.conn is None:
+                raise AbortTransactionError(
+                    f"part {part.token} cannot be prepared: {op.broken}", sink=self.name
+                )
+            conn = op.conn
+            try:
+                conn.execute(
+                    sql.SQL(
+                        "INSERT INTO {} (pipeline, sink, txn, participant, positions, records,"
+                        " rejected, target) VALUES (%s, %s, %s, %s, %s::jsonb, %s, %s, %s)"
+                    ).format(self._marker),
+                    (
+                        part.pipeline,
+                        self.name,
+                        part.txn,
+                        part.participant,
+                        _positions_json(positions),
+                        op.records,
+                        op.rejected,
+                        self.cfg.table,
+                    ),
+                )
+                conn.tpc_prepare()
+            except psycopg.NotSupportedError as exc:
+                # psycopg's translation of "prepared transactions are disabled".
+                self._fail(op, _MAX_PREPARED_ZERO, exc)
+                raise FatalSinkError(_MAX_PREPARED_ZERO, sink=self.name) from exc
+            except psycopg.errors.UniqueViolation as exc:
+                self._fail(op, "its marker row already exists", exc)
+                raise FatalSinkError(
+                    f"part {part.token} was already committed to {self.cfg.table}; "
+                    "a part id must never be reused",
+                    sink=self.name,
+                ) from exc
+            except psycopg.Error as exc:
+                # Whether PREPARE reached the server is unknown when the connection dropped:
+                # abort() asks the store and rolls back a prepared gid if there is one.
+                raise self._fail(op, f"prepare failed: {str(exc).strip()}", exc) from exc
+            with self._lock:
+                self._open = None
+                self._prepared[part] = conn
+                surplus = list(self._prepared)[:-_MAX_HELD_PREPARED]
+                released = [self._prepared.pop(p) for p in surplus]
+        for old in released:
+            old.close()  # its prepared transaction stays; the admin connection decides it
+        self.log.info(
+            "postgres sink %s: part %s prepared: %d records, %d rejected, %.3fs",
+            self.name,
+            part.token,
+            op.records,
+            op.rejected,
+            time.monotonic() - started,
+        )
+
+    def commit(self, part: PartId) -> None:
+        self._require_ready()
+        with self._lock:
+            conn = self._prepared.pop(part, None)
+        if conn is not None:
+            try:
+                conn.tpc_commit()
+            except psycopg.Error as exc:
+                # Lost connection, or another process finished the gid first: ask the store.
+                conn.close()
+                self.log.info(
+                    "postgres sink %s: part %s: commit on its own connection failed (%s); "
+                    "checking the store",
+                    self.name,
+                    part.token,
+                    str(exc).strip(),
+                )
+            else:
+                self._checkin(conn)
+                self.log.info("postgres sink %s: part %s committed", self.name, part.token)
+                return
+        self._finish(part, "COMMIT")
+
+    def abort(self, part: PartId) -> None:
+        self._require_ready()
+        with self._lock:
+            op = self._open if self._open is not None and self._open.part == part else None
+        if op is not None:
+            with op.lock:  # waits for a write/prepare in progress on another thread
+                with self._lock:
+                    if self._open is op:
+                        self._open = None
+                conn, op.conn = op.conn, None
+                if conn is not None:
+                    try:
+                        conn.tpc_rollback()
+                    except psycopg.Error:
+                        conn.close()  # closing rolls back just the same
+                    else:
+                        self._checkin(conn)
+            self.log.info("postgres sink %s: part %s aborted (was open)", self.name, part.token)
+            # Fall through: a prepare that failed in flight may still have reached the server.
+        with self._lock:
+            prepared = self._prepared.pop(part, None)
+        if prepared is not None:
+            try:
+                prepared.tpc_rollback()
+            except psycopg.Error:
+                prepared.close()
+            else:
+                self._checkin(prepared)
+                self.log.info("postgres sink %s: part %s rolled back", self.name, part.token)
+                return
+        self._finish(part, "ROLLBACK")
+
+    def _finish(self, part: PartId, action: Literal["COMMIT", "ROLLBACK"]) -> None:
+        """Decide ``part`` by gid from the admin connection (recovery, other process, retry)."""
+        gid = self.gid(part)
+        with self._admin_conn() as conn:
+            try:
+                if action == "COMMIT":
+                    conn.tpc_commit(gid)
+                else:
+                    conn.tpc_rollback(gid)
+            except psycopg.errors.UndefinedObject:
+                # Not prepared (any more): it is committed, or it never was / was rolled back.
+                committed = self._has_marker(conn, part)
+            except psycopg.errors.ObjectNotInPrerequisiteState as exc:
+                # "prepared transaction with identifier ... is busy": another session is
+                # finishing it right now. Ask again shortly.
+                raise RetriableSinkError(
+                    f"part {part.token}: {str(exc).strip()}", sink=self.name
+                ) from exc
+            except psycopg.Error as exc:
+                if _is_lost(conn, exc):
+                    raise
+                raise FatalSinkError(
+                    f"part {part.token}: {action} PREPARED failed: {str(exc).strip()}",
+                    sink=self.name,
+                ) from exc
+            else:
+                self.log.info(
+                    "postgres sink %s: part %s %s by gid",
+                    self.name,
+                    part.token,
+                    "committed" if action == "COMMIT" else "rolled back",
+                )
+                return
+        if action == "COMMIT":
+            if not committed:
+                raise UnknownPartError(
+                    f"commit of part {part.token}: neither prepared nor committed in "
+                    f"{self.cfg.table} (gid {gid})",
+                    sink=self.name,
+                )
+            self.log.info("postgres sink %s: part %s already committed", self.name, part.token)
+        else:
+            if committed:
+                raise FatalSinkError(
+                    f"abort of part {part.token}: it is already committed in {self.cfg.table}",
+                    sink=self.name,
+                )
+            self.log.debug("postgres sink %s: part %s: nothing to abort", self.name, part.token)
+
+    def in_doubt(self) -> list[PartId]:
+        self._require_ready()
+        prefix = f"{self._gid_prefix}{self.context.pipeline}~"
+        with self._admin_conn() as conn:
+            rows = conn.execute(
+                "SELECT gid FROM pg_prepared_xacts"
+                " WHERE database = current_database() AND starts_with(gid, %s) ORDER BY gid",
+                (prefix,),
+            ).fetchall()
+        parts: list[PartId] = []
+        for (gid,) in rows:
+            try:
+                part = PartId.parse(gid[len(self._gid_prefix) :])
+            except ValueError:
+                self.log.warning("postgres sink %s: ignoring prepared gid %r", self.name, gid)
+                continue
+            if self.owns(part):
+                parts.append(part)
+        return sorted(parts)
+
+    def close(self) -> None:
+        with self._lock:
+            conns = [c for c in self._prepared.values()] + self._idle
+            if self._open is not None and self._open.conn is not None:
+                conns.append(self._open.conn)
+                self._open.conn = None
+                self._open.broken = "the sink was closed"
+            self._prepared.clear()
+            self._idle = []
+        with self._admin_lock:
+            if self._admin is not None:
+                conns.append(self._admin)
+                self._admin = None
+        for conn in conns:
+            conn.close()  # prepared transactions stay prepared in the server
+
+    def _require_ready(self) -> None:
+        if not self._ready:
+            raise FatalSinkError("setup() has not run", sink=self.name)

@@ -1,0 +1,868 @@
+"""The PostgreSQL sink against the real server of the local stack (``make stack-up``).
+
+Every test uses its own pipeline, sink name and tables, and its fixture rolls back whatever
+prepared transactions of that pipeline are left, so a failing test never leaves locks behind.
+The ``max_prepared_transactions = 0`` test starts a throwaway cluster of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from pydantic import ValidationError
+
+from participants.sdk import (
+    AbortTransactionError,
+    FatalSinkError,
+    PartId,
+    Record,
+    Rejected,
+    RetriableSinkError,
+    SinkContext,
+    UnknownPartError,
+)
+from participants.sinks.postgres import PostgresSink, PostgresSinkConfig
+
+pytestmark = pytest.mark.stack
+
+TOPIC = "orders"
+MakeSink = Callable[..., PostgresSink]
+
+
+# -- fixtures ------------------------------------------------------------------------------
+
+
+def _base_name(unique_name: Any) -> str:
+    raw = unique_name("pg") if callable(unique_name) else f"{unique_name}_pg"
+    name = re.sub(r"[^a-z0-9_]", "_", str(raw).lower()).strip("_")
+    # Leaves room for suffixes within PostgreSQL's 63-byte identifiers and the 40-char sink name.
+    return ("t" + name)[-30:].lstrip("_")
+
+
+class PgEnv:
+    """One test's names, an autocommit reader connection, and the clean-up of both."""
+
+    def __init__(self, dsn: str, base: str) -> None:
+        self.dsn = dsn
+        self.base = base
+        self.pipeline = f"p{base}"[:60]
+        self.reader = psycopg.connect(dsn, autocommit=True)
+        self.tables: list[str] = []
+        self.sinks: list[PostgresSink] = []
+        self.pipelines = {self.pipeline}
+
+    def table(self, suffix: str, ddl: str) -> str:
+        name = f"{self.base}_{suffix}"
+        self.reader.execute(f'DROP TABLE IF EXISTS "{name}"')
+        self.reader.execute(f'CREATE TABLE "{name}" ({ddl})')
+        self.tables.append(name)
+        return name
+
+    def rows(self, query: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        return self.reader.execute(query, params).fetchall()
+
+    def prepared_gids(self, pipeline: str | None = None) -> list[str]:
+        rows = self.rows(
+            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()"
+            " AND gid LIKE 'twophase:%%' ORDER BY gid"
+        )
+        wanted = [pipeline] if pipeline else list(self.pipelines)
+        return [g for (g,) in rows if any(f":{p}~" in g for p in wanted)]
+
+    def cleanup_now(self) -> None:
+        """Clean up before the end of the test (e.g. to drop a type the tables use)."""
+        self.cleanup(keep_reader=True)
+        self.sinks, self.tables = [], []
+
+    def cleanup(self, *, keep_reader: bool = False) -> None:
+        stages = {s.staging_table for s in self.sinks} - {None}
+        for sink in self.sinks:
+            sink.close()
+        for gid in self.prepared_gids():
+            self.reader.execute(f"ROLLBACK PREPARED '{gid}'")
+        for stage in stages:
+            self.reader.execute(f"DROP TABLE IF EXISTS {stage}")
+        for name in self.tables:
+            self.reader.execute(f'DROP TABLE IF EXISTS "{name}"')
+        if self.rows("SELECT to_regclass('twophase_parts')")[0][0] is not None:
+            self.reader.execute(
+                "DELETE FROM twophase_parts WHERE pipeline = ANY(%s)", (sorted(self.pipelines),)
+            )
+        if not keep_reader:
+            self.reader.close()
+
+
+@pytest.fixture
+def env(pg_dsn: str, unique_name: Any) -> Iterator[PgEnv]:
+    pg_env = PgEnv(pg_dsn, _base_name(unique_name))
+    try:
+        yield pg_env
+    finally:
+        pg_env.cleanup()
+
+
+@pytest.fixture
+def make_sink(env: PgEnv) -> MakeSink:
+    def make(
+        table: str,
+        *,
+        participant: str = "w1",
+        pipeline: str | None = None,
+        name: str | None = None,
+        setup: bool = True,
+        **options: Any,
+    ) -> PostgresSink:
+        pipeline = pipeline or env.pipeline
+        env.pipelines.add(pipeline)
+        sink_name = name or f"s{env.base}"[:40]
+        raw = {"name": sink_name, "type": "postgres", "dsn": env.dsn, "table": table, **options}
+        context = SinkContext(
+            pipeline=pipeline,
+            participant=participant,
+            sink_name=sink_name,
+            logger=logging.getLogger(f"test.{sink_name}"),
+        )
+        sink = PostgresSink.from_mapping(raw, context)
+        assert isinstance(sink, PostgresSink)
+        env.sinks.append(sink)
+        if setup:
+            sink.setup()
+        return sink
+
+    return make
+
+
+def rec(offset: int, value: dict[str, Any], *, partition: int = 0) -> Record:
+    return Record(TOPIC, partition, offset, 1_700_000_000_000 + offset, None, value)
+
+
+def part(env: PgEnv, txn: int, participant: str = "w1", pipeline: str | None = None) -> PartId:
+    return PartId(pipeline or env.pipeline, txn, participant)
+
+
+def positions_of(records: Sequence[Record]) -> dict[tuple[str, int], int]:
+    out: dict[tuple[str, int], int] = {}
+    for r in records:
+        tp = (r.topic, r.partition)
+        out[tp] = max(out.get(tp, 0), r.offset + 1)
+    return out
+
+
+def run_part(
+    sink: PostgresSink, pid: PartId, *batches: Sequence[Record], commit: bool = True
+) -> list[Rejected]:
+    sink.begin(pid)
+    rejected: list[Rejected] = []
+    for batch in batches:
+        rejected.extend(sink.write(pid, batch))
+    sink.prepare(pid, positions_of([r for b in batches for r in b]))
+    if commit:
+        sink.commit(pid)
+    return rejected
+
+
+ORDERS_DDL = """
+    id bigint PRIMARY KEY,
+    name text,
+    amount numeric(12, 2),
+    paid boolean,
+    at timestamptz,
+    doc jsonb,
+    day date,
+    score double precision,
+    qty integer NOT NULL DEFAULT 1
+"""
+
+
+# -- insert and upsert end to end ------------------------------------------------------------
+
+
+def test_insert_mode_end_to_end_invisible_until_commit(env: PgEnv, make_sink: MakeSink) -> None:
+    table = env.table("orders", ORDERS_DDL)
+    sink = make_sink(table)
+    batch1 = [
+        rec(
+            0,
+            {
+                "id": 1,
+                "name": "ada",
+                "amount": 12.5,
+                "paid": True,
+                "at": "2024-05-01T10:00:00Z",
+                "doc": {"tags": ["a", "b"], "n": 1},
+                "day": "2024-05-01",
+                "score": 0.25,
+                "qty": 3,
+                "ignored_field": "x",
+            },
+        ),
+        rec(1, {"id": "2", "name": None, "amount": "7.10", "paid": False, "doc": [1, 2]}),
+    ]
+    batch2 = [rec(2, {"id": 3, "at": "2024-05-01T12:00:00+02:00", "day": "2024-05-02"})]
+    pid = part(env, 1)
+    sink.begin(pid)
+    assert sink.write(pid, batch1) == []
+    assert sink.write(pid, batch2) == []
+    sink.prepare(pid, {(TOPIC, 0): 3, (TOPIC, 1): 17})
+
+    assert env.rows(f'SELECT count(*) FROM "{table}"') == [(0,)]
+    assert env.prepared_gids() == [f"twophase:{sink.name}:{pid.token}"]
+    assert sink.state(pid) == "prepared"
+
+    sink.commit(pid)
+    assert sink.state(pid) == "committed"
+    assert env.prepared_gids() == []
+    rows = env.rows(
+        f'SELECT id, name, amount, paid, at, doc, day, score, qty FROM "{table}" ORDER BY id'
+    )
+    assert [r[0] for r in rows] == [1, 2, 3]
+    r1, r2, r3 = rows
+    assert r1[1:4] == ("ada", Decimal("12.50"), True)
+    assert r1[4].isoformat() in ("2024-05-01T10:00:00+00:00",)
+    assert r1[5] == {"tags": ["a", "b"], "n": 1}
+    assert str(r1[6]) == "2024-05-01" and r1[7] == 0.25 and r1[8] == 3
+    assert r2[1] is None and r2[2] == Decimal("7.10") and r2[5] == [1, 2]
+    assert r2[8] == 1, "an absent field lets the column DEFAULT apply"
+    assert r3[4].timestamp() == 1714557600.0  # 12:00+02:00 == 10:00Z
+    marker = env.rows(
+        "SELECT sink, txn, participant, positions, records, rejected, target"
+        " FROM twophase_parts WHERE pipeline = %s",
+        (env.pipeline,),
+    )
+    assert marker == [
+        (sink.name, 1, "w1", {TOPIC: {"0": 3, "1": 17}}, 3, 0, table),
+    ]
+
+
+def test_upsert_last_value_wins_within_and_across_parts(env: PgEnv, make_sink: MakeSink) -> None:
+    table = env.table("accounts", "k text, region int, v int, note text, PRIMARY KEY (k, region)")
+    sink = make_sink(table, mode="upsert", key=["k", "region"])
+    first = [
+        rec(0, {"k": "a", "region": 1, "v": 1, "note": "first"}),
+        rec(1, {"k": "b", "region": 1, "v": 10, "note": "b"}),
+        rec(2, {"k": "a", "region": 1, "v": 2}),  # note absent: keeps "first"
+        rec(3, {"k": "a", "region": 2, "v": 100, "note": "other region"}),
+    ]
+    second_batch = [
+        rec(4, {"k": "a", "region": 1, "v": 3}),
+        rec(5, {"k": "b", "region": 1, "v": 11}),
+    ]
+    assert run_part(sink, part(env, 1), first, second_batch) == []
+    assert env.rows(f'SELECT k, region, v, note FROM "{table}" ORDER BY k, region') == [
+        ("a", 1, 3, "first"),
+        ("a", 2, 100, "other region"),
+        ("b", 1, 11, "b"),
+    ]
+    later = [
+        rec(6, {"k": "b", "region": 1, "v": 12, "note": None}),
+        rec(7, {"k": "c", "region": 1, "v": 0}),
+        rec(8, {"k": "b", "region": 1, "v": 13}),
+    ]
+    assert run_part(sink, part(env, 2), later) == []
+    assert env.rows(f'SELECT k, region, v, note FROM "{table}" ORDER BY k, region') == [
+        ("a", 1, 3, "first"),
+        ("a", 2, 100, "other region"),
+        ("b", 1, 13, None),
+        ("c", 1, 0, None),
+    ]
+    counts = env.rows(
+        "SELECT txn, records FROM twophase_parts WHERE pipeline = %s ORDER BY txn", (env.pipeline,)
+    )
+    assert counts == [(1, 6), (2, 3)]
+
+
+def test_column_mapping_nested_fields_and_server_typed_columns(
+    env: PgEnv, make_sink: MakeSink
+) -> None:
+    env.reader.execute(f'DROP TYPE IF EXISTS "{env.base}_mood"')
+    env.reader.execute(f"CREATE TYPE \"{env.base}_mood\" AS ENUM ('happy', 'sad')")
+    try:
+        table = env.table(
+            "people",
+            f'id int PRIMARY KEY, city text, mood "{env.base}_mood", tags text[], n int[], '
+            "created timestamptz DEFAULT now()",
+        )
+        columns = {
+            "id": "person.id",
+            "city": "person.address.city",
+            "mood": "mood",
+            "tags": "tags",
+            "n": "n",
+        }
+        for mode in ("insert", "upsert"):
+            env.reader.execute(f'TRUNCATE "{table}"')
+            sink = make_sink(
+                table,
+                mode=mode,
+                columns=columns,
+                **({"key": ["id"]} if mode == "upsert" else {}),
+                name=f"s{env.base}{mode[0]}"[:40],
+            )
+            records = [
+                rec(
+                    0,
+                    {
+                        "person": {"id": 1, "address": {"city": "Oslo"}},
+                        "mood": "happy",
+                        "tags": ["x", 'q"uote'],
+                        "n": [1, 2],
+                    },
+                ),
+                rec(1, {"person": {"id": 2}, "mood": "sad", "tags": [], "n": None}),
+                rec(2, {"person": {"id": 3}, "mood": "angry"}),  # not in the enum: server says no
+                rec(3, {"person": {"address": {"city": "no id"}}}),
+            ]
+            rejected = run_part(sink, part(env, 1 if mode == "insert" else 2), records)
+            assert sorted(r.record.offset for r in rejected) == [2, 3], rejected
+            reasons = {r.record.offset: r.reason for r in rejected}
+            assert "22P02" in reasons[2] and "angry" in reasons[2]
+            assert "'id'" in reasons[3] and "person.id" in reasons[3]
+            assert env.rows(
+                f'SELECT id, city, mood::text, tags, n, created IS NOT NULL FROM "{table}" ORDER BY id'
+            ) == [
+                (1, "Oslo", "happy", ["x", 'q"uote'], [1, 2], True),
+                (2, None, "sad", [], None, True),
+            ]
+    finally:
+        env.cleanup_now()
+        env.reader.execute(f'DROP TYPE IF EXISTS "{env.base}_mood"')
+
+
+# -- durability, recovery, idempotency -------------------------------------------------------
+
+
+def test_prepared_part_survives_closing_the_sink(env: PgEnv, make_sink: MakeSink) -> None:
+    table = env.table("orders", ORDERS_DDL)
+    first = make_sink(table)
+    pid = part(env, 7)
+    run_part(first, pid, [rec(0, {"id": 1}), rec(1, {"id": 2})], commit=False)
+    first.close()
+    assert env.rows(f'SELECT count(*) FROM "{table}"') == [(0,)]
+
+    second = make_sink(table, participant="w2")
+    assert second.in_doubt() == [pid]
+    second.commit(pid)
+    assert second.in_doubt() == []
+    assert env.rows(f'SELECT id FROM "{table}" ORDER BY id') == [(1,), (2,)]
+    second.commit(pid)  # replayed decision: no-op
+    assert env.rows(f'SELECT count(*) FROM "{table}"') == [(2,)]
+
+
+def test_abort_of_prepared_part_leaves_nothing(env: PgEnv, make_sink: MakeSink) -> None:
+    table = env.table("orders", ORDERS_DDL)
+    sink = make_sink(table)
+    pid = part(env, 3)
+    run_part(sink, pid, [rec(0, {"id": 1})], commit=False)
+    sink.abort(pid)
+    assert env.prepared_gids() == []
+    assert env.rows(f'SELECT count(*) FROM "{table}"') == [(0,)]
+    assert env.rows("SELECT count(*) FROM twophase_parts WHERE pipeline = %s", (env.pipeline,)) == [
+        (0,)
+    ]
+    assert sink.state(pid) == "unknown"
+    sink.abort(pid)  # idempotent
+    with pytest.raises(UnknownPartError):
+        sink.commit(pid)
+
+    # The same from a fresh instance that only knows the gid.
+    pid2 = part(env, 4)
+    run_part(sink, pid2, [rec(1, {"id": 2})], commit=False)
+    other = make_sink(table, participant="w9")
+    other.abort(pid2)
+    assert env.prepared_gids() == [] and env.rows(f'SELECT count(*) FROM "{table}"') == [(0,)]
+
+
+def test_abort_of_open_part_and_next_part_reuses_the_sink(env: PgEnv, make_sink: MakeSink) -> None:
+    table = env.table("orders", ORDERS_DDL)
+    sink = make_sink(table)
+    pid = part(env, 1)
+    sink.begin(pid)
+    sink.write(pid, [rec(0, {"id": 1})])
+    sink.abort(pid)
+    sink.abort(pid)
+    with pytest.raises(AbortTransactionError):
+        sink.write(pid, [rec(1, {"id": 2})])
+    run_part(sink, part(env, 2), [rec(0, {"id": 1})])
+    assert env.rows(f'SELECT id FROM "{table}"') == [(1,)]
+
+
+def test_commit_and_abort_are_idempotent_and_strict(env: PgEnv, make_sink: MakeSink) -> None:
+    table = env.table("orders", ORDERS_DDL)
+    sink = make_sink(table)
+    pid = part(env, 1)
+    run_part(sink, pid, [rec(0, {"id": 1})])
+    sink.commit(pid)  # second commit: no-op
+    assert env.rows(f'SELECT count(*) FROM "{table}"') == [(1,)]
+    with pytest.raises(FatalSinkError, match="already committed"):
+        sink.abort(pid)
+    with pytest.raises(UnknownPartError):
+        sink.commit(part(env, 99))
+    sink.abort(part(env, 98))  # unknown: no-op
+    with pytest.raises(FatalSinkError, match="never be reused"):
+        sink.begin(pid)
+
+
+def test_two_instances_commit_the_same_part_at_once(env: PgEnv, make_sink: MakeSink) -> None:
+    table = env.table("orders", ORDERS_DDL)
+    owner = make_sink(table)
+    others = [make_sink(table, participant=f"w{i}") for i in range(2, 6)]
+    pid = part(env, 5)
+    run_part(owner, pid, [rec(0, {"id": 1})], commit=False)
+    start = threading.Barrier(len(others) + 1)
+
+    def decide(sink: PostgresSink) -> int:
+        start.wait()
+        for attempt in range(50):
+            try:
+                sink.commit(pid)
+                return attempt
+            except RetriableSinkError:  # "is busy": the runtime retries
+                time.sleep(0.05)
+        raise AssertionError("still busy after 50 tries")
+
+    with ThreadPoolExecutor(len(others) + 1) as pool:
+        futures = [pool.submit(decide, s) for s in [owner, *others]]
+        for future in futures:
+            future.result(timeout=30)  # re-raises what went wrong in the thread
+    assert env.rows(f'SELECT count(*) FROM "{table}"') == [(1,)]
+    assert env.prepared_gids() == []
+
+
+# -- pipelining: T prepared while T+1 fills ---------------------------------------------------
+
+
+def test_commit_from_another_thread_while_next_part_is_written(
+    env: PgEnv, make_sink: MakeSink
+) -> None:
+    table = env.table("orders", ORDERS_DDL)
+    sink = make_sink(table)
+    t1, t2 = part(env, 1), part(env, 2)
+    run_part(sink, t1, [rec(i, {"id": i}) for i in range(100)], commit=False)
+    sink.begin(t2)
+    committed = threading.Event()
+
+    def decide() -> None:
+        time.sleep(0.05)
+        sink.commit(t1)
+        committed.set()
+
+    with ThreadPoolExecutor(1) as pool:
+        decision = pool.submit(decide)
+        offset = 100
+        while not decision.done() and offset < 100_000:
+            assert sink.write(t2, [rec(offset + i, {"id": offset + i}) for i in range(50)]) == []
+            offset += 50
+        decision.result(timeout=10)
+    assert committed.is_set() and offset > 100, "T+1 should have been written meanwhile"
+    # T committed, T+1 still open: a reader sees exactly T.
+    assert env.rows(f'SELECT count(*), max(id) FROM "{table}"') == [(100, 99)]
+    sink.prepare(t2, {(TOPIC, 0): offset})
+    assert sink.in_doubt() == [t2]
+    sink.commit(t2)
+    assert env.rows(f'SELECT count(*), max(id) FROM "{table}"') == [(offset, offset - 1)]
+
+
+def test_upsert_next_part_waits_for_the_decision_on_shared_keys(
+    env: PgEnv, make_sink: MakeSink
+) -> None:
+    """T+1 writing a key that prepared T holds waits until T is decided, so order is kept."""
+    table = env.table("kv", "k text PRIMARY KEY, v int")
+    sink = make_sink(table, mode="upsert", key=["k"])
+    t1, t2 = part(env, 1), part(env, 2)
+    run_part(sink, t1, [rec(0, {"k": "x", "v": 1})], commit=False)
+    sink.begin(t2)
+
+    def decide() -> None:
+        time.sleep(0.5)
+        sink.commit(t1)
+
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        decision = pool.submit(decide)
+        assert sink.write(t2, [rec(1, {"k": "x", "v": 2})]) == []
+        waited = time.monotonic() - started
+        decision.result(timeout=10)
+    assert waited >= 0.4, "the write should have waited for T's row lock"
+    sink.prepare(t2, {(TOPIC, 0): 2})
+    sink.commit(t2)
+    assert env.rows(f'SELECT k, v FROM "{table}"') == [("x", 2)]
+
+
+# -- bad records ------------------------------------------------------------------------------
+
+
+def test_bad_records_are_rejected_and_the_rest_commit(env: PgEnv, make_sink: MakeSink) -> None:
+    table = env.table(
+        "checked",
+        "id bigint PRIMARY KEY, amount int NOT NULL CHECK (amount >= 0), "
+        "code varchar(3), at timestamptz",
+    )
+    env.reader.execute(f'INSERT INTO "{table}" VALUES (500, 1, NULL, NULL)')
+    sink = make_sink(table)
+    records = [
+        rec(0, {"id": 1, "amount": 5}),
+        rec(1, {"id": 2, "amount": "five"}),  # wrong type (client)
+        rec(2, {"id": 3, "amount": -1}),  # CHECK (server)
+        rec(3, {"id": 4}),  # NOT NULL without default, missing (client)
+        rec(4, {"id": 5, "amount": 1, "code": "toolong"}),  # varchar(3) (client)
+        rec(5, {"id": 6, "amount": 1, "at": "yesterday"}),  # timestamp (client)
+        rec(6, {"id": 500, "amount": 2}),  # duplicate of a committed row (server, unique)
+        rec(7, {"id": 7, "amount": 2**40}),  # out of range for int (client)
+        rec(8, {"id": 8, "amount": 8}),
+        rec(9, {"id": 8, "amount": 9}),  # duplicate within the batch (server)
+        rec(10, {"id": 9, "amount": None}),  # explicit null in NOT NULL (client)
+    ] + [rec(100 + i, {"id": 100 + i, "amount": i}) for i in range(200)]
+    rejected = run_part(sink, part(env, 1), records)
+    reasons = {r.record.offset: r.reason for r in rejected}
+    assert sorted(reasons) == [1, 2, 3, 4, 5, 6, 7, 9, 10]
+    assert "'amount'" in reasons[1] and "five" in reasons[1]
+    assert f"{table}_amount_check" in reasons[2] and "23514" in reasons[2]
+    assert "'amount'" in reasons[3] and "missing" in reasons[3]
+    assert "'code'" in reasons[4] and "3" in reasons[4]
+    assert "'at'" in reasons[5]
+    assert "23505" in reasons[6] and f"{table}_pkey" in reasons[6]
+    assert "out of range" in reasons[7]
+    assert "23505" in reasons[9]
+    assert "'amount'" in reasons[10] and "null" in reasons[10]
+    assert env.rows(f'SELECT id, amount FROM "{table}" WHERE id < 100 ORDER BY id') == [
+        (1, 5),
+        (8, 8),
+    ]
+    assert env.rows(f'SELECT count(*) FROM "{table}" WHERE id >= 100 AND id < 500') == [(200,)]
+    assert env.rows(
+        "SELECT records, rejected FROM twophase_parts WHERE pipeline = %s", (env.pipeline,)
+    ) == [(202, 9)]
+
+
+def test_upsert_rejects_null_key_and_pins_server_errors_on_the_right_record(
+    env: PgEnv, make_sink: MakeSink
+) -> None:
+    table = env.table("kv", "k text PRIMARY KEY, v int CHECK (v < 100)")
+    sink = make_sink(table, mode="upsert", key=["k"])
+    records = [
+        rec(0, {"k": None, "v": 1}),
+        rec(1, {"v": 1}),
+        rec(2, {"k": "a", "v": 1}),
+        rec(3, {"k": "a", "v": 500}),  # CHECK fails for the merged row: only this one goes
+        rec(4, {"k": "b", "v": 2}),
+    ]
+    rejected = run_part(sink, part(env, 1), records)
+    reasons = {r.record.offset: r.reason for r in rejected}
+    assert sorted(reasons) == [0, 1, 3]
+    assert "upsert key" in reasons[0] and "upsert key" in reasons[1]
+    assert "23514" in reasons[3]
+    assert env.rows(f'SELECT k, v FROM "{table}" ORDER BY k') == [("a", 1), ("b", 2)]
+
+
+# -- lost connections --------------------------------------------------------------------------
+
+
+def _terminate(env: PgEnv, conn: psycopg.Connection[Any]) -> None:
+    pid = conn.info.backend_pid
+    env.reader.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    for _ in range(100):
+        if not env.rows("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)):
+            return
+        time.sleep(0.05)
+
+
+def test_lost_connection_of_open_part_asks_for_abort(env: PgEnv, make_sink: MakeSink) -> None:
+    table = env.table("orders", ORDERS_DDL)
+    sink = make_sink(table)
+    pid = part(env, 1)
+    sink.begin(pid)
+    sink.write(pid, [rec(0, {"id": 1})])
+    assert sink._open is not None and sink._open.conn is not None
+    _terminate(env, sink._open.conn)
+    with pytest.raises(AbortTransactionError):
+        sink.write(pid, [rec(1, {"id": 2})])
+    with pytest.raises(AbortTransactionError):
+        sink.prepare(pid, {(TOPIC, 0): 2})
+    sink.abort(pid)
+    run_part(sink, part(env, 2), [rec(0, {"id": 1}), rec(1, {"id": 2})])
+    assert env.rows(f'SELECT count(*) FROM "{table}"') == [(2,)]
+
+
+def test_lost_connection_of_prepared_part_still_commits(env: PgEnv, make_sink: MakeSink) -> None:
+    table = env.table("orders", ORDERS_DDL)
+    sink = make_sink(table)
+    pid = part(env, 1)
+    run_part(sink, pid, [rec(0, {"id": 1})], commit=False)
+    _terminate(env, sink._prepared[pid])
+    assert sink._admin is not None
+    _terminate(env, sink._admin)
+    with pytest.raises(RetriableSinkError):  # the admin connection was lost too: retry
+        sink.commit(pid)
+    sink.commit(pid)
+    assert env.rows(f'SELECT count(*) FROM "{table}"') == [(1,)]
+    assert env.prepared_gids() == []
+
+
+# -- in_doubt ---------------------------------------------------------------------------------
+
+
+def test_in_doubt_lists_every_participant_of_the_pipeline_only(
+    env: PgEnv, make_sink: MakeSink
+) -> None:
+    table = env.table("orders", ORDERS_DDL)
+    other_pipeline = f"{env.pipeline}_other"[:60]
+    # "_" is a LIKE wildcard: a pipeline differing only there must not be listed.
+    assert "_" in env.pipeline
+    lookalike = env.pipeline.replace("_", "x", 1)
+    w1 = make_sink(table, participant="w1")
+    w2 = make_sink(table, participant="w2")
+    foreign = make_sink(table, participant="w1", pipeline=other_pipeline)
+    alike = make_sink(table, participant="w1", pipeline=lookalike)
+    other_sink = make_sink(table, participant="w1", name=f"z{env.base}"[:40])
+    mine = [part(env, 1, "w1"), part(env, 2, "w1"), part(env, 1, "w2")]
+    run_part(w1, mine[0], [rec(0, {"id": 1})], commit=False)
+    run_part(w1, mine[1], [rec(1, {"id": 2})], commit=False)
+    run_part(w2, mine[2], [rec(2, {"id": 3})], commit=False)
+    run_part(foreign, part(env, 1, "w1", other_pipeline), [rec(3, {"id": 4})], commit=False)
+    run_part(alike, part(env, 1, "w1", lookalike), [rec(4, {"id": 5})], commit=False)
+    run_part(other_sink, part(env, 3, "w1"), [rec(5, {"id": 6})], commit=False)
+
+    assert w2.in_doubt() == sorted(mine)
+    assert foreign.in_doubt() == [part(env, 1, "w1", other_pipeline)]
+    assert other_sink.in_doubt() == [part(env, 3, "w1")]
+    for p in w2.in_doubt():
+        w2.abort(p)
+    assert w1.in_doubt() == []
+    assert len(env.prepared_gids()) == 3  # the other pipelines' and sink's: cleaned by the fixture
+
+
+# -- set-up and configuration -----------------------------------------------------------------
+
+
+def test_missing_table_is_fatal_and_create_table_creates_it(
+    env: PgEnv, make_sink: MakeSink
+) -> None:
+    name = f"{env.base}_made"
+    env.tables.append(name)
+    with pytest.raises(FatalSinkError, match=f"target table {name} does not exist"):
+        make_sink(name)
+    sink = make_sink(
+        name,
+        mode="upsert",
+        key=["id"],
+        create_table={"id": "bigint", "payload": "jsonb", "at": "timestamp with time zone"},
+    )
+    run_part(
+        sink, part(env, 1), [rec(0, {"id": 1, "payload": {"a": 1}, "at": "2024-01-01T00:00:00"})]
+    )
+    assert env.rows(f'SELECT id, payload FROM "{name}"') == [(1, {"a": 1})]
+    with pytest.raises(FatalSinkError, match="unique index"):
+        make_sink(env.table("nokey", "id int, v int"), mode="upsert", key=["id"])
+    with pytest.raises(FatalSinkError, match="no column 'nope'"):
+        make_sink(name, columns={"nope": "x"})
+
+
+def test_config_errors_name_the_field_and_hide_secrets(pg_dsn: str) -> None:
+    base = {"name": "pg", "type": "postgres", "dsn": pg_dsn, "table": "t"}
+
+    def error_of(**changes: Any) -> str:
+        with pytest.raises(ValidationError) as info:
+            PostgresSinkConfig.model_validate({**base, **changes})
+        return str(info.value)
+
+    assert "key" in error_of(mode="upsert") and "upsert" in error_of(mode="upsert")
+    assert "name" in error_of(name="x" * 41)
+    assert "name" in error_of(name="a:b")
+    assert "dsn" in error_of(dsn="host=127.0.0.1 port")
+    assert "table" in error_of(table="a.b.c")
+    assert "create_table" in error_of(create_table={"id": "int); DROP TABLE x; --"})
+    assert "columns" in error_of(mode="upsert", key=["id"], columns={"v": "v"})
+    assert "mode" in error_of(mode="merge")
+    config = PostgresSinkConfig.model_validate({**base, "password": "hunter2"})
+    assert "hunter2" not in repr(config) and "hunter2" not in str(config)
+    assert pg_dsn not in repr(config)
+
+
+def test_sink_name_too_long_for_gid_is_fatal(pg_dsn: str) -> None:
+    config = PostgresSinkConfig.model_validate(
+        {"name": "pg", "type": "postgres", "dsn": pg_dsn, "table": "t"}
+    )
+    context = SinkContext("p", "w", "n" * 60, logging.getLogger("test"))
+    with pytest.raises(FatalSinkError, match="200-byte"):
+        PostgresSink(config, context)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pg_bin() -> Path:
+    stack_env = Path(__file__).resolve().parents[2] / ".stack" / "stack.env"
+    if stack_env.exists():
+        match = re.search(r"^TWOPHASE_PG_BIN='?([^'\n]*)'?$", stack_env.read_text(), re.M)
+        if match and (Path(match.group(1)) / "initdb").exists():
+            return Path(match.group(1))
+    candidates = sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
+    for candidate in candidates:
+        if (candidate / "initdb").exists():
+            return candidate
+    pytest.fail("no PostgreSQL server binaries (initdb) found; run `make stack-up` first")
+
+
+def test_max_prepared_transactions_zero_is_a_clear_fatal_error(
+    make_sink: MakeSink, env: PgEnv
+) -> None:
+    """A throwaway cluster on its own port with max_prepared_transactions = 0."""
+    bin_dir = _pg_bin()
+    root = Path(tempfile.mkdtemp(prefix="twophase-pg0-", dir="/tmp"))
+    data = root / "data"
+    as_pg: list[str] = []
+    if os.geteuid() == 0:  # initdb and postgres refuse to run as root
+        shutil.chown(root, "postgres")
+        as_pg = ["runuser", "-u", "postgres", "--"]
+    port = _free_port()
+    ctl = [*as_pg, str(bin_dir / "pg_ctl"), "-D", str(data)]
+    try:
+        subprocess.run(
+            [
+                *as_pg,
+                str(bin_dir / "initdb"),
+                "-D",
+                str(data),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--no-locale",
+                "--no-sync",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        options = (
+            f"-c port={port} -c listen_addresses=127.0.0.1 -c unix_socket_directories='' "
+            "-c max_prepared_transactions=0 -c fsync=off"
+        )
+        subprocess.run(
+            [*ctl, "-o", options, "-l", str(root / "log"), "-w", "-t", "60", "start"],
+            check=True,
+            capture_output=True,
+            timeout=90,
+        )
+        dsn = f"postgresql://postgres@127.0.0.1:{port}/postgres"
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE t (id int)")
+        context = SinkContext("p", "w", "pg", logging.getLogger("test.pg0"))
+        sink = PostgresSink.from_mapping(
+            {"name": "pg", "type": "postgres", "dsn": dsn, "table": "t"}, context
+        )
+        try:
+            with pytest.raises(FatalSinkError) as info:
+                sink.setup()
+        finally:
+            sink.close()
+        assert (
+            "PostgreSQL max_prepared_transactions is 0; two-phase commit needs it > 0 "
+            "(set it in postgresql.conf and restart)"
+        ) in str(info.value)
+    finally:
+        subprocess.run([*ctl, "-m", "immediate", "-w", "stop"], capture_output=True, timeout=60)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# -- volume -----------------------------------------------------------------------------------
+
+
+def _payload(i: int) -> dict[str, Any]:
+    return {
+        "id": i,
+        "customer": f"customer-{i % 977:05d}",
+        "amount": (i % 10_000) / 100,
+        "paid": i % 3 == 0,
+        "at": "2024-05-01T10:00:00.123456Z",
+        "attrs": {"channel": "web", "segment": i % 7, "note": "x" * 40},
+        "region": i % 13,
+    }
+
+
+@pytest.mark.parametrize("mode", ["insert", "upsert"])
+def test_100k_row_part_timed(env: PgEnv, make_sink: MakeSink, mode: str) -> None:
+    table = env.table(
+        f"big_{mode}",
+        "id bigint PRIMARY KEY, customer text, amount numeric(12, 2), paid boolean, "
+        "at timestamptz, attrs jsonb, region int",
+    )
+    options: dict[str, Any] = {"mode": mode, "key": ["id"]} if mode == "upsert" else {}
+    sink = make_sink(table, **options)
+    n, batch = 100_000, 5_000
+    records = [rec(i, _payload(i)) for i in range(n)]
+    size = len(str(records[0].value))
+    pid = part(env, 1)
+    started = time.perf_counter()
+    sink.begin(pid)
+    for i in range(0, n, batch):
+        assert sink.write(pid, records[i : i + batch]) == []
+    written = time.perf_counter()
+    sink.prepare(pid, {(TOPIC, 0): n})
+    sink.commit(pid)
+    done = time.perf_counter()
+    print(
+        f"\npostgres sink {mode}: {n} rows of ~{size} B JSON: write {n / (written - started):,.0f}"
+        f" rows/s, write+prepare+commit {n / (done - started):,.0f} rows/s"
+        f" ({done - started:.2f}s, batches of {batch})"
+    )
+    assert env.rows(f'SELECT count(*), sum(id) FROM "{table}"') == [(n, n * (n - 1) // 2)]
+
+
+# -- transient errors -------------------------------------------------------------------------
+
+
+def test_timed_out_write_is_undone_whole_and_can_be_retried(
+    env: PgEnv, make_sink: MakeSink
+) -> None:
+    """A statement timeout in the second COPY of a write undoes the first one too."""
+    table = env.table("orders", ORDERS_DDL)
+    sink = make_sink(table, statement_timeout_ms=300)
+    pid = part(env, 1)
+    sink.begin(pid)
+    assert sink.write(pid, [rec(0, {"id": 10, "name": "before"})]) == []
+    # Two shapes of record, hence two COPYs; the second waits on another session's
+    # uncommitted row with the same key until the statement timeout cancels it.
+    batch = [rec(1, {"id": 1, "name": "one"}), rec(2, {"id": 2})]
+    with psycopg.connect(env.dsn) as blocker:
+        blocker.execute(f'INSERT INTO "{table}" (id) VALUES (2)')
+        with pytest.raises(RetriableSinkError, match="57014"):
+            sink.write(pid, batch)
+        blocker.rollback()
+    assert sink.write(pid, batch) == [], "the retry must not find its own first COPY"
+    sink.prepare(pid, {(TOPIC, 0): 3})
+    sink.commit(pid)
+    assert env.rows(f'SELECT id, name FROM "{table}" ORDER BY id') == [
+        (1, "one"),
+        (2, None),
+        (10, "before"),
+    ]
+
+
+def test_wrong_password_is_fatal(env: PgEnv, make_sink: MakeSink) -> None:
+    table = env.table("orders", ORDERS_DDL)
+    info = psycopg.conninfo.conninfo_to_dict(env.dsn)
+    info["password"] = "not-the-password"
+    dsn = psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in info.items()})
+    with pytest.raises(FatalSinkError, match="password authentication failed") as error:
+        make_sink(table, dsn=dsn)
+    assert "not-the-password" not in str(error.value)
