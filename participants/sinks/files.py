@@ -87,6 +87,7 @@ from participants.sdk.staging import (
     makedirs_durable,
     read_json,
     remove_tree,
+    rename_durable,
     write_durable,
     write_json_atomic,
 )
@@ -980,9 +981,7 @@ class FileSink(Sink):
                             self._flush(op, key, buf)
                     write_json_atomic(op.directory / PREPARED_FILE, self._document(op, positions))
                     prepared = self._prepared_dir(part)
-                    os.rename(op.directory, prepared)  # the prepare: atomic and complete
-                    fsync_dir(prepared.parent)
-                    fsync_dir(op.directory.parent)
+                    rename_durable(op.directory, prepared)  # the prepare: atomic and complete
             except SinkError as exc:
                 op.broken = str(exc)
                 raise
