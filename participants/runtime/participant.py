@@ -430,7 +430,13 @@ class ParticipantRuntime:
         self._run(self._feed(PrepareDone(action.txn)), Thread.DATA)
 
     def _write(self, msgs: list[Message]) -> None:
-        actions = self._feed(WillWrite())
+        with self.lock:
+            # Atomically with opening the part: run any abort/seek the control thread queued, so
+            # a rewind can never land between the machine opening a part and the sinks beginning
+            # it (same id: the abort would hit the new part).
+            if self._drain_queue():
+                return  # rewound: these records will be fetched again from the new position
+            actions = self.machine.handle(WillWrite())
         self._run(actions, Thread.DATA)
         with self.lock:
             part_txn = self.machine.open.txn if self.machine.open else 0
