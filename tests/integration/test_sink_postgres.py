@@ -11,8 +11,10 @@ import logging
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -708,80 +710,202 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _pg_bin() -> Path:
-    stack_env = Path(__file__).resolve().parents[2] / ".stack" / "stack.env"
-    if stack_env.exists():
-        match = re.search(r"^TWOPHASE_PG_BIN='?([^'\n]*)'?$", stack_env.read_text(), re.M)
-        if match and (Path(match.group(1)) / "initdb").exists():
-            return Path(match.group(1))
-    candidates = sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)
-    for candidate in candidates:
-        if (candidate / "initdb").exists():
-            return candidate
-    pytest.fail("no PostgreSQL server binaries (initdb) found; run `make stack-up` first")
+class Cluster:
+    """A throwaway PostgreSQL cluster on its own port: for server settings and crashes that
+    the shared stack's server must not be put through."""
+
+    def __init__(self, bin_dir: Path, root: Path, settings: dict[str, str]) -> None:
+        self.bin_dir = bin_dir
+        self.root = root
+        self.port = _free_port()
+        self.settings = {
+            "port": str(self.port),
+            "listen_addresses": "127.0.0.1",
+            "unix_socket_directories": "''",
+            **settings,
+        }
+        # initdb and postgres refuse to run as root: as root, run them as the postgres user.
+        self.as_pg = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        self.dsn = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, *args: str, timeout: float = 120) -> None:
+        done = subprocess.run(
+            [*self.as_pg, *args], capture_output=True, text=True, timeout=timeout, check=False
+        )
+        if done.returncode != 0:
+            log = self.root / "log"
+            tail = log.read_text()[-2000:] if log.exists() else ""
+            pytest.fail(f"{args[0]} failed: {done.stdout}{done.stderr}\n{tail}")
+
+    def _ctl(self, *args: str) -> None:
+        self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.root / "data"), *args)
+
+    def start(self) -> None:
+        options = " ".join(f"-c {k}={v}" for k, v in self.settings.items())
+        self._ctl("-o", options, "-l", str(self.root / "log"), "-w", "-t", "60", "start")
+
+    def crash(self) -> None:
+        """Immediate shutdown: no checkpoint, the next start runs crash recovery."""
+        self._ctl("-m", "immediate", "-w", "stop")
+
+
+@pytest.fixture
+def cluster_factory(stack_env: dict[str, str]) -> Iterator[Callable[..., Cluster]]:
+    bin_dir = Path(stack_env.get("TWOPHASE_PG_BIN", ""))
+    if not (bin_dir / "initdb").exists():
+        pytest.fail(f"no initdb in TWOPHASE_PG_BIN={bin_dir!s}; run `make stack-up`")
+    started: list[Cluster] = []
+
+    def make(**settings: str) -> Cluster:
+        root = Path(tempfile.mkdtemp(prefix="twophase-pgtest-", dir="/tmp"))
+        if os.geteuid() == 0:
+            shutil.chown(root, "postgres")
+        cluster = Cluster(bin_dir, root, settings)
+        started.append(cluster)
+        cluster._run(
+            str(bin_dir / "initdb"),
+            "-D",
+            str(root / "data"),
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--no-locale",
+        )
+        cluster.start()
+        return cluster
+
+    yield make
+    for cluster in started:
+        subprocess.run(
+            [*cluster.as_pg, str(bin_dir / "pg_ctl"), "-D", str(cluster.root / "data")]
+            + ["-m", "immediate", "-w", "stop"],
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+        shutil.rmtree(cluster.root, ignore_errors=True)
+
+
+def _sink_on(dsn: str, table: str, participant: str = "w") -> PostgresSink:
+    context = SinkContext("p", participant, "pg", logging.getLogger("test.cluster"))
+    sink = PostgresSink.from_mapping(
+        {"name": "pg", "type": "postgres", "dsn": dsn, "table": table}, context
+    )
+    assert isinstance(sink, PostgresSink)
+    return sink
 
 
 def test_max_prepared_transactions_zero_is_a_clear_fatal_error(
-    make_sink: MakeSink, env: PgEnv
+    cluster_factory: Callable[..., Cluster],
 ) -> None:
-    """A throwaway cluster on its own port with max_prepared_transactions = 0."""
-    bin_dir = _pg_bin()
-    root = Path(tempfile.mkdtemp(prefix="twophase-pg0-", dir="/tmp"))
-    data = root / "data"
-    as_pg: list[str] = []
-    if os.geteuid() == 0:  # initdb and postgres refuse to run as root
-        shutil.chown(root, "postgres")
-        as_pg = ["runuser", "-u", "postgres", "--"]
-    port = _free_port()
-    ctl = [*as_pg, str(bin_dir / "pg_ctl"), "-D", str(data)]
+    cluster = cluster_factory(max_prepared_transactions="0", fsync="off")
+    with psycopg.connect(cluster.dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE t (id int)")
+    sink = _sink_on(cluster.dsn, "t")
     try:
-        subprocess.run(
-            [
-                *as_pg,
-                str(bin_dir / "initdb"),
-                "-D",
-                str(data),
-                "-U",
-                "postgres",
-                "--auth=trust",
-                "-E",
-                "UTF8",
-                "--no-locale",
-                "--no-sync",
-            ],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-        options = (
-            f"-c port={port} -c listen_addresses=127.0.0.1 -c unix_socket_directories='' "
-            "-c max_prepared_transactions=0 -c fsync=off"
-        )
-        subprocess.run(
-            [*ctl, "-o", options, "-l", str(root / "log"), "-w", "-t", "60", "start"],
-            check=True,
-            capture_output=True,
-            timeout=90,
-        )
-        dsn = f"postgresql://postgres@127.0.0.1:{port}/postgres"
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute("CREATE TABLE t (id int)")
-        context = SinkContext("p", "w", "pg", logging.getLogger("test.pg0"))
-        sink = PostgresSink.from_mapping(
-            {"name": "pg", "type": "postgres", "dsn": dsn, "table": "t"}, context
-        )
-        try:
-            with pytest.raises(FatalSinkError) as info:
-                sink.setup()
-        finally:
-            sink.close()
-        assert (
-            "PostgreSQL max_prepared_transactions is 0; two-phase commit needs it > 0 "
-            "(set it in postgresql.conf and restart)"
-        ) in str(info.value)
+        with pytest.raises(FatalSinkError) as info:
+            sink.setup()
     finally:
-        subprocess.run([*ctl, "-m", "immediate", "-w", "stop"], capture_output=True, timeout=60)
-        shutil.rmtree(root, ignore_errors=True)
+        sink.close()
+    assert (
+        "PostgreSQL max_prepared_transactions is 0; two-phase commit needs it > 0 "
+        "(set it in postgresql.conf and restart)"
+    ) in str(info.value)
+
+
+def test_prepared_parts_survive_a_server_crash(cluster_factory: Callable[..., Cluster]) -> None:
+    cluster = cluster_factory(max_prepared_transactions="10")
+    with psycopg.connect(cluster.dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE t (id bigint PRIMARY KEY, v text)")
+    sink = _sink_on(cluster.dsn, "t")
+    sink.setup()
+    keep, drop, open_part = PartId("p", 1, "w"), PartId("p", 2, "w"), PartId("p", 3, "w")
+    run_part(sink, keep, [rec(0, {"id": 1, "v": "kept"})], commit=False)
+    run_part(sink, drop, [rec(1, {"id": 2, "v": "dropped"})], commit=False)
+    sink.begin(open_part)
+    sink.write(open_part, [rec(2, {"id": 3, "v": "never prepared"})])
+    cluster.crash()
+    sink.close()
+    cluster.start()
+
+    after = _sink_on(cluster.dsn, "t", participant="w2")
+    after.setup()
+    try:
+        assert after.in_doubt() == [keep, drop]
+        after.commit(keep)
+        after.abort(drop)
+        assert after.in_doubt() == []
+        assert after.state(open_part) == "unknown"
+    finally:
+        after.close()
+    with psycopg.connect(cluster.dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT id, v FROM t").fetchall() == [(1, "kept")]
+        assert conn.execute("SELECT count(*) FROM pg_prepared_xacts").fetchall() == [(0,)]
+
+
+_CRASHING_CHILD = """
+import logging, os, signal, sys
+from participants.sdk import PartId, Record, SinkContext
+from participants.sinks.postgres import PostgresSink
+
+dsn, table, pipeline, sink_name = sys.argv[1:5]
+context = SinkContext(pipeline, "child", sink_name, logging.getLogger("child"))
+sink = PostgresSink.from_mapping(
+    {"name": sink_name, "type": "postgres", "dsn": dsn, "table": table}, context
+)
+sink.setup()
+prepared, open_part = PartId(pipeline, 1, "child"), PartId(pipeline, 2, "child")
+sink.begin(prepared)
+sink.write(prepared, [Record("orders", 0, 0, 0, None, {"id": 1})])
+sink.prepare(prepared, {("orders", 0): 1})
+sink.begin(open_part)
+sink.write(open_part, [Record("orders", 0, 1, 0, None, {"id": 2})])
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_parts_of_a_killed_process_are_finished_by_another(env: PgEnv, make_sink: MakeSink) -> None:
+    table = env.table("orders", ORDERS_DDL)
+    sink_name = f"s{env.base}"[:40]
+    child = subprocess.run(
+        [sys.executable, "-c", _CRASHING_CHILD, env.dsn, table, env.pipeline, sink_name],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    survivor = make_sink(table, participant="w1")
+    prepared = part(env, 1, "child")
+    assert survivor.in_doubt() == [prepared]
+    assert env.rows(f'SELECT count(*) FROM "{table}"') == [(0,)]
+    survivor.commit(prepared)
+    assert env.rows(f'SELECT id FROM "{table}"') == [(1,)]
+    # The open part died with its connection: nothing of it exists anywhere.
+    assert survivor.state(part(env, 2, "child")) == "unknown"
+
+
+def test_connections_stay_bounded_while_parts_wait_for_decisions(
+    env: PgEnv, make_sink: MakeSink
+) -> None:
+    table = env.table("orders", ORDERS_DDL)
+    sink = make_sink(table)
+    parts = [part(env, txn) for txn in range(1, 9)]
+    for i, pid in enumerate(parts):
+        run_part(sink, pid, [rec(i, {"id": i})], commit=False)
+    connections = env.rows(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+        (f"twophase/{env.pipeline}/{sink.name}",),
+    )[0][0]
+    assert connections <= 1 + 4 + 2, "admin + held prepared parts + idle"
+    assert sink.in_doubt() == parts
+    for pid in parts:
+        sink.commit(pid)
+    assert env.rows(f'SELECT count(*) FROM "{table}"') == [(len(parts),)]
+    assert env.prepared_gids() == []
 
 
 # -- volume -----------------------------------------------------------------------------------
