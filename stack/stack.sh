@@ -1,0 +1,586 @@
+#!/usr/bin/env bash
+# The local stack twophase's tests run against: Kafka (KRaft), PostgreSQL and SecantusDB
+# (a MongoDB-protocol server) on 127.0.0.1, plus the Spark Kafka connector jars. Everything
+# is installed by this script from package registries, so a fresh machine needs only
+# Java 17, Maven and Python 3.
+#
+#   stack.sh up | down | status | restart-kafka [--kill] | restart-pg [--kill] | restart-mongo [--kill]
+#   stack.sh kafka-run CLASS [ARGS...]   run a Kafka tool, e.g.
+#       stack.sh kafka-run org.apache.kafka.tools.consumer.group.ConsumerGroupCommand \
+#           --bootstrap-server 127.0.0.1:9092 --describe --all-groups
+#
+# Environment (all optional):
+#   TWOPHASE_STACK_DIR   data, logs, pid files, stack.env   (default <repo>/.stack)
+#   TWOPHASE_CACHE_DIR   maven repo, jars, SecantusDB venv  (default <repo>/.cache)
+#   TWOPHASE_KAFKA_PORT (9092)  TWOPHASE_KAFKA_CONTROLLER_PORT (9093)
+#   TWOPHASE_PG_PORT (55432)    TWOPHASE_MONGO_PORT (27018)
+#   TWOPHASE_KAFKA_HEAP (1g)    TWOPHASE_PYTHON (python3, for the SecantusDB venv)
+set -euo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(dirname "$HERE")
+
+# Pinned versions. pyspark's pin lives in pyproject.toml and the connector must match it.
+KAFKA_VERSION=4.1.2
+SECANTUS_VERSION=0.7.0b3
+SPARK_VERSION=$(sed -n 's/^[^#]*"pyspark==\([^"]*\)".*/\1/p' "$REPO/pyproject.toml" | head -n1)
+
+STACK_DIR=$(realpath -m "${TWOPHASE_STACK_DIR:-$REPO/.stack}")
+CACHE_DIR=$(realpath -m "${TWOPHASE_CACHE_DIR:-$REPO/.cache}")
+KAFKA_PORT=${TWOPHASE_KAFKA_PORT:-9092}
+CONTROLLER_PORT=${TWOPHASE_KAFKA_CONTROLLER_PORT:-9093}
+PG_PORT=${TWOPHASE_PG_PORT:-55432}
+MONGO_PORT=${TWOPHASE_MONGO_PORT:-27018}
+KAFKA_HEAP=${TWOPHASE_KAFKA_HEAP:-1g}
+PYTHON=${TWOPHASE_PYTHON:-python3}
+
+RUN_DIR=$STACK_DIR/run
+LOG_DIR=$STACK_DIR/logs
+KAFKA_DIR=$STACK_DIR/kafka
+PG_DATA=$STACK_DIR/pg/data
+MONGO_DIR=$STACK_DIR/mongo
+KAFKA_JARS=$CACHE_DIR/jars/kafka
+SPARK_JARS_DIR=$CACHE_DIR/jars/spark-kafka
+SECANTUS_VENV=$CACHE_DIR/secantus-venv
+M2=$CACHE_DIR/m2
+
+KAFKA_LOG=$LOG_DIR/kafka.log
+PG_LOG=$LOG_DIR/postgres.log
+MONGO_LOG=$LOG_DIR/mongo.log
+
+PG_USER=twophase
+PG_PASSWORD=twophase
+PG_DB=twophase
+PG_DSN="postgresql://$PG_USER:$PG_PASSWORD@127.0.0.1:$PG_PORT/$PG_DB"
+# SecantusDB answers `hello` as the primary of a one-node replica set named "secantus";
+# naming the set makes pymongo use replica-set topology, which transactions require.
+MONGO_URI="mongodb://127.0.0.1:$MONGO_PORT/?replicaSet=secantus"
+
+# How long to wait for a service to answer. Kafka on 2 busy cores has been seen to need
+# ~15 s; the rest start in a few seconds. Generous, because a slow CI machine is not a bug.
+START_TIMEOUT=120
+# How long a clean shutdown may take before SIGKILL (Kafka's controlled shutdown and
+# WiredTiger's checkpoint both finish well inside this).
+STOP_TIMEOUT=60
+
+log() { printf 'stack: %s\n' "$*" >&2; }
+die() { printf 'stack: error: %s\n' "$*" >&2; exit 1; }
+
+case "$STACK_DIR$CACHE_DIR" in
+  *[[:space:]\'\"\\]*) die "TWOPHASE_STACK_DIR/TWOPHASE_CACHE_DIR must not contain spaces or quotes" ;;
+esac
+[[ -n $SPARK_VERSION ]] || die "could not read the pyspark==X pin from $REPO/pyproject.toml"
+
+# ---------------------------------------------------------------------------- helpers
+
+# Something accepts connections on 127.0.0.1:$1.
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+# Who listens on a port, for error messages; empty when ss is missing.
+port_owner() {
+  command -v ss >/dev/null 2>&1 || return 0
+  ss -Hltnp "sport = :$1" 2>/dev/null | sed -n 's/.*users:(\(.*\))$/\1/p' | head -n1
+}
+
+require_port_free() { # port service
+  if port_open "$1"; then
+    local who
+    who=$(port_owner "$1")
+    die "port $1 needed by $2 is already in use by another process${who:+ ($who)}; stop it or set the TWOPHASE_*_PORT variable"
+  fi
+}
+
+cmdline_of() { tr '\0' ' ' 2>/dev/null <"/proc/$1/cmdline" || true; }
+
+# Prints the pid in pid file $1 when that process is alive and its command line contains
+# $2 (so a recycled pid is never taken for ours); fails otherwise.
+live_pid() {
+  local pid
+  [[ -f $1 ]] || return 1
+  pid=$(head -n1 "$1")
+  [[ $pid =~ ^[0-9]+$ ]] || return 1
+  [[ $(cmdline_of "$pid") == *"$2"* ]] || return 1
+  # A zombie still has a /proc entry but an empty cmdline, so the match above rejects it.
+  printf '%s\n' "$pid"
+}
+
+# Waits for pid $1 to exit; SIGKILLs it after $2 seconds.
+wait_exit() {
+  local pid=$1 limit=$2 i
+  for ((i = 0; i < limit * 10; i++)); do
+    kill -0 "$pid" 2>/dev/null || return 0
+    sleep 0.1
+  done
+  log "pid $pid did not stop within ${limit}s, sending SIGKILL"
+  kill -KILL "$pid" 2>/dev/null || true
+  for ((i = 0; i < 100; i++)); do
+    kill -0 "$pid" 2>/dev/null || return 0
+    sleep 0.1
+  done
+  die "pid $pid survived SIGKILL"
+}
+
+stop_pid() { # pidfile pattern name signal
+  local pid
+  if pid=$(live_pid "$1" "$2"); then
+    log "$3: stopping pid $pid"
+    kill "-$4" "$pid" 2>/dev/null || true
+    wait_exit "$pid" "$STOP_TIMEOUT"
+  fi
+  rm -f "$1"
+}
+
+show_log_tail() {
+  log "last lines of $1:"
+  tail -n 30 "$1" >&2 || true
+}
+
+# Starts a long-running server detached from this shell (own session, no terminal, so a
+# Ctrl-C in `make` does not reach it), appending its output to $1, and records its pid in $2.
+spawn() { # logfile pidfile cmd...
+  local logfile=$1 pidfile=$2
+  shift 2
+  printf '\n==== %s stack.sh starting: %s\n' "$(date -Is)" "$*" >>"$logfile"
+  # 9>&- : the server must not inherit the stack lock, or the next stack.sh waits forever.
+  setsid "$@" >>"$logfile" 2>&1 </dev/null 9>&- &
+  printf '%s\n' "$!" >"$pidfile"
+}
+
+sha() { cat "$@" | sha1sum | cut -c1-12; }
+
+need_java() {
+  command -v java >/dev/null 2>&1 || die "java not found: Kafka needs Java 17+ (Debian: apt-get install openjdk-17-jre-headless)"
+  local v
+  v=$(java -XshowSettings:properties -version 2>&1 | sed -n 's/^ *java\.specification\.version = //p')
+  [[ ${v%%.*} -ge 17 ]] || die "java $v found; Kafka 4 and Spark 4 need Java 17+"
+}
+
+need_mvn() {
+  command -v mvn >/dev/null 2>&1 || die "mvn not found: Maven fetches the Kafka and Spark connector jars (Debian: apt-get install maven)"
+}
+
+# Copies a pom's runtime classpath into $2, unless $2 already holds it (stamp = pom + args).
+fetch_jars() { # pom dest extra-mvn-args...
+  local pom=$1 dest=$2
+  shift 2
+  local stamp="$dest/.complete-$(printf '%s %s' "$(sha "$pom")" "$*" | sha1sum | cut -c1-12)"
+  [[ -f $stamp ]] && return 0
+  need_mvn
+  log "fetching $(basename "$(dirname "$pom")") jars with Maven into $dest (first run only)"
+  local tmp="$dest.tmp.$$"
+  rm -rf "$tmp"
+  if ! mvn -B -q -Dstyle.color=never -f "$pom" -Dmaven.repo.local="$M2" "$@" \
+      dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$tmp" >&2; then
+    rm -rf "$tmp"
+    die "Maven could not fetch the jars for $pom (see the output above)"
+  fi
+  rm -rf "$dest"
+  mv "$tmp" "$dest"
+  touch "$stamp"
+}
+
+# ---------------------------------------------------------------------------- Kafka
+
+KAFKA_PID=$RUN_DIR/kafka.pid
+KAFKA_PROPS=$KAFKA_DIR/server.properties
+
+kafka_pid() { live_pid "$KAFKA_PID" "kafka.Kafka $KAFKA_PROPS"; }
+
+kafka_jars() {
+  fetch_jars "$HERE/kafka/pom.xml" "$KAFKA_JARS" -Dkafka.version="$KAFKA_VERSION"
+}
+
+kafka_java() { # main-class args...
+  java -Xmx256m -Dlog4j2.configurationFile="$HERE/kafka/log4j2.properties" \
+    -cp "$KAFKA_JARS/*" "$@"
+}
+
+kafka_start() {
+  local pid
+  if pid=$(kafka_pid); then
+    log "kafka: already running (pid $pid)"
+    return 0
+  fi
+  need_java
+  kafka_jars
+  require_port_free "$KAFKA_PORT" "Kafka (TWOPHASE_KAFKA_PORT)"
+  require_port_free "$CONTROLLER_PORT" "the Kafka controller (TWOPHASE_KAFKA_CONTROLLER_PORT)"
+  mkdir -p "$KAFKA_DIR/data"
+  sed -e "s|@KAFKA_PORT@|$KAFKA_PORT|g" -e "s|@CONTROLLER_PORT@|$CONTROLLER_PORT|g" \
+    -e "s|@DATA_DIR@|$KAFKA_DIR/data|g" "$HERE/kafka/server.properties.in" >"$KAFKA_PROPS"
+  if [[ ! -f $KAFKA_DIR/data/meta.properties ]]; then
+    local cluster_id
+    cluster_id=$(kafka_java kafka.tools.StorageTool random-uuid | tail -n1)
+    log "kafka: formatting storage (cluster id $cluster_id)"
+    kafka_java kafka.tools.StorageTool format --cluster-id "$cluster_id" \
+      --config "$KAFKA_PROPS" >>"$KAFKA_LOG" 2>&1 || { show_log_tail "$KAFKA_LOG"; die "kafka: storage format failed"; }
+  fi
+  touch "$KAFKA_LOG"
+  local offset
+  offset=$(stat -c %s "$KAFKA_LOG")
+  # -Xmx stays modest: the machine has 2 cores and 24 GiB shared with Spark and the tests.
+  spawn "$KAFKA_LOG" "$KAFKA_PID" java -Xms256m -Xmx"$KAFKA_HEAP" -XX:+UseG1GC \
+    -XX:MaxGCPauseMillis=20 -XX:+ExitOnOutOfMemoryError -Djava.awt.headless=true \
+    -Dlog4j2.configurationFile="$HERE/kafka/log4j2.properties" \
+    -cp "$KAFKA_JARS/*" kafka.Kafka "$KAFKA_PROPS"
+  pid=$(head -n1 "$KAFKA_PID")
+  local i
+  for ((i = 0; i < START_TIMEOUT * 5; i++)); do
+    kill -0 "$pid" 2>/dev/null || { show_log_tail "$KAFKA_LOG"; die "kafka: exited during start-up (log: $KAFKA_LOG)"; }
+    # "Kafka Server started" is logged once the broker is registered and unfenced, i.e. it
+    # serves produce/fetch; the offset skips lines from earlier runs in the same log.
+    if port_open "$KAFKA_PORT" && tail -c +"$((offset + 1))" "$KAFKA_LOG" | grep -q 'Kafka Server started'; then
+      log "kafka: up on 127.0.0.1:$KAFKA_PORT (pid $pid, log $KAFKA_LOG)"
+      return 0
+    fi
+    sleep 0.2
+  done
+  show_log_tail "$KAFKA_LOG"
+  die "kafka: not answering on 127.0.0.1:$KAFKA_PORT after ${START_TIMEOUT}s (log: $KAFKA_LOG)"
+}
+
+kafka_stop() { # [KILL]
+  stop_pid "$KAFKA_PID" "kafka.Kafka $KAFKA_PROPS" kafka "${1:-TERM}"
+}
+
+# ---------------------------------------------------------------------------- PostgreSQL
+
+PG_PID=$RUN_DIR/postgres.pid
+PG_BIN=
+
+find_pg() {
+  local d
+  for d in $(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V -r); do
+    if [[ -x $d/initdb && -x $d/pg_ctl && -x $d/postgres && -x $d/psql ]]; then
+      PG_BIN=$d
+      return 0
+    fi
+  done
+  return 1
+}
+
+pg_install() {
+  find_pg && return 0
+  # /usr/local/bin/pg_ctl and friends may be symlinks to a Debian server install, or just a
+  # client: only a directory with initdb + postgres counts.
+  [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null 2>&1 ||
+    die "no PostgreSQL server found under /usr/lib/postgresql; install it (Debian: apt-get install postgresql)"
+  log "postgres: installing the Debian postgresql package (first run only)"
+  apt-get update -qq >&2 || die "apt-get update failed"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >&2 ||
+    die "apt-get install postgresql failed"
+  find_pg || die "postgresql installed but no initdb under /usr/lib/postgresql/*/bin"
+}
+
+# initdb and postgres refuse to run as root: as root, run them as the postgres OS user.
+as_pg() {
+  if [[ $EUID -eq 0 ]]; then
+    runuser -u postgres -- "$@"
+  else
+    "$@"
+  fi
+}
+
+pg_pid() { live_pid "$PG_PID" "$PG_DATA"; }
+
+pg_psql() { # sql, against database postgres
+  PGPASSWORD=$PG_PASSWORD PGCONNECT_TIMEOUT=5 "$PG_BIN/psql" -X -q -v ON_ERROR_STOP=1 -At \
+    -h 127.0.0.1 -p "$PG_PORT" -U "$PG_USER" -d postgres -c "$1"
+}
+
+pg_start() {
+  local pid
+  if pid=$(pg_pid); then
+    log "postgres: already running (pid $pid)"
+    return 0
+  fi
+  pg_install
+  require_port_free "$PG_PORT" "PostgreSQL (TWOPHASE_PG_PORT)"
+  if [[ $EUID -eq 0 ]]; then
+    id postgres >/dev/null 2>&1 || die "the postgres OS user is missing (it comes with the postgresql package)"
+  fi
+  mkdir -p "$(dirname "$PG_DATA")"
+  touch "$PG_LOG"
+  if [[ $EUID -eq 0 ]]; then
+    chown postgres: "$(dirname "$PG_DATA")" "$PG_LOG"
+    as_pg test -w "$(dirname "$PG_DATA")" ||
+      die "the postgres OS user cannot reach $(dirname "$PG_DATA"); every parent directory needs o+x"
+  fi
+  if [[ ! -f $PG_DATA/PG_VERSION ]]; then
+    log "postgres: initdb $PG_DATA"
+    rm -rf "$PG_DATA"
+    local pwfile
+    pwfile=$(mktemp)
+    printf '%s\n' "$PG_PASSWORD" >"$pwfile"
+    [[ $EUID -eq 0 ]] && chown postgres: "$pwfile"
+    # The bootstrap superuser is the test role itself; TCP logins need its password.
+    if ! as_pg "$PG_BIN/initdb" -D "$PG_DATA" -U "$PG_USER" --pwfile="$pwfile" \
+        --auth-host=scram-sha-256 --auth-local=peer -E UTF8 --no-locale >>"$PG_LOG" 2>&1; then
+      rm -f "$pwfile"
+      show_log_tail "$PG_LOG"
+      die "postgres: initdb failed (log: $PG_LOG)"
+    fi
+    rm -f "$pwfile"
+    printf "\ninclude_if_exists = 'twophase.conf'\n" >>"$PG_DATA/postgresql.conf"
+  fi
+  # Rewritten on every start so a changed TWOPHASE_PG_PORT applies to an existing cluster.
+  as_pg tee "$PG_DATA/twophase.conf" >/dev/null <<EOF
+# Written by stack/stack.sh on every start.
+listen_addresses = '127.0.0.1'
+port = $PG_PORT
+# TCP only: no socket file in /var/run/postgresql to collide with a system cluster.
+unix_socket_directories = ''
+# Two-phase commit is the point of the PostgreSQL sink; every test worker may hold some.
+max_prepared_transactions = 100
+max_connections = 200
+fsync = on
+synchronous_commit = on
+log_line_prefix = '%m [%p] %q%u@%d '
+EOF
+  # pg_ctl detaches the server into its own session and -w waits until it accepts logins.
+  if ! as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" -l "$PG_LOG" -w -t "$START_TIMEOUT" -s start >&2 9>&-; then
+    show_log_tail "$PG_LOG"
+    die "postgres: did not start (log: $PG_LOG)"
+  fi
+  head -n1 "$PG_DATA/postmaster.pid" >"$PG_PID"
+  pid=$(pg_pid) || die "postgres: started but its pid in $PG_DATA/postmaster.pid does not match"
+  local i
+  for ((i = 0; ; i++)); do
+    pg_psql 'SELECT 1' >/dev/null 2>&1 && break
+    ((i < START_TIMEOUT)) || die "postgres: not accepting logins as $PG_USER (log: $PG_LOG)"
+    sleep 1
+  done
+  if [[ $(pg_psql "SELECT count(*) FROM pg_database WHERE datname = '$PG_DB'") == 0 ]]; then
+    pg_psql "CREATE DATABASE $PG_DB" || die "postgres: CREATE DATABASE $PG_DB failed"
+  fi
+  log "postgres: up on 127.0.0.1:$PG_PORT (pid $pid, log $PG_LOG)"
+}
+
+pg_stop() { # [KILL]
+  local pid mode=fast
+  [[ ${1:-} == KILL ]] && mode=immediate
+  if pid=$(pg_pid); then
+    find_pg || die "postgres is running (pid $pid) but pg_ctl is gone"
+    log "postgres: stopping pid $pid ($mode)"
+    as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" -m "$mode" -w -t "$STOP_TIMEOUT" -s stop >&2 || true
+    wait_exit "$pid" "$STOP_TIMEOUT"
+  fi
+  rm -f "$PG_PID"
+}
+
+# ---------------------------------------------------------------------------- SecantusDB
+
+MONGO_PID=$RUN_DIR/mongo.pid
+MONGO_DATA=$MONGO_DIR/data
+
+mongo_pid() { live_pid "$MONGO_PID" "--storage-path $MONGO_DATA"; }
+
+# A test service only: its own venv, never the project's dependencies.
+secantus_install() {
+  local stamp=$SECANTUS_VENV/.installed-$SECANTUS_VERSION
+  [[ -f $stamp && -x $SECANTUS_VENV/bin/secantusd-py ]] && return 0
+  command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found (set TWOPHASE_PYTHON to a Python 3.10+)"
+  log "mongo: installing secantusdb==$SECANTUS_VERSION into $SECANTUS_VENV (first run only)"
+  rm -rf "$SECANTUS_VENV"
+  "$PYTHON" -m venv "$SECANTUS_VENV" || die "could not create a venv with $PYTHON"
+  "$SECANTUS_VENV/bin/python" -m pip install -q --disable-pip-version-check \
+    "secantusdb==$SECANTUS_VERSION" >&2 || die "pip install secantusdb==$SECANTUS_VERSION failed"
+  touch "$stamp"
+}
+
+mongo_ping() {
+  "$SECANTUS_VENV/bin/python" - "$MONGO_URI" <<'EOF' 2>/dev/null
+import sys
+import pymongo
+client = pymongo.MongoClient(sys.argv[1], serverSelectionTimeoutMS=2000)
+client.admin.command("ping")
+EOF
+}
+
+mongo_start() {
+  local pid
+  if pid=$(mongo_pid); then
+    log "mongo: already running (pid $pid)"
+    return 0
+  fi
+  secantus_install
+  require_port_free "$MONGO_PORT" "SecantusDB (TWOPHASE_MONGO_PORT)"
+  mkdir -p "$MONGO_DATA"
+  # An explicit (empty) config file turns off SecantusDB's search of ./, ~/.secantus and
+  # /etc/secantus, so nothing on the machine changes how the test server behaves.
+  printf '# Empty on purpose: settings are command-line flags in stack/stack.sh.\n' >"$MONGO_DIR/secantusd.toml"
+  (cd "$MONGO_DIR" && spawn "$MONGO_LOG" "$MONGO_PID" "$SECANTUS_VENV/bin/secantusd-py" \
+    --config "$MONGO_DIR/secantusd.toml" --host 127.0.0.1 --port "$MONGO_PORT" \
+    --log-level INFO --storage-path "$MONGO_DATA")
+  pid=$(head -n1 "$MONGO_PID")
+  local i
+  for ((i = 0; i < START_TIMEOUT; i++)); do
+    kill -0 "$pid" 2>/dev/null || { show_log_tail "$MONGO_LOG"; die "mongo: exited during start-up (log: $MONGO_LOG)"; }
+    if port_open "$MONGO_PORT" && mongo_ping; then
+      log "mongo: up on 127.0.0.1:$MONGO_PORT (pid $pid, log $MONGO_LOG)"
+      return 0
+    fi
+    sleep 1
+  done
+  show_log_tail "$MONGO_LOG"
+  die "mongo: not answering on 127.0.0.1:$MONGO_PORT after ${START_TIMEOUT}s (log: $MONGO_LOG)"
+}
+
+mongo_stop() { # [KILL]
+  local pid i
+  if pid=$(mongo_pid) && [[ ${1:-TERM} == TERM ]]; then
+    log "mongo: stopping pid $pid"
+    # CPython runs signal handlers on the main thread only, and a SIGTERM the kernel hands
+    # to one of SecantusDB's worker threads does not wake the main thread: the first signal
+    # can be lost. Its handler closes the listening socket first, so repeat the signal
+    # until the port closes, then let it finish its WiredTiger shutdown.
+    kill -TERM "$pid" 2>/dev/null || true
+    for ((i = 0; i < STOP_TIMEOUT * 2; i++)); do
+      kill -0 "$pid" 2>/dev/null || break
+      port_open "$MONGO_PORT" || break
+      sleep 0.5
+      kill -TERM "$pid" 2>/dev/null || true
+    done
+    wait_exit "$pid" "$STOP_TIMEOUT"
+  fi
+  stop_pid "$MONGO_PID" "--storage-path $MONGO_DATA" mongo KILL
+}
+
+# ---------------------------------------------------------------------------- Spark
+
+spark_jars() {
+  fetch_jars "$HERE/spark-kafka/pom.xml" "$SPARK_JARS_DIR" -Dspark.version="$SPARK_VERSION"
+}
+
+spark_jar_list() {
+  local jars=("$SPARK_JARS_DIR"/*.jar)
+  local IFS=,
+  printf '%s' "${jars[*]}"
+}
+
+# ---------------------------------------------------------------------------- env file
+
+env_lines() {
+  cat <<EOF
+TWOPHASE_STACK_DIR='$STACK_DIR'
+TWOPHASE_CACHE_DIR='$CACHE_DIR'
+TWOPHASE_KAFKA_BOOTSTRAP='127.0.0.1:$KAFKA_PORT'
+TWOPHASE_KAFKA_VERSION='$KAFKA_VERSION'
+TWOPHASE_KAFKA_JARS_DIR='$KAFKA_JARS'
+TWOPHASE_KAFKA_LOG='$KAFKA_LOG'
+TWOPHASE_PG_DSN='$PG_DSN'
+TWOPHASE_PG_BIN='$PG_BIN'
+TWOPHASE_PG_LOG='$PG_LOG'
+TWOPHASE_MONGO_URI='$MONGO_URI'
+TWOPHASE_MONGO_LOG='$MONGO_LOG'
+TWOPHASE_SECANTUS_VERSION='$SECANTUS_VERSION'
+TWOPHASE_SPARK_VERSION='$SPARK_VERSION'
+TWOPHASE_SPARK_JARS='$(spark_jar_list)'
+EOF
+}
+
+write_env() {
+  find_pg || true
+  local tmp=$STACK_DIR/stack.env.tmp
+  {
+    echo "# Written by stack/stack.sh up: where the local stack listens. Sourceable."
+    env_lines
+  } >"$tmp"
+  mv "$tmp" "$STACK_DIR/stack.env"
+}
+
+# ---------------------------------------------------------------------------- commands
+
+# One stack.sh at a time per stack dir: two `make test` runs in the same checkout must not
+# both format Kafka or both fill the Maven cache.
+lock() {
+  mkdir -p "$STACK_DIR" "$RUN_DIR" "$LOG_DIR" "$CACHE_DIR"
+  exec 9>"$STACK_DIR/.lock"
+  if ! flock -n 9; then
+    log "another stack.sh is running on $STACK_DIR; waiting for it"
+    flock 9
+  fi
+}
+
+cmd_up() {
+  lock
+  local t0=$SECONDS
+  # Fetch everything first, so a registry failure stops us before anything is started.
+  need_java
+  kafka_jars
+  spark_jars
+  secantus_install
+  pg_install
+  kafka_start
+  pg_start
+  mongo_start
+  write_env
+  log "stack up in $((SECONDS - t0))s; settings in $STACK_DIR/stack.env"
+  cmd_status
+}
+
+cmd_down() {
+  lock
+  mongo_stop
+  kafka_stop
+  pg_stop
+  rm -f "$STACK_DIR/stack.env"
+  log "stack down (data kept in $STACK_DIR; delete it for a fresh start)"
+}
+
+status_line() { # name pid port log
+  if [[ -n $2 ]]; then
+    printf '%-9s up    pid %-8s 127.0.0.1:%-6s log %s\n' "$1" "$2" "$3" "$4"
+  else
+    printf '%-9s down  %-12s 127.0.0.1:%-6s log %s\n' "$1" "" "$3" "$4"
+  fi
+}
+
+cmd_status() {
+  status_line kafka "$(kafka_pid || true)" "$KAFKA_PORT" "$KAFKA_LOG"
+  status_line postgres "$(pg_pid || true)" "$PG_PORT" "$PG_LOG"
+  status_line mongo "$(mongo_pid || true)" "$MONGO_PORT" "$MONGO_LOG"
+  if [[ -f $STACK_DIR/stack.env ]]; then
+    echo "--- $STACK_DIR/stack.env"
+    grep -v '^#' "$STACK_DIR/stack.env"
+  else
+    echo "--- no $STACK_DIR/stack.env: run \`make stack-up\`"
+  fi
+}
+
+restart() { # service [--kill]
+  local signal=TERM
+  case "${2:-}" in
+    "") ;;
+    --kill) signal=KILL ;;
+    *) die "usage: stack.sh restart-$1 [--kill]" ;;
+  esac
+  lock
+  "$1_stop" "$signal"
+  "$1_start"
+  write_env
+}
+
+main() {
+  case "${1:-}" in
+    up) cmd_up ;;
+    down) cmd_down ;;
+    status) cmd_status ;;
+    restart-kafka) restart kafka "${2:-}" ;;
+    restart-pg) restart pg "${2:-}" ;;
+    restart-mongo) restart mongo "${2:-}" ;;
+    kafka-run)
+      shift
+      [[ $# -ge 1 ]] || die "usage: stack.sh kafka-run CLASS [ARGS...]"
+      need_java
+      kafka_jars
+      kafka_java "$@"
+      ;;
+    *)
+      sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"
+      exit 2
+      ;;
+  esac
+}
+
+main "$@"
