@@ -1,0 +1,919 @@
+"""MongoDB sink: exactly-once, all-or-nothing parts on any MongoDB replica set or sharded cluster.
+
+MongoDB clients have no two-phase commit, so a part goes through three durable stages:
+
+1. **begin / write -- staging.** ``begin`` writes an ``open`` marker. Every record becomes one
+   staged document in ``staging_collection``::
+
+       {_id: "<pk>|<topic:partition:offset>", part: "<pk>", seq: n, doc: <the target document>}
+
+   where ``pk = "<sink name>:<part token>"``. ``doc`` already carries its final, deterministic
+   ``_id`` (see below), so staging is a plain ``insert_many(ordered=False)`` with write concern
+   majority; a retried write re-inserts the same ``_id`` s and the duplicates are ignored. Nothing
+   of the part is in the target collection yet.
+
+2. **prepare -- marker.** Once every staged write is acknowledged, the part's marker in
+   ``marker_collection`` becomes ``prepared`` (write concern majority, journaled) and records the
+   part's positions and document count. From then on any process, on new connections, can commit
+   or abort the part: :meth:`MongoSink.in_doubt` lists it.
+
+3. **commit -- move.** Staged documents are applied to the target with ``replace_one(upsert=True)``
+   by ``_id`` inside MongoDB transactions that also delete them from staging and advance the
+   marker's ``applied`` counter; the last one flips the marker to ``committed`` and raises the
+   stored committed positions (``$max``) -- data, marker and positions in one local transaction.
+   MongoDB transactions have size and time limits, so a large part is applied in chunks of
+   ``commit_chunk_size`` documents (and at most ``commit_chunk_bytes``); a part that fits in one
+   chunk commits in a single transaction. Because ``_id`` s are deterministic, every chunk is atomic
+   and a chunk only ever applies documents it removes from staging in the same transaction, a
+   commit that crashes between chunks resumes where it stopped (from any process) and the result
+   is still exactly once.
+
+   **Visibility during commit:** while a part larger than one chunk is being applied, a reader of
+   the target may see some of its documents and not yet the rest. This is the "briefly ahead while
+   the decision is being applied" of the design's atomicity guarantee: once the decision is
+   COMMIT the part is completed by whoever applies it, so the difference is never permanent. Once a
+   chunk has been applied the part can no longer be aborted (:meth:`MongoSink.abort` refuses).
+
+Deterministic ``_id`` s:
+
+* ``mode: insert`` -- ``_id`` is the record id ``"topic:partition:offset"``. A value that has its
+  own ``_id`` is rejected (it would be silently overwritten); use ``mode: upsert, key: [_id]``.
+* ``mode: upsert`` -- ``_id`` is the key: the value of the single key field itself, or for a
+  composite key a sub-document ``{k1: v1, k2: v2}`` in the configured key order (type-preserving
+  and queryable, unlike a joined string). Within one part the last record per key wins -- the one
+  written last, which for one source partition is the highest offset. Across parts the later
+  transaction wins even when decisions are applied out of order (a recovered part of an earlier
+  transaction applied after a later one): each document carries ``version_field`` =
+  ``{pipeline, txn}`` and the commit skips a key whose stored version is newer for the same
+  pipeline. Set ``version_field: null`` to drop the field; then the last *applied* part wins.
+
+Markers (``marker_collection``, one per part and sink; ``_id = pk``)::
+
+    {_id, kind: "part", pipeline, sink, txn, participant, state, records, applied, positions}
+
+``state`` goes ``open -> prepared -> committed`` or ``-> aborted``. An aborted part may be opened
+again (a rewind re-reads the same transaction under the same id); a part aborted by another
+process while this one still writes it can no longer be prepared. Committed positions per source
+partition live in the same collection (``kind: "positions"``) and are readable with
+:meth:`MongoSink.committed_positions`.
+
+Stale parts: a process that dies while writing leaves staged documents behind an ``open``
+marker. They never show in :meth:`MongoSink.in_doubt` (not prepared). The runtime finds them with
+:meth:`MongoSink.stale_parts` -- only parts older than a transaction number it knows to be past
+(so another live participant's open part is never touched) -- and removes them with ``abort``.
+
+Sharded clusters: shard the target collection on ``_id`` (hashed is fine) -- the deterministic
+``_id`` is the only field every write filters on -- and the staging collection on ``part``.
+Target collections with JSON-schema validators are not checked at write time: a document the
+validator refuses makes the commit fail with :class:`FatalSinkError`.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import bson
+from bson.codec_options import CodecOptions
+from bson.raw_bson import RawBSONDocument
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
+from pymongo import ASCENDING, MongoClient, ReplaceOne, UpdateOne
+from pymongo.client_session import ClientSession
+from pymongo.collection import Collection
+from pymongo.errors import (
+    BulkWriteError,
+    CollectionInvalid,
+    ConfigurationError,
+    ConnectionFailure,
+    DuplicateKeyError,
+    ExecutionTimeout,
+    OperationFailure,
+    PyMongoError,
+    WriteConcernError,
+)
+from pymongo.read_concern import ReadConcern
+from pymongo.read_preferences import ReadPreference
+from pymongo.write_concern import WriteConcern
+
+from participants.sdk import (
+    AbortTransactionError,
+    FatalSinkError,
+    PartId,
+    Positions,
+    Record,
+    Rejected,
+    RetriableSinkError,
+    Sink,
+    SinkConfig,
+    SinkContext,
+    SinkError,
+    UnknownPartError,
+)
+
+__all__ = ["MongoSink", "MongoSinkConfig"]
+
+Doc = dict[str, Any]
+
+# Marker states.
+OPEN = "open"
+PREPARED = "prepared"
+COMMITTED = "committed"
+ABORTED = "aborted"
+
+#: MongoDB refuses documents nested deeper than 100 levels; a staged document adds one level.
+_MAX_DEPTH = 99
+#: Server error codes that are transient even when the server does not label them so
+#: (stepdowns, shutdowns, network trouble between mongos and shards, lock/time limits).
+_RETRIABLE_CODES = frozenset(
+    {6, 7, 50, 89, 91, 112, 189, 244, 251, 262, 9001, 10107, 11600, 11602, 13435, 13436}
+)
+#: Unauthorized, AuthenticationFailed: retrying with the same credentials cannot help.
+_AUTH_CODES = frozenset({13, 18})
+_DUPLICATE_KEY = 11000
+#: Staged documents are read and replayed as raw BSON: user documents are never decoded.
+_RAW: CodecOptions[RawBSONDocument] = CodecOptions(document_class=RawBSONDocument)
+_DB_NAME_FORBIDDEN = re.compile(r'[/\\. "$\x00]')
+
+
+class MongoSinkConfig(SinkConfig):
+    """``sinks[]`` entry with ``type: mongodb``."""
+
+    type: Literal["mongodb"]
+    #: ``mongodb://`` or ``mongodb+srv://`` URI of a replica set or mongos. It may hold a password,
+    #: so it is a secret: never logged, never shown in a config dump.
+    uri: SecretStr
+    database: str
+    collection: str
+    #: ``insert``: one document per record, ``_id`` = record id. ``upsert``: one document per key.
+    mode: Literal["insert", "upsert"] = "insert"
+    #: Top-level value fields that form the document key (``mode: upsert`` only).
+    key: list[str] = Field(default_factory=list, validate_default=True)
+    #: Where parts wait for their decision; default ``<collection>__twophase_staging``.
+    staging_collection: str | None = None
+    #: Per-part markers and committed positions; may be shared by many sinks and pipelines.
+    marker_collection: str = "twophase_parts"
+    #: Upsert mode: field holding ``{pipeline, txn}`` so an older part never overwrites a newer
+    #: one, whatever order decisions are applied in. ``null`` disables the guard and the field.
+    version_field: str | None = "_twophase"
+    #: Documents per commit transaction. MongoDB aborts transactions that run longer than
+    #: ``transactionLifetimeLimitSeconds`` (60 s by default); 1000 replaces finish well inside
+    #: that even on slow servers, and bigger chunks gain little once per-transaction overhead
+    #: is amortized.
+    commit_chunk_size: int = Field(1000, ge=1, le=100_000)
+    #: Bytes of staged documents per commit transaction: keeps one transaction's oplog entries
+    #: and cache pressure modest (MongoDB's per-transaction limits are in this range).
+    commit_chunk_bytes: int = Field(8 * 1024 * 1024, ge=1)
+    #: TCP connect; a reachable server answers in milliseconds, so 10 s only covers slow networks.
+    connect_timeout_s: float = Field(10.0, gt=0)
+    #: How long to wait for a writable primary -- longer than a typical election (~10 s).
+    server_selection_timeout_s: float = Field(15.0, gt=0)
+    #: One round trip; must exceed the slowest single operation (a chunk's bulk replace).
+    socket_timeout_s: float = Field(120.0, gt=0)
+    #: Waiting for majority acknowledgement; after it the write is retried, not lost.
+    write_concern_timeout_s: float = Field(60.0, gt=0)
+    #: ``maxCommitTimeMS`` of each commit transaction.
+    max_commit_time_s: float = Field(60.0, gt=0)
+    app_name: str = "twophase"
+
+    @field_validator("database")
+    @classmethod
+    def _check_database(cls, value: str) -> str:
+        if not value or len(value.encode()) > 63 or _DB_NAME_FORBIDDEN.search(value):
+            raise ValueError('use 1-63 bytes without / \\ . space " $')
+        return value
+
+    @field_validator("collection", "staging_collection", "marker_collection")
+    @classmethod
+    def _check_collection(cls, value: str | None) -> str | None:
+        if value is not None and (
+            not value or "$" in value or "\x00" in value or value.startswith("system.")
+        ):
+            raise ValueError(
+                "a collection name is non-empty, has no $ and does not start with system."
+            )
+        return value
+
+    @field_validator("version_field")
+    @classmethod
+    def _check_version_field(cls, value: str | None) -> str | None:
+        if value is not None and (
+            not value or value.startswith("$") or "." in value or value == "_id"
+        ):
+            raise ValueError("a top-level field name without $ or '.', not _id")
+        return value
+
+    @field_validator("key")
+    @classmethod
+    def _check_key(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        mode = info.data.get("mode", "insert")
+        if mode == "upsert" and not value:
+            raise ValueError("required when mode is 'upsert': the fields that identify a document")
+        if mode == "insert" and value:
+            raise ValueError("only used when mode is 'upsert' (insert mode keys by record id)")
+        for name in value:
+            if not name or name.startswith("$") or "." in name or "\x00" in name:
+                raise ValueError(f"{name!r}: key fields are top-level field names without $ or '.'")
+        if len(set(value)) != len(value):
+            raise ValueError("key fields must be distinct")
+        return value
+
+    @property
+    def staging(self) -> str:
+        return self.staging_collection or f"{self.collection}__twophase_staging"
+
+
+class _Reject(Exception):
+    """Internal: one record cannot become a document."""
+
+
+@dataclass(slots=True)
+class _OpenPart:
+    part: PartId
+    pk: str
+    next_seq: int = 0
+    staged: int = 0
+    #: ``_id`` s of a write() that failed; a retry finding them already staged counts them.
+    uncertain: set[str] = field(default_factory=set)
+    #: Record ids and first seq of the last write() that failed with a retriable error.
+    failed: tuple[tuple[str, ...], int] | None = None
+
+
+class MongoSink(Sink):
+    """Stages parts in MongoDB, commits them with chunked MongoDB transactions. See module doc."""
+
+    config_model = MongoSinkConfig
+
+    def __init__(self, config: SinkConfig, context: SinkContext) -> None:
+        if not isinstance(config, MongoSinkConfig):
+            raise FatalSinkError("config is not a MongoSinkConfig", sink=context.sink_name)
+        super().__init__(config, context)
+        self.cfg = config
+        self._client: MongoClient[Doc] | None = None
+        self._max_bson = 16 * 1024 * 1024
+        self._lock = threading.Lock()
+        self._open: _OpenPart | None = None
+        # Majority + journal: once acknowledged, a staged doc or marker survives any failover.
+        self._wc = WriteConcern(
+            w="majority", j=True, wtimeout=int(config.write_concern_timeout_s * 1000)
+        )
+
+    # -- collections -----------------------------------------------------------------------
+
+    @property
+    def client(self) -> MongoClient[Doc]:
+        if self._client is None:
+            raise FatalSinkError("setup() has not been called", sink=self.name)
+        return self._client
+
+    def _coll(self, name: str) -> Collection[Doc]:
+        return self.client[self.cfg.database].get_collection(
+            name, write_concern=self._wc, read_concern=ReadConcern("majority")
+        )
+
+    @property
+    def _target(self) -> Collection[Doc]:
+        return self._coll(self.cfg.collection)
+
+    @property
+    def _staging(self) -> Collection[Doc]:
+        return self._coll(self.cfg.staging)
+
+    @property
+    def _markers(self) -> Collection[Doc]:
+        return self._coll(self.cfg.marker_collection)
+
+    def _pk(self, part: PartId) -> str:
+        return f"{self.name}:{part.token}"
+
+    def _pk_prefix(self) -> str:
+        return f"^{re.escape(self.name)}:{re.escape(self.context.pipeline)}~"
+
+    # -- life cycle ------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        if self._client is not None:
+            return
+        try:
+            self._client = MongoClient(
+                cfg.uri.get_secret_value(),
+                appname=cfg.app_name,
+                connectTimeoutMS=int(cfg.connect_timeout_s * 1000),
+                serverSelectionTimeoutMS=int(cfg.server_selection_timeout_s * 1000),
+                socketTimeoutMS=int(cfg.socket_timeout_s * 1000),
+                retryWrites=True,
+                tz_aware=True,
+            )
+        except ConfigurationError as exc:
+            raise FatalSinkError(
+                f"config field 'uri': {_scrub(str(exc), cfg.uri.get_secret_value())}",
+                sink=self.name,
+            ) from None  # the chained exception could carry the URI into a traceback
+        with self._errors("setup", "-", FatalSinkError):
+            hello = self.client.admin.command("hello")
+            if not hello.get("setName") and hello.get("msg") != "isdbgrid":
+                raise FatalSinkError(
+                    "MongoDB is a standalone server; commits need multi-document transactions, "
+                    "which only a replica set (a single-node one is fine) or a sharded cluster has",
+                    sink=self.name,
+                )
+            if int(hello.get("maxWireVersion", 0)) < 8:
+                raise FatalSinkError(
+                    "MongoDB 4.2 or newer is required (transactions)", sink=self.name
+                )
+            self._max_bson = int(hello.get("maxBsonObjectSize", self._max_bson))
+            db = self.client[cfg.database]
+            existing = set(db.list_collection_names())
+            # Collections cannot be created inside a transaction before MongoDB 4.4: create them now.
+            for name in (cfg.collection, cfg.staging, cfg.marker_collection):
+                if name not in existing:
+                    try:
+                        db.create_collection(name, write_concern=self._wc)
+                    except CollectionInvalid:
+                        pass  # another participant created it first
+                    except OperationFailure as exc:
+                        if exc.code != 48:  # NamespaceExists: same race, older servers
+                            raise
+            self._staging.create_index([("part", ASCENDING), ("seq", ASCENDING)], name="part_seq")
+            self._markers.create_index(
+                [
+                    ("pipeline", ASCENDING),
+                    ("sink", ASCENDING),
+                    ("state", ASCENDING),
+                    ("txn", ASCENDING),
+                ],
+                name="pipeline_sink_state_txn",
+            )
+        self.log.info(
+            "mongodb sink %s ready: %s.%s mode=%s staging=%s markers=%s",
+            self.name,
+            cfg.database,
+            cfg.collection,
+            cfg.mode,
+            cfg.staging,
+            cfg.marker_collection,
+        )
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def begin(self, part: PartId) -> None:
+        pk = self._pk(part)
+        with self._lock:
+            if self._open is not None and self._open.part != part:
+                raise FatalSinkError(
+                    f"begin({part.token}) while part {self._open.part.token} is still open",
+                    sink=self.name,
+                )
+        with self._errors("begin", part.token, AbortTransactionError):
+            # An aborted part may be opened again: a rewind re-reads the same transaction.
+            marker = self._markers.find_one_and_update(
+                {"_id": pk, "state": {"$in": [OPEN, ABORTED]}},
+                {
+                    "$set": {
+                        "state": OPEN,
+                        "records": 0,
+                        "applied": 0,
+                        "opened_at": datetime.now(UTC),
+                    }
+                },
+            )
+            if marker is None:
+                try:
+                    self._markers.insert_one(self._new_marker(part, OPEN))
+                except DuplicateKeyError:
+                    current = self._markers.find_one({"_id": pk})
+                    state = current["state"] if current else "gone"
+                    if state in (OPEN, ABORTED, "gone"):
+                        raise RetriableSinkError(
+                            f"begin: part {part.token} changed meanwhile", sink=self.name
+                        ) from None
+                    raise FatalSinkError(
+                        f"begin: part {part.token} is already {state}; it cannot be reopened",
+                        sink=self.name,
+                    ) from None
+            # A reopened part (rewind, or a crash of this participant) starts from nothing.
+            removed = self._staging.delete_many({"part": pk}).deleted_count
+        if removed:
+            self.log.warning(
+                "part %s: reopened, dropped %d staged documents of an earlier attempt",
+                part.token,
+                removed,
+            )
+        with self._lock:
+            self._open = _OpenPart(part, pk)
+        self.log.debug("part %s: open", part.token)
+
+    def write(self, part: PartId, records: Sequence[Record]) -> Sequence[Rejected]:
+        batch = tuple(r.record_id for r in records)
+        with self._lock:
+            op = self._open
+            if op is None or op.part != part:
+                raise FatalSinkError(f"write({part.token}): part is not open", sink=self.name)
+            # A retry of a failed call gets the same seqs (its documents may be staged already);
+            # anything else gets fresh ones, so no two staged documents ever share a seq.
+            retry = op.failed is not None and op.failed[0] == batch
+            seq = op.failed[1] if op.failed is not None and retry else op.next_seq
+        base = seq
+        rejected: list[Rejected] = []
+        staged: list[RawBSONDocument] = []
+        for record in records:
+            try:
+                staged.append(self._stage(op, record, seq))
+            except _Reject as exc:
+                rejected.append(Rejected(record, str(exc), {"sink": self.name}))
+                continue
+            seq += 1
+        try:
+            inserted, duplicates = self._insert_staged(op, staged) if staged else (0, [])
+        except RetriableSinkError:
+            with self._lock:
+                op.failed = (batch, base)
+                op.next_seq = max(op.next_seq, seq)
+            raise
+        with self._lock:
+            op.next_seq = max(op.next_seq, seq)
+            op.staged += inserted + len(op.uncertain.intersection(duplicates))
+            op.uncertain.clear()
+            op.failed = None
+        if rejected:
+            self.log.info(
+                "part %s: %d of %d records rejected", part.token, len(rejected), len(records)
+            )
+        return rejected
+
+    def prepare(self, part: PartId, positions: Positions) -> None:
+        pk = self._pk(part)
+        with self._lock:
+            op = self._open if self._open is not None and self._open.part == part else None
+        with self._errors("prepare", part.token, AbortTransactionError):
+            marker = self._markers.find_one({"_id": pk})
+            state = marker["state"] if marker else None
+            if state == PREPARED and op is None:
+                return  # a repeated prepare after the first one succeeded
+            if state in (COMMITTED, ABORTED):
+                raise AbortTransactionError(
+                    f"prepare: part {part.token} is already {state}", sink=self.name
+                )
+            if op is None:
+                raise AbortTransactionError(
+                    f"prepare: part {part.token} is not open in this process", sink=self.name
+                )
+            # Guards against staged documents lost behind our back (a wrong cleanup, a restore).
+            stored = self._staging.count_documents({"part": pk})
+            if stored != op.staged:
+                raise AbortTransactionError(
+                    f"prepare: part {part.token} has {stored} staged documents, expected {op.staged}",
+                    sink=self.name,
+                )
+            result = self._markers.update_one(
+                {"_id": pk, "state": {"$in": [OPEN, PREPARED]}},
+                {
+                    "$set": {
+                        "state": PREPARED,
+                        "records": op.staged,
+                        "positions": [
+                            {"topic": t, "partition": p, "offset": o}
+                            for (t, p), o in sorted(positions.items())
+                        ],
+                        "prepared_at": datetime.now(UTC),
+                    }
+                },
+            )
+            if result.matched_count == 0:
+                raise AbortTransactionError(
+                    f"prepare: part {part.token} was aborted or removed meanwhile", sink=self.name
+                )
+        with self._lock:
+            if self._open is op:
+                self._open = None
+        self.log.info("part %s: prepared %d documents", part.token, op.staged)
+
+    def commit(self, part: PartId) -> None:
+        chunks = 0
+        while not self._commit_step(part):
+            chunks += 1
+        self.log.info("part %s: committed (%d chunks)", part.token, chunks + 1)
+
+    def abort(self, part: PartId) -> None:
+        pk = self._pk(part)
+        with self._errors("abort", part.token, FatalSinkError):
+            marker = self._markers.find_one_and_update(
+                {"_id": pk, "state": {"$in": [OPEN, PREPARED]}, "applied": 0},
+                {"$set": {"state": ABORTED, "aborted_at": datetime.now(UTC)}},
+            )
+            if marker is None:
+                current = self._markers.find_one({"_id": pk})
+                state = current["state"] if current else None
+                if state == COMMITTED:
+                    raise FatalSinkError(
+                        f"abort: part {part.token} is already committed", sink=self.name
+                    )
+                if state in (OPEN, PREPARED) and current and current.get("applied", 0) > 0:
+                    raise FatalSinkError(
+                        f"abort: part {part.token} is being committed ({current['applied']} "
+                        "documents applied); only commit can finish it",
+                        sink=self.name,
+                    )
+                if state in (OPEN, PREPARED):
+                    raise RetriableSinkError(
+                        f"abort: part {part.token} changed meanwhile", sink=self.name
+                    )
+                # None (unknown part) or already aborted: nothing to mark.
+            removed = self._staging.delete_many({"part": pk}).deleted_count
+        with self._lock:
+            if self._open is not None and self._open.part == part:
+                self._open = None
+        self.log.info("part %s: aborted (%d staged documents removed)", part.token, removed)
+
+    def in_doubt(self) -> list[PartId]:
+        with self._errors("in_doubt", "-", RetriableSinkError):
+            found = self._markers.find(
+                {
+                    "pipeline": self.context.pipeline,
+                    "sink": self.name,
+                    "state": PREPARED,
+                    "kind": "part",
+                },
+                {"pipeline": 1, "txn": 1, "participant": 1},
+            )
+            return sorted(PartId(m["pipeline"], int(m["txn"]), m["participant"]) for m in found)
+
+    # -- beyond the SDK: recovery and housekeeping helpers for the runtime ---------------------
+
+    def stale_parts(self, before_txn: int) -> list[PartId]:
+        """Parts of this pipeline older than ``before_txn`` that were never prepared but left
+        staged documents or an ``open`` marker (their writer died). Pass a transaction number that
+        no live participant can still have open -- e.g. the oldest undecided transaction -- and
+        ``abort`` each part returned. This process's own open part is never returned.
+        """
+        pipeline = self.context.pipeline
+        with self._errors("stale_parts", "-", RetriableSinkError):
+            tokens: set[str] = set()
+            for m in self._markers.find(
+                {
+                    "pipeline": pipeline,
+                    "sink": self.name,
+                    "state": OPEN,
+                    "kind": "part",
+                    "txn": {"$lt": before_txn},
+                },
+                {"_id": 1},
+            ):
+                tokens.add(str(m["_id"]))
+            staged = {
+                str(pk)
+                for pk in self._staging.distinct("part", {"part": {"$regex": self._pk_prefix()}})
+            }
+            if staged:
+                decided = {
+                    str(m["_id"])
+                    for m in self._markers.find(
+                        {"_id": {"$in": sorted(staged)}, "state": {"$in": [PREPARED, COMMITTED]}},
+                        {"_id": 1},
+                    )
+                }
+                tokens |= staged - decided
+        with self._lock:
+            own = self._open.pk if self._open is not None else None
+        prefix = f"{self.name}:"
+        parts: list[PartId] = []
+        for pk in tokens - {own}:
+            try:
+                part = PartId.parse(pk[len(prefix) :])
+            except ValueError:
+                continue  # not a part token of ours (a sink name that contains this one's)
+            if pk.startswith(prefix) and part.pipeline == pipeline and part.txn < before_txn:
+                parts.append(part)
+        return sorted(parts)
+
+    def committed_positions(self) -> dict[tuple[str, int], int]:
+        """Next offset per source partition, as committed into this sink with the data."""
+        with self._errors("committed_positions", "-", RetriableSinkError):
+            docs = self._markers.find(
+                {"kind": "positions", "pipeline": self.context.pipeline, "sink": self.name}
+            )
+            return {(d["topic"], int(d["partition"])): int(d["offset"]) for d in docs}
+
+    def forget_decided(self, before_txn: int) -> int:
+        """Delete committed and aborted markers of this pipeline older than ``before_txn``.
+
+        Markers make ``commit``/``abort`` idempotent; once the decision log has moved past a
+        transaction nobody repeats it, and without this the collection grows by one marker per
+        part forever. Returns how many were deleted.
+        """
+        with self._errors("forget_decided", "-", RetriableSinkError):
+            return self._markers.delete_many(
+                {
+                    "pipeline": self.context.pipeline,
+                    "sink": self.name,
+                    "state": {"$in": [COMMITTED, ABORTED]},
+                    "kind": "part",
+                    "txn": {"$lt": before_txn},
+                }
+            ).deleted_count
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _new_marker(self, part: PartId, state: str) -> Doc:
+        return {
+            "_id": self._pk(part),
+            "kind": "part",
+            "pipeline": part.pipeline,
+            "sink": self.name,
+            "txn": part.txn,
+            "participant": part.participant,
+            "state": state,
+            "records": 0,
+            "applied": 0,
+            "created_at": datetime.now(UTC),
+        }
+
+    def _stage(self, op: _OpenPart, record: Record, seq: int) -> RawBSONDocument:
+        value: Any = record.value
+        if not isinstance(value, Mapping):
+            raise _Reject(f"value is a {type(value).__name__}, not a JSON object")
+        _check_fields(value, "", 1)
+        body: Doc
+        if self.cfg.mode == "insert":
+            if "_id" in value:
+                raise _Reject(
+                    "value has an _id field; insert mode sets _id to the record id "
+                    "(use mode: upsert with key: [_id] to keep it)"
+                )
+            body = {"_id": record.record_id, **value}
+        else:
+            doc_id = self._key_of(value)
+            body = {**value, "_id": doc_id}
+            if self.cfg.version_field:
+                body[self.cfg.version_field] = {"pipeline": op.part.pipeline, "txn": op.part.txn}
+        staged = {"_id": f"{op.pk}|{record.record_id}", "part": op.pk, "seq": seq, "doc": body}
+        try:
+            raw = bson.encode(staged)
+        except (bson.InvalidDocument, OverflowError, TypeError, ValueError) as exc:
+            raise _Reject(f"value cannot be stored as BSON: {exc}") from None
+        if len(raw) > self._max_bson:
+            raise _Reject(
+                f"document is {len(raw)} bytes staged; MongoDB's limit is {self._max_bson}"
+            )
+        return RawBSONDocument(raw)
+
+    def _key_of(self, value: Mapping[str, Any]) -> Any:
+        parts: Doc = {}
+        for name in self.cfg.key:
+            v = value.get(name)
+            if v is None:
+                raise _Reject(f"key field {name!r} is {'null' if name in value else 'missing'}")
+            if isinstance(v, list | tuple):
+                raise _Reject(f"key field {name!r} is an array; arrays cannot be part of _id")
+            parts[name] = v
+        if len(parts) == 1:
+            return next(iter(parts.values()))
+        return parts
+
+    def _insert_staged(self, op: _OpenPart, staged: list[RawBSONDocument]) -> tuple[int, list[str]]:
+        ids = [str(d["_id"]) for d in staged]
+        try:
+            with self._errors("write", op.part.token, AbortTransactionError):
+                try:
+                    self._staging.insert_many(staged, ordered=False)
+                    return len(staged), []
+                except BulkWriteError as exc:
+                    errors = exc.details.get("writeErrors", [])
+                    others = [e for e in errors if e.get("code") != _DUPLICATE_KEY]
+                    if others:
+                        raise AbortTransactionError(
+                            f"write: part {op.part.token}: {others[0].get('errmsg')} "
+                            f"({len(others)} documents refused)",
+                            sink=self.name,
+                        ) from exc
+                    if exc.details.get("writeConcernErrors"):
+                        raise RetriableSinkError(
+                            f"write: part {op.part.token}: write concern not satisfied",
+                            sink=self.name,
+                        ) from exc
+                    duplicates = [ids[int(e["index"])] for e in errors]
+                    return len(staged) - len(duplicates), duplicates
+        except RetriableSinkError:
+            with self._lock:
+                op.uncertain.update(ids)
+            raise
+
+    def _commit_step(self, part: PartId) -> bool:
+        """Apply one chunk of ``part`` in one transaction; True once the part is committed."""
+        cfg = self.cfg
+        with (
+            self._errors("commit", part.token, FatalSinkError),
+            self.client.start_session() as session,
+            session.start_transaction(
+                # Snapshot reads + majority commit: a chunk sees and removes exactly what it applies.
+                read_concern=ReadConcern("snapshot"),
+                write_concern=WriteConcern(
+                    w="majority", wtimeout=int(cfg.write_concern_timeout_s * 1000)
+                ),
+                read_preference=ReadPreference.PRIMARY,
+                max_commit_time_ms=int(cfg.max_commit_time_s * 1000),
+            ),
+        ):
+            return self._commit_chunk(part, session)
+
+    def _commit_chunk(self, part: PartId, session: ClientSession) -> bool:
+        pk = self._pk(part)
+        cfg = self.cfg
+        staging_raw = self._staging.with_options(codec_options=_RAW)
+        marker = self._markers.find_one({"_id": pk}, session=session)
+        if marker is None:
+            raise UnknownPartError(
+                f"commit: part {part.token} is not in this store", sink=self.name
+            )
+        state = marker["state"]
+        if state == COMMITTED:
+            return True
+        if state != PREPARED:
+            raise UnknownPartError(
+                f"commit: part {part.token} is {state}, not prepared", sink=self.name
+            )
+        batch = list(
+            staging_raw.find({"part": pk}, session=session)
+            .sort("seq", ASCENDING)
+            .limit(cfg.commit_chunk_size + 1)
+            .batch_size(cfg.commit_chunk_size + 1)
+        )
+        chunk: list[RawBSONDocument] = []
+        size = 0
+        for staged in batch[: cfg.commit_chunk_size]:
+            size += len(staged.raw)
+            if chunk and size > cfg.commit_chunk_bytes:
+                break
+            chunk.append(staged)
+        final = len(chunk) == len(batch)
+        writes = self._apply(part, chunk, session) if chunk else 0
+        if chunk:
+            # The chunk is this part's lowest seqs and seqs are unique per staged document, so a
+            # range removes exactly the chunk (and uses the part_seq index; a long $in does not
+            # on every server).
+            removed = staging_raw.delete_many(
+                {"part": pk, "seq": {"$lte": chunk[-1]["seq"]}}, session=session
+            ).deleted_count
+            if removed != len(chunk):
+                raise FatalSinkError(
+                    f"commit: part {part.token}: removed {removed} staged documents for a chunk "
+                    f"of {len(chunk)}; staging was changed behind this sink's back",
+                    sink=self.name,
+                )
+        if not final:
+            self._markers.update_one(
+                {"_id": pk},
+                {"$inc": {"applied": len(chunk)}, "$set": {"applied_through": chunk[-1]["seq"]}},
+                session=session,
+            )
+            self.log.debug(
+                "part %s: applying, chunk of %d staged (%d writes)", part.token, len(chunk), writes
+            )
+            return False
+        applied = int(marker.get("applied", 0)) + len(chunk)
+        if applied != int(marker.get("records", 0)):
+            raise FatalSinkError(
+                f"commit: part {part.token} was prepared with {marker.get('records')} documents "
+                f"but {applied} were staged; staging was changed behind this sink's back",
+                sink=self.name,
+            )
+        self._markers.update_one(
+            {"_id": pk},
+            {
+                "$set": {
+                    "state": COMMITTED,
+                    "applied": applied,
+                    "committed_at": datetime.now(UTC),
+                }
+            },
+            session=session,
+        )
+        moves = [
+            UpdateOne(
+                {"_id": f"{self.name}:{part.pipeline}:{p['topic']}:{p['partition']}"},
+                {
+                    "$max": {"offset": int(p["offset"])},
+                    "$setOnInsert": {
+                        "kind": "positions",
+                        "pipeline": part.pipeline,
+                        "sink": self.name,
+                        "topic": p["topic"],
+                        "partition": int(p["partition"]),
+                    },
+                },
+                upsert=True,
+            )
+            for p in marker.get("positions", [])
+        ]
+        if moves:
+            self._markers.bulk_write(moves, ordered=True, session=session)
+        return True
+
+    def _apply(self, part: PartId, chunk: list[RawBSONDocument], session: ClientSession) -> int:
+        """Replace-upsert the chunk's documents into the target, last one per ``_id`` winning."""
+        latest: dict[bytes, RawBSONDocument] = {}
+        for staged in chunk:
+            doc = staged["doc"]
+            latest.pop(_id_key(doc["_id"]), None)  # keep the order of the last occurrence
+            latest[_id_key(doc["_id"])] = doc
+        vf = self.cfg.version_field if self.cfg.mode == "upsert" else None
+        ops: list[ReplaceOne[RawBSONDocument] | UpdateOne]
+        if vf:
+            # One server-side step per key, no read round trip: keep the stored document when
+            # this pipeline already wrote it from a later transaction, else replace it.
+            newer = {
+                "$and": [
+                    {"$eq": [f"${vf}.pipeline", part.pipeline]},
+                    {"$in": [{"$type": f"${vf}.txn"}, ["int", "long"]]},
+                    {"$gt": [f"${vf}.txn", part.txn]},
+                ]
+            }
+            ops = [
+                UpdateOne(
+                    {"_id": doc["_id"]},
+                    [{"$replaceWith": {"$cond": [newer, "$$ROOT", {"$literal": doc}]}}],
+                    upsert=True,
+                )
+                for doc in latest.values()
+            ]
+        else:
+            ops = [ReplaceOne({"_id": doc["_id"]}, doc, upsert=True) for doc in latest.values()]
+        if ops:
+            self._target.with_options(codec_options=_RAW).bulk_write(
+                ops, ordered=True, session=session
+            )
+        return len(ops)
+
+    @contextmanager
+    def _errors(self, what: str, token: str, otherwise: type[SinkError]) -> Iterator[None]:
+        """Map pymongo errors onto the SDK's three branches; ``otherwise`` for the rest."""
+        try:
+            yield
+        except SinkError:
+            raise
+        except (ConnectionFailure, ExecutionTimeout, WriteConcernError) as exc:
+            raise RetriableSinkError(
+                f"{what} {token}: {type(exc).__name__}: {exc}", sink=self.name
+            ) from exc
+        except OperationFailure as exc:
+            if (
+                exc.has_error_label("TransientTransactionError")
+                or exc.has_error_label("UnknownTransactionCommitResult")
+                or exc.has_error_label("RetryableWriteError")
+                or exc.code in _RETRIABLE_CODES
+                # Two processes upserting the same marker/positions document at once.
+                or (exc.code == _DUPLICATE_KEY and what == "commit")
+            ):
+                raise RetriableSinkError(f"{what} {token}: {exc}", sink=self.name) from exc
+            if exc.code in _AUTH_CODES:
+                raise FatalSinkError(
+                    f"{what} {token}: not authorized: {exc}", sink=self.name
+                ) from exc
+            raise otherwise(f"{what} {token}: {exc}", sink=self.name) from exc
+        except PyMongoError as exc:
+            raise otherwise(f"{what} {token}: {type(exc).__name__}: {exc}", sink=self.name) from exc
+
+
+def _check_fields(value: Mapping[Any, Any] | Sequence[Any], path: str, depth: int) -> None:
+    """Reject field names MongoDB refuses or misreads, at any depth."""
+    if depth > _MAX_DEPTH:
+        raise _Reject(f"nested deeper than {_MAX_DEPTH} levels at {path or 'top'}")
+    if isinstance(value, Mapping):
+        for name, inner in value.items():
+            if not isinstance(name, str):
+                raise _Reject(f"field name {name!r} at {path or 'top'} is not a string")
+            where = f"{path}.{name}" if path else name
+            if name.startswith("$"):
+                raise _Reject(f"field name {where!r} starts with '$'")
+            if "." in name:
+                raise _Reject(f"field name {where!r} contains '.'")
+            if "\x00" in name:
+                raise _Reject(f"field name {where!r} contains a NUL character")
+            if isinstance(inner, Mapping | list | tuple):
+                _check_fields(inner, where, depth + 1)
+    else:
+        for i, inner in enumerate(value):
+            if isinstance(inner, Mapping | list | tuple):
+                _check_fields(inner, f"{path}[{i}]", depth + 1)
+
+
+def _id_key(value: Any) -> bytes:
+    """Hashable form of an ``_id`` (sub-documents included) for de-duplicating a chunk."""
+    return bson.encode({"k": value})
+
+
+def _scrub(message: str, uri: str) -> str:
+    """Remove the URI's credentials from ``message`` (some driver errors quote the URI)."""
+    userinfo = re.match(r"^[a-z+]+://([^@/]*)@", uri)
+    for secret in (uri, userinfo.group(1) if userinfo else ""):
+        if secret:
+            message = message.replace(secret, "***")
+    return message

@@ -1,0 +1,534 @@
+"""MongoSink against the real MongoDB-protocol server of the local stack (SecantusDB).
+
+Every test works in its own database and drops it at the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+from pymongo import MongoClient
+from pymongo.collection import Collection
+from pymongo.database import Database
+from pymongo.errors import AutoReconnect
+
+from participants.sdk import (
+    AbortTransactionError,
+    FatalSinkError,
+    PartId,
+    Record,
+    RetriableSinkError,
+    SinkContext,
+    UnknownPartError,
+)
+from participants.sinks.mongodb import MongoSink, MongoSinkConfig
+
+pytestmark = pytest.mark.stack
+
+TOPIC = "orders"
+Doc = dict[str, Any]
+MakeSink = Callable[..., MongoSink]
+
+
+def _db_name(unique_name: Any) -> str:
+    raw = unique_name("mongo") if callable(unique_name) else f"{unique_name}_mongo"
+    clean = re.sub(r"[^A-Za-z0-9_]", "_", str(raw))
+    if len(clean) > 40:  # MongoDB database names stop at 63 bytes
+        clean = clean[:30] + hashlib.sha1(clean.encode()).hexdigest()[:10]
+    return clean
+
+
+@pytest.fixture
+def db(mongo_uri: str, unique_name: Any) -> Iterator[Database[Doc]]:
+    name = _db_name(unique_name)
+    client: MongoClient[Doc] = MongoClient(mongo_uri)
+    try:
+        yield client[name]
+    finally:
+        client.drop_database(name)
+        client.close()
+
+
+@pytest.fixture
+def make_sink(mongo_uri: str, db: Database[Doc]) -> Iterator[MakeSink]:
+    """Builds and sets up sinks; each one is a separate MongoClient, like a separate process."""
+    made: list[MongoSink] = []
+
+    def make(
+        *, pipeline: str = "p1", participant: str = "w1", sink_name: str = "mongo", **cfg: Any
+    ) -> MongoSink:
+        raw: Doc = {
+            "name": sink_name,
+            "type": "mongodb",
+            "uri": mongo_uri,
+            "database": db.name,
+            "collection": "target",
+            **cfg,
+        }
+        ctx = SinkContext(pipeline, participant, sink_name, logging.getLogger(f"test.{sink_name}"))
+        sink = MongoSink.from_mapping(raw, ctx)
+        assert isinstance(sink, MongoSink)
+        sink.setup()
+        made.append(sink)
+        return sink
+
+    yield make
+    for sink in made:
+        sink.close()
+
+
+def rec(offset: int, value: Any, *, partition: int = 0, topic: str = TOPIC) -> Record:
+    return Record(topic, partition, offset, 1_700_000_000_000 + offset, None, value)
+
+
+def run_part(
+    sink: MongoSink, part: PartId, records: list[Record], *, commit: bool = True
+) -> list[Any]:
+    sink.begin(part)
+    rejected = list(sink.write(part, records))
+    positions: dict[tuple[str, int], int] = {}
+    for r in records:
+        tp = (r.topic, r.partition)
+        positions[tp] = max(positions.get(tp, 0), r.offset + 1)
+    sink.prepare(part, positions)
+    if commit:
+        sink.commit(part)
+    return rejected
+
+
+def ids(coll: Any, query: Doc | None = None) -> list[Any]:
+    return sorted(d["_id"] for d in coll.find(query or {}, {"_id": 1}))
+
+
+# -- insert mode --------------------------------------------------------------------------------
+
+
+def test_insert_mode_end_to_end(make_sink: MakeSink, db: Database[Doc]) -> None:
+    sink = make_sink()
+    part = PartId("p1", 1, "w1")
+    records = [rec(i, {"n": i, "nested": {"a": [1, {"b": i}]}}) for i in range(10)]
+    records += [rec(i, {"n": 100 + i}, partition=3) for i in range(5)]
+    run_part(sink, part, records, commit=False)
+
+    # Prepared: durable in staging, invisible in the target.
+    assert db.target.count_documents({}) == 0
+    assert db["target__twophase_staging"].count_documents({}) == 15
+    marker = db.twophase_parts.find_one({"_id": "mongo:" + part.token})
+    assert marker is not None
+    assert (marker["state"], marker["records"], marker["txn"]) == ("prepared", 15, 1)
+
+    sink.commit(part)
+    assert ids(db.target) == sorted(r.record_id for r in records)
+    assert db.target.find_one({"_id": f"{TOPIC}:0:7"}) == {
+        "_id": f"{TOPIC}:0:7",
+        "n": 7,
+        "nested": {"a": [1, {"b": 7}]},
+    }
+    assert db["target__twophase_staging"].count_documents({}) == 0
+    assert db.twophase_parts.find_one({"_id": "mongo:" + part.token})["state"] == "committed"
+    assert sink.committed_positions() == {(TOPIC, 0): 10, (TOPIC, 3): 5}
+    assert sink.in_doubt() == []
+
+
+def test_new_instance_finds_and_commits_prepared_part(
+    make_sink: MakeSink, db: Database[Doc]
+) -> None:
+    first = make_sink(participant="w1")
+    part = PartId("p1", 7, "w1")
+    run_part(first, part, [rec(i, {"v": i}) for i in range(20)], commit=False)
+    first.close()  # the process "dies" after its PREPARED vote
+
+    other = make_sink(participant="w2")  # another participant, new connections
+    assert other.in_doubt() == [part]
+    assert db.target.count_documents({}) == 0
+    other.commit(part)
+    assert db.target.count_documents({}) == 20
+    assert other.in_doubt() == []
+    other.commit(part)  # a repeated decision is a no-op
+    assert db.target.count_documents({}) == 20
+
+
+def test_abort_leaves_nothing_and_is_idempotent(make_sink: MakeSink, db: Database[Doc]) -> None:
+    sink = make_sink()
+    prepared = PartId("p1", 1, "w1")
+    run_part(sink, prepared, [rec(i, {"v": i}) for i in range(12)], commit=False)
+    sink.abort(prepared)
+    sink.abort(prepared)
+
+    still_open = PartId("p1", 2, "w1")
+    sink.begin(still_open)
+    sink.write(still_open, [rec(100 + i, {"v": i}) for i in range(5)])
+    sink.abort(still_open)
+
+    assert db.target.count_documents({}) == 0
+    assert db["target__twophase_staging"].count_documents({}) == 0
+    assert sink.in_doubt() == []
+    with pytest.raises(UnknownPartError):
+        sink.commit(prepared)
+    # The slot is free again for the next part after an abort of the open one.
+    run_part(sink, PartId("p1", 3, "w1"), [rec(200, {"v": 1})])
+    assert ids(db.target) == [f"{TOPIC}:0:200"]
+
+
+def test_commit_twice_unknown_part_and_abort_after_commit(make_sink: MakeSink) -> None:
+    sink = make_sink()
+    part = PartId("p1", 1, "w1")
+    run_part(sink, part, [rec(0, {"v": 0})])
+    sink.commit(part)
+    with pytest.raises(FatalSinkError, match="already committed"):
+        sink.abort(part)
+    with pytest.raises(UnknownPartError):
+        sink.commit(PartId("p1", 99, "w1"))
+
+
+def test_rewind_reopens_an_aborted_open_part(make_sink: MakeSink, db: Database[Doc]) -> None:
+    sink = make_sink()
+    part = PartId("p1", 5, "w1")
+    sink.begin(part)
+    sink.write(part, [rec(i, {"v": "first try"}) for i in range(5)])
+    sink.abort(part)  # T-1 aborted: rewind, then the same transaction number opens again
+    sink.begin(part)
+    sink.write(part, [rec(i, {"v": "second try"}) for i in range(3)])
+    sink.prepare(part, {(TOPIC, 0): 3})
+    sink.commit(part)
+    assert sorted((d["_id"], d["v"]) for d in db.target.find()) == [
+        (f"{TOPIC}:0:{i}", "second try") for i in range(3)
+    ]
+    with pytest.raises(FatalSinkError):
+        sink.begin(part)  # committed parts never reopen
+
+
+def test_abort_unknown_part_is_noop_and_aborted_writer_cannot_prepare(
+    make_sink: MakeSink, db: Database[Doc]
+) -> None:
+    recovering = make_sink(participant="w2")
+    zombie = make_sink(participant="w1")
+    recovering.abort(PartId("p1", 5, "w1"))
+    recovering.abort(PartId("p1", 5, "w1"))
+    assert db.twophase_parts.count_documents({}) == 0
+
+    late = PartId("p1", 6, "w1")
+    zombie.begin(late)
+    zombie.write(late, [rec(0, {"v": 0})])
+    recovering.abort(late)  # presumed abort while the old owner still writes
+    with pytest.raises(AbortTransactionError):
+        zombie.prepare(late, {(TOPIC, 0): 1})
+    assert recovering.in_doubt() == []
+    assert db["target__twophase_staging"].count_documents({}) == 0
+
+
+# -- upsert mode --------------------------------------------------------------------------------
+
+
+def test_upsert_last_wins_within_and_across_parts(make_sink: MakeSink, db: Database[Doc]) -> None:
+    sink = make_sink(mode="upsert", key=["sku"])
+    t1 = PartId("p1", 1, "w1")
+    run_part(
+        sink,
+        t1,
+        [
+            rec(0, {"sku": "a", "qty": 1}),
+            rec(1, {"sku": "b", "qty": 1}),
+            rec(2, {"sku": "a", "qty": 2}),
+            rec(3, {"sku": 7, "qty": 1}),
+            rec(4, {"sku": "a", "qty": 3}),
+        ],
+    )
+    t2 = PartId("p1", 2, "w1")
+    run_part(sink, t2, [rec(5, {"sku": "b", "qty": 9}), rec(6, {"sku": "c", "qty": 1})])
+
+    got = {d["_id"]: d for d in db.target.find()}
+    assert {k: d["qty"] for k, d in got.items()} == {"a": 3, "b": 9, 7: 1, "c": 1}
+    assert got["a"]["sku"] == "a"
+    assert got["b"]["_twophase"] == {"pipeline": "p1", "txn": 2}
+
+
+def test_upsert_composite_key(make_sink: MakeSink, db: Database[Doc]) -> None:
+    sink = make_sink(mode="upsert", key=["region", "id"], version_field=None)
+    run_part(
+        sink,
+        PartId("p1", 1, "w1"),
+        [
+            rec(0, {"region": "eu", "id": 1, "v": "x"}),
+            rec(1, {"id": 1, "region": "us", "v": "y"}),
+            rec(2, {"id": 1, "region": "eu", "v": "z"}),  # field order differs, same key
+        ],
+    )
+    got = {(d["_id"]["region"], d["_id"]["id"]): d for d in db.target.find()}
+    assert {k: d["v"] for k, d in got.items()} == {("eu", 1): "z", ("us", 1): "y"}
+    assert list(got[("eu", 1)]["_id"]) == ["region", "id"]  # key order, as configured
+    assert "_twophase" not in got[("eu", 1)]
+
+
+def test_upsert_older_part_applied_late_does_not_overwrite(
+    make_sink: MakeSink, db: Database[Doc]
+) -> None:
+    sink = make_sink(mode="upsert", key=["sku"])
+    old, new = PartId("p1", 10, "w1"), PartId("p1", 11, "w2")
+    run_part(
+        sink, old, [rec(0, {"sku": "a", "qty": 1}), rec(1, {"sku": "z", "qty": 1})], commit=False
+    )
+    run_part(sink, new, [rec(2, {"sku": "a", "qty": 2})], commit=False)
+    sink.commit(new)
+    sink.commit(old)  # a recovered part of an earlier transaction, applied after the later one
+    got = {d["_id"]: d["qty"] for d in db.target.find()}
+    assert got == {"a": 2, "z": 1}
+
+
+# -- chunked commit -----------------------------------------------------------------------------
+
+
+def test_commit_interrupted_between_chunks_completes_exactly_once(
+    make_sink: MakeSink, db: Database[Doc]
+) -> None:
+    first = make_sink(commit_chunk_size=7)
+    part = PartId("p1", 3, "w1")
+    records = [rec(i, {"v": i}) for i in range(30)]
+    run_part(first, part, records, commit=False)
+
+    assert first._commit_step(part) is False
+    assert first._commit_step(part) is False
+    # The process dies here: 14 documents are visible, the part is still in doubt.
+    assert db.target.count_documents({}) == 14
+    assert db["target__twophase_staging"].count_documents({}) == 16
+    marker = db.twophase_parts.find_one({"_id": "mongo:" + part.token})
+    assert marker is not None
+    assert (marker["state"], marker["applied"]) == ("prepared", 14)
+    with pytest.raises(FatalSinkError, match="being committed"):
+        first.abort(part)  # half-applied: only commit may finish it
+    first.close()
+
+    second = make_sink(commit_chunk_size=7, participant="w2")
+    assert second.in_doubt() == [part]
+    second.commit(part)
+    assert ids(db.target) == sorted(r.record_id for r in records)
+    assert sorted(d["v"] for d in db.target.find()) == list(range(30))
+    assert db["target__twophase_staging"].count_documents({}) == 0
+    marker = db.twophase_parts.find_one({"_id": "mongo:" + part.token})
+    assert marker is not None
+    assert (marker["state"], marker["applied"]) == ("committed", 30)
+
+
+def test_upsert_last_wins_across_chunks(make_sink: MakeSink, db: Database[Doc]) -> None:
+    sink = make_sink(mode="upsert", key=["k"], commit_chunk_size=3)
+    records = [rec(i, {"k": i % 4, "v": i}) for i in range(17)]
+    run_part(sink, PartId("p1", 1, "w1"), records)
+    got = {d["_id"]: d["v"] for d in db.target.find()}
+    assert got == {0: 16, 1: 13, 2: 14, 3: 15}
+
+
+# -- concurrency --------------------------------------------------------------------------------
+
+
+def test_commit_on_another_thread_while_next_part_is_written(
+    make_sink: MakeSink, db: Database[Doc]
+) -> None:
+    sink = make_sink(commit_chunk_size=50)
+    t1, t2 = PartId("p1", 1, "w1"), PartId("p1", 2, "w1")
+    run_part(sink, t1, [rec(i, {"v": i}) for i in range(300)], commit=False)
+
+    errors: list[Exception] = []
+
+    def decide() -> None:
+        try:
+            sink.commit(t1)
+        except Exception as exc:  # noqa: BLE001 - handed to the test thread below
+            errors.append(exc)
+
+    committer = threading.Thread(target=decide)
+    sink.begin(t2)
+    committer.start()
+    for batch in range(10):
+        sink.write(t2, [rec(300 + batch * 20 + i, {"v": i}) for i in range(20)])
+    committer.join(timeout=120)
+    assert not committer.is_alive()
+    assert errors == []
+    assert db.target.count_documents({}) == 300  # T committed, T+1 still invisible
+    sink.prepare(t2, {(TOPIC, 0): 500})
+    sink.commit(t2)
+    assert db.target.count_documents({}) == 500
+    assert sink.committed_positions() == {(TOPIC, 0): 500}
+
+
+def test_retried_write_does_not_duplicate(make_sink: MakeSink, db: Database[Doc]) -> None:
+    sink = make_sink()
+    part = PartId("p1", 1, "w1")
+    batch = [rec(i, {"v": i}) for i in range(5)]
+    sink.begin(part)
+    sink.write(part, batch)
+    sink.write(part, batch)  # the runtime re-sent the same records
+    sink.prepare(part, {(TOPIC, 0): 5})
+    sink.commit(part)
+    assert db.target.count_documents({}) == 5
+
+
+def test_write_retried_after_connection_loss_stages_each_record_once(
+    make_sink: MakeSink, db: Database[Doc], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sink = make_sink(mode="upsert", key=["k"], commit_chunk_size=4)
+    part = PartId("p1", 1, "w1")
+    batch = [rec(i, {"k": i % 3, "v": i}) for i in range(10)]
+    real_insert = Collection.insert_many
+
+    def half_then_drop(self: Collection[Doc], docs: list[Any], **kw: Any) -> Any:
+        real_insert(self, docs[: len(docs) // 2], **kw)
+        raise AutoReconnect("connection reset by peer (injected)")
+
+    sink.begin(part)
+    monkeypatch.setattr(Collection, "insert_many", half_then_drop)
+    with pytest.raises(RetriableSinkError):
+        sink.write(part, batch)
+    monkeypatch.setattr(Collection, "insert_many", real_insert)
+    assert sink.write(part, batch) == []  # the runtime retries the same call
+    sink.prepare(part, {(TOPIC, 0): 10})  # the staged count matches: nothing lost or doubled
+    sink.commit(part)
+    assert {d["_id"]: d["v"] for d in db.target.find()} == {0: 9, 1: 7, 2: 8}
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+def test_rejected_records_are_reported_and_the_rest_commit(
+    make_sink: MakeSink, db: Database[Doc]
+) -> None:
+    sink = make_sink(mode="upsert", key=["id"])
+    bad = {
+        1: {"id": 1, "$set": {"x": 1}},
+        2: {"id": 2, "a": {"b.c": 1}},
+        3: {"id": None, "v": 1},
+        4: {"v": 1},
+        5: {"id": [1, 2]},
+        6: {"id": 6, "big": 2**70},
+        7: {"id": 7, "list": [{"$oid": "x"}]},
+        8: {"id": 8, "blob": "x" * (17 * 1024 * 1024)},
+    }
+    good = {10: {"id": 10, "v": "ok"}, 11: {"id": 11, "v": "ok", "": "empty names are fine"}}
+    records = [rec(off, value) for off, value in sorted({**bad, **good}.items())]
+    rejected = run_part(sink, PartId("p1", 1, "w1"), records)
+
+    reasons = {r.record.offset: r.reason for r in rejected}
+    assert sorted(reasons) == sorted(bad)
+    assert "'$set'" in reasons[1]
+    assert "'a.b.c'" in reasons[2] and "'.'" in reasons[2]
+    assert "'id' is null" in reasons[3]
+    assert "'id' is missing" in reasons[4]
+    assert "array" in reasons[5]
+    assert "BSON" in reasons[6]
+    assert "list[0].$oid" in reasons[7]
+    assert "bytes" in reasons[8]
+    assert ids(db.target) == [10, 11]
+
+
+def test_insert_mode_rejects_own_id_and_non_objects(make_sink: MakeSink, db: Database[Doc]) -> None:
+    sink = make_sink()
+    records = [rec(0, {"_id": "mine", "v": 1}), rec(1, ["not", "an", "object"]), rec(2, {"v": 2})]
+    rejected = run_part(sink, PartId("p1", 1, "w1"), records)
+    assert [r.record.offset for r in rejected] == [0, 1]
+    assert "_id" in rejected[0].reason and "not a JSON object" in rejected[1].reason
+    assert ids(db.target) == [f"{TOPIC}:0:2"]
+
+
+# -- recovery scope -----------------------------------------------------------------------------
+
+
+def test_in_doubt_is_per_pipeline_and_sink(make_sink: MakeSink) -> None:
+    a = make_sink(pipeline="p1")
+    b = make_sink(pipeline="p2")
+    c = make_sink(pipeline="p1", sink_name="other", collection="elsewhere")
+    pa, pb, pc = PartId("p1", 1, "w1"), PartId("p2", 1, "w1"), PartId("p1", 2, "w1")
+    run_part(a, pa, [rec(0, {"v": 1})], commit=False)
+    run_part(b, pb, [rec(0, {"v": 1})], commit=False)
+    run_part(c, pc, [rec(0, {"v": 1})], commit=False)
+    assert a.in_doubt() == [pa]
+    assert b.in_doubt() == [pb]
+    assert c.in_doubt() == [pc]
+    b.commit(pb)
+    assert b.in_doubt() == [] and a.in_doubt() == [pa]
+
+
+def test_stale_open_parts_are_found_and_cleaned(make_sink: MakeSink, db: Database[Doc]) -> None:
+    dead = make_sink(participant="w1")
+    part = PartId("p1", 4, "w1")
+    dead.begin(part)
+    dead.write(part, [rec(i, {"v": i}) for i in range(6)])
+    dead.close()  # died while writing: never prepared
+
+    live = make_sink(participant="w2")
+    mine = PartId("p1", 5, "w2")
+    live.begin(mine)
+    live.write(mine, [rec(100, {"v": 1})])
+    assert live.in_doubt() == []
+    with pytest.raises(UnknownPartError):
+        live.commit(part)  # never prepared: there is nothing to commit
+    assert live.stale_parts(before_txn=4) == []  # could still be live: leave it alone
+    assert live.stale_parts(before_txn=6) == [part]  # never its own open part
+    live.abort(part)
+    assert live.stale_parts(before_txn=6) == []
+    assert db["target__twophase_staging"].count_documents({"part": "mongo:" + part.token}) == 0
+
+    live.prepare(mine, {(TOPIC, 0): 101})
+    live.commit(mine)
+    assert ids(db.target) == [f"{TOPIC}:0:100"]
+    assert live.forget_decided(before_txn=100) == 2
+    with pytest.raises(UnknownPartError):
+        live.commit(mine)
+
+
+# -- config -------------------------------------------------------------------------------------
+
+
+def test_config_errors_name_the_field_and_hide_the_uri() -> None:
+    base: Doc = {
+        "name": "m",
+        "type": "mongodb",
+        "uri": "mongodb://user:hunter2@db:27017",
+        "database": "d",
+        "collection": "c",
+    }
+    with pytest.raises(ValidationError) as err:
+        MongoSinkConfig.model_validate({**base, "mode": "upsert"})
+    assert err.value.errors()[0]["loc"] == ("key",)
+    with pytest.raises(ValidationError) as err:
+        MongoSinkConfig.model_validate({**base, "database": "a.b"})
+    assert err.value.errors()[0]["loc"] == ("database",)
+    with pytest.raises(ValidationError) as err:
+        MongoSinkConfig.model_validate({**base, "commit_chunk_size": 0})
+    assert err.value.errors()[0]["loc"] == ("commit_chunk_size",)
+    cfg = MongoSinkConfig.model_validate(base)
+    assert "hunter2" not in repr(cfg) and "hunter2" not in cfg.model_dump_json()
+    assert cfg.staging == "c__twophase_staging"
+
+
+# -- volume -------------------------------------------------------------------------------------
+
+
+def test_5k_document_part_timed(make_sink: MakeSink, db: Database[Doc]) -> None:
+    sink = make_sink()
+    part = PartId("p1", 1, "w1")
+    n = 5000
+    records = [
+        rec(i, {"n": i, "name": f"item-{i}", "tags": ["a", "b"], "price": i * 0.5})
+        for i in range(n)
+    ]
+    t0 = time.perf_counter()
+    sink.begin(part)
+    for i in range(0, n, 500):
+        sink.write(part, records[i : i + 500])
+    sink.prepare(part, {(TOPIC, 0): n})
+    t1 = time.perf_counter()
+    sink.commit(part)
+    t2 = time.perf_counter()
+    assert db.target.count_documents({}) == n
+    assert db["target__twophase_staging"].count_documents({}) == 0
+    print(
+        f"\nmongodb sink, {n} docs: stage+prepare {n / (t1 - t0):.0f} docs/s, "
+        f"commit {n / (t2 - t1):.0f} docs/s, end to end {n / (t2 - t0):.0f} docs/s"
+    )
