@@ -348,6 +348,8 @@ class ParticipantMachine:
     def _on_prepare(self, msg: Prepare) -> list[Action]:
         if msg.txn <= self.log.last_decided:
             return []  # decided already (a slow reader); nothing to vote on
+        if msg.txn == self.pending_prepare or msg.txn in self.prepared:
+            return []  # a duplicate delivery: cutting again would replace the part we voted on
         self.pending_prepare = msg.txn
         part = self.open
         if part is not None and part.begun and part.txn != msg.txn:
