@@ -280,6 +280,9 @@ class ParticipantMachine:
         self.assigned = False
         #: Where the next part starts, per assigned partition.
         self.base: dict[TP, int] = {}
+        #: The group's offsets from the assignment: the committed position of a partition the
+        #: decision log has never named.
+        self.fallback: dict[TP, int] = {}
         self.open: OpenPart | None = None
         self.prepared: dict[int, PreparedPart] = {}
         #: Parts found prepared in the sinks (earlier incarnations, other participants):
@@ -388,11 +391,11 @@ class ParticipantMachine:
         """Rewind when the open part does not start at the committed positions."""
         if any(p for p in self.prepared.values()):
             return []  # our own undecided part sits between committed state and the open part
-        committed = self.log.positions
+        committed = {tp: self._committed(tp) for tp in self.base}
         wrong = {
             tp: (self.base[tp], committed[tp])
             for tp in self.base
-            if tp in committed and committed[tp] != self.base[tp]
+            if committed[tp] is not None and committed[tp] != self.base[tp]
         }
         stale_open = self.open is not None and self.open.begun and self.open.txn <= d.txn
         if not wrong and not stale_open:
@@ -407,19 +410,26 @@ class ParticipantMachine:
             actions.append(AbortPart(part.txn, self.me, self.settings.sinks, thread=Thread.DATA))
         self.open = None
         for tp in self.base:
-            self.base[tp] = self._start_of(tp, self.base[tp])
+            self.base[tp] = self._start_of(tp)
         self.rewinds += 1
         actions.append(Seek(dict(self.base)))
         actions.append(Log("warning", f"rewinding to committed positions: {why}"))
         return actions
 
-    def _start_of(self, tp: TP, fallback: int) -> int:
+    def _start_of(self, tp: TP) -> int:
         """Where a new part starts in ``tp``: after our own undecided prepared part, else the
-        committed position, else ``fallback``."""
+        committed position."""
         ends = [p.end[tp] for _, p in sorted(self.prepared.items()) if tp in p.end]
         if ends:
             return ends[-1]
-        return self.log.positions.get(tp, fallback)
+        committed = self._committed(tp)
+        return self.base.get(tp, 0) if committed is None else committed
+
+    def _committed(self, tp: TP) -> int | None:
+        """The committed position: from the decision log, else the group's offset."""
+        if tp in self.log.positions:
+            return self.log.positions[tp]
+        return self.fallback.get(tp)
 
     # -- assignment ----------------------------------------------------------------------------
 
@@ -433,7 +443,8 @@ class ParticipantMachine:
         self.generation = event.generation
         self.member_id = event.member_id
         self.assigned = True
-        self.base = {tp: self._start_of(tp, off) for tp, off in event.offsets.items()}
+        self.fallback = dict(event.offsets)
+        self.base = {tp: self._start_of(tp) for tp in event.offsets}
         actions.append(Seek(dict(self.base)))
         actions.append(
             Log("info", f"assigned {len(self.base)} partitions in generation {self.generation}")
