@@ -104,13 +104,16 @@ class LogView:
         self.undecided = {t for t in self.undecided if t > self.last_decided}
         for pos in c.positions:
             self.positions[(pos.topic, pos.partition)] = pos.offset
-        known = {p.txn: p for p in c.pending}
-        for txn in list(self.pending):
-            if txn <= c.last_txn and txn not in known:
-                del self.pending[txn]
-        for txn, pc in known.items():
-            mine = self.pending.setdefault(txn, Pending(txn, {p.participant: p for p in pc.parts}))
-            mine.acked.update(pc.acked)
+        # Up to last_txn the checkpoint replaces what we knew, acknowledgements included: its
+        # writer may not have read every APPLIED that landed before it, and a reader starting at
+        # the checkpoint never will. Keeping our extra acks would leave us sure a part is acked
+        # while the coordinator waits for it forever; forgetting them makes us re-ack it.
+        for txn in [t for t in self.pending if t <= c.last_txn]:
+            del self.pending[txn]
+        for pc in c.pending:
+            self.pending[pc.txn] = Pending(
+                pc.txn, {p.participant: p for p in pc.parts}, set(pc.acked)
+            )
 
     def outcome_of(self, txn: int, participant: str) -> Outcome | None:
         """COMMIT, ABORT, or None while undecided -- for ``participant``'s part of ``txn``."""
