@@ -960,7 +960,7 @@ def test_timed_out_write_is_undone_whole_and_can_be_retried(
 ) -> None:
     """A statement timeout in the second COPY of a write undoes the first one too."""
     table = env.table("orders", ORDERS_DDL)
-    sink = make_sink(table, statement_timeout_ms=300)
+    sink = make_sink(table, statement_timeout_ms=1000)
     pid = part(env, 1)
     sink.begin(pid)
     assert sink.write(pid, [rec(0, {"id": 10, "name": "before"})]) == []
