@@ -431,3 +431,12 @@ def test_notes_say_what_to_do_next(helm: Path, chart_copy: Path) -> None:
 def test_notes_warn_about_an_empty_pipeline(helm: Path, chart_copy: Path) -> None:
     notes = render_notes(helm, chart_copy)
     assert "WARNING: `pipeline` has no sources and no sinks" in notes
+
+
+def test_chart_owns_the_metrics_port_but_keeps_other_metrics_settings(render: Renderer) -> None:
+    # The probes and the Service point at metrics.port, so a port set only inside `pipeline`
+    # would leave them probing the wrong port.
+    config = pipeline_config(
+        render("--set", "pipeline.metrics.port=1234", "--set", "pipeline.metrics.host=0.0.0.0")
+    )
+    assert config["metrics"] == {"port": 9400, "host": "0.0.0.0"}
