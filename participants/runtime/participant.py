@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import random
 import signal
 import threading
 import time
@@ -79,6 +80,8 @@ CONSUME_TIMEOUT_S = 0.05
 CONTROL_POLL_S = 0.02
 #: How long a sink call is retried on retriable errors before the part is given up (abort vote).
 SINK_RETRY_BUDGET_S = 60.0
+#: Applying a decision is retried for this long (a day) before the process gives up and restarts.
+APPLY_RETRY_BUDGET_S = 86_400.0
 #: Lag is recomputed this often; it needs a watermark request per partition.
 LAG_REFRESH_S = 5.0
 
@@ -301,9 +304,11 @@ class ParticipantRuntime:
                 extra={"pipeline": self.cfg.pipeline, "txn": action.txn, "participant": self.me},
             )
 
-    def _retry(self, fn: Callable[[], T], what: str) -> T:
-        """Retriable errors are retried here, with back-off, within one budget; sinks never retry."""
-        deadline = time.monotonic() + SINK_RETRY_BUDGET_S
+    def _retry(self, fn: Callable[[], T], what: str, budget_s: float = SINK_RETRY_BUDGET_S) -> T:
+        """Retriable errors are retried here, with jittered back-off, within one budget; sinks
+        never retry by themselves. Jitter keeps two participants that conflicted once (a write
+        conflict in a shared store) from colliding again in lockstep."""
+        deadline = time.monotonic() + budget_s
         delay = 0.05
         while True:
             try:
@@ -312,11 +317,11 @@ class ParticipantRuntime:
                 wait = exc.retry_after_s
                 err: Exception = exc
             except (RetriableSinkError, RetriableError) as exc:
-                wait = delay
+                wait = delay * random.uniform(0.5, 1.5)
                 delay = min(delay * 2, 2.0)
                 err = exc
             if time.monotonic() + wait > deadline or self.stop_event.is_set():
-                raise RetriableError(f"{what}: gave up after {SINK_RETRY_BUDGET_S}s: {err}")
+                raise RetriableError(f"{what}: gave up after {budget_s:.0f}s: {err}")
             log.warning("%s failed, retrying in %.2fs: %s", what, wait, err)
             time.sleep(wait)
 
