@@ -144,6 +144,51 @@ def validate(config: str) -> None:
     click.echo(f"{config}: ok (pipeline {cfg.pipeline}, {len(cfg.sinks)} sinks)")
 
 
+@main.command()
+@click.argument("config", type=click.Path(exists=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option(
+    "--max-commit-age",
+    type=float,
+    default=0.0,
+    help="Unhealthy when the last commit is older than this many seconds (default: 10 intervals).",
+)
+def status(config: str, as_json: bool, max_commit_age: float) -> None:
+    """Pipeline status from the control log and Kafka; exit 1 when unhealthy.
+
+    Example: twophase status pipeline.yaml --json
+    """
+    from twophase.status import pipeline_status
+
+    cfg = _load(config)
+    try:
+        st = pipeline_status(
+            cfg, max_commit_age_s=max_commit_age or 10 * cfg.commit.interval_ms / 1000
+        )
+    except TwophaseError as exc:
+        raise click.ClickException(str(exc)) from None
+
+    def human(d: dict[str, Any]) -> None:
+        click.echo(f"pipeline      {d['pipeline']}  ({'healthy' if d['healthy'] else 'UNHEALTHY'})")
+        click.echo(f"leader        {d['leader'] or '-'}")
+        click.echo(f"last txn      {d['last_txn']}  (in flight: {d['in_flight'] or '-'})")
+        age = d["last_commit_age_s"]
+        click.echo(
+            f"last commit   txn {d['last_commit_txn'] or '-'}, {age if age is not None else '-'}s ago"
+        )
+        click.echo(f"pending       {d['pending_commits'] or '-'}")
+        click.echo(f"lag           {d['total_lag']} records")
+        for p in d["partitions"]:
+            click.echo(
+                f"  {p['topic']}[{p['partition']}]  committed {p['committed']}  end {p['end']}  lag {p['lag']}  owner {p['owner'] or '-'}"
+            )
+        for problem in d["problems"]:
+            click.echo(f"problem       {problem}")
+
+    _emit(st, as_json, human)
+    sys.exit(0 if st["healthy"] else 1)
+
+
 @main.group()
 def sinks() -> None:
     """Sink types: built-in and installed plugins."""
