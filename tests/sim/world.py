@@ -1,0 +1,1197 @@
+"""A deterministic simulator for the coordinator and participant state machines.
+
+One ``random.Random(seed)`` drives everything: which process moves next, message delays, record
+arrivals, rebalances, crashes, failovers and sink failures. The very same machines that run in
+production (:class:`coordinator.machine.CoordinatorMachine`,
+:class:`participants.machine.ParticipantMachine`) are driven the way their runtimes drive them;
+only Kafka, the consumer group and the sinks are replaced by small in-memory models.
+
+A run has two phases. The *fault* phase takes random steps with faults switched on. The
+*quiescence* phase switches faults off, restarts everything that is down and keeps going until
+every source record is committed and nothing is left prepared (or a time bound is hit). Then the
+guarantees of ``DESIGN.md`` are checked against the final state and the whole control log.
+
+Reproduce one schedule exactly, with a trace of every event and action::
+
+    python -m tests.sim.world --seed 1234 --verbose
+
+What is modelled
+----------------
+* The control topic: one ordered, append-only log. Coordinator writes are atomic Kafka
+  transactions checked against the leadership epoch (a deposed coordinator's write fails with
+  ``fenced=True`` and lands nothing); they may also fail transiently (nothing lands). A commit
+  DECISION sets the consumer group's committed offsets in the same transaction.
+* Participant writes (votes, APPLIED) go through a per-process producer queue and land after a
+  random delay, in order per writer, interleaved at random with other writers. When a participant
+  crashes, a random prefix of its queue still lands (already sent) and the rest is lost.
+* Readers read the log in order with random delays; a restarted participant replays from the
+  latest CHECKPOINT; live readers sometimes re-read a few messages (duplicates).
+* Coordinators: one active and one standby. The active one may crash (the standby takes over
+  after a lease delay) or be deposed while still running (a zombie that keeps receiving events
+  until its next write is fenced, and maybe a LeadershipLost later).
+* Participants: a control thread and a data thread feeding one machine, each with its own queue
+  of actions, interleaved at random (a sink write happens between WillWrite and Written).
+  Crashes lose the machine, the queues and every open sink part; prepared parts stay.
+* The consumer group: eager rebalances (Revoked, later Assigned with a new generation) delivered
+  to each member at its own pace, so slow members keep working in the old generation for a while.
+  Members join after their start-up replay, leave a session timeout after a crash, and random
+  rebalances happen too. Assigned offsets are the group's committed offsets.
+* Sinks: two shared stores (like one PostgreSQL and one MongoDB) with the SDK's semantics; parts
+  are open/prepared/committed/aborted; prepare may fail, commit and abort may fail retriably
+  (the runtime retries later). Misuse of the SDK contract by the machines is a violation.
+
+What is not modelled: dead-lettering and poison records, multiple source topics, control-topic
+retention/compaction (the whole log is kept), decode errors, real time, clock skew between
+processes, and Kafka's own failure modes beyond the ones above (e.g. a consumer group that loses
+committed offsets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import sys
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator import machine as cm
+from participants import machine as pm
+from twophase.protocol.logview import LogView
+from twophase.protocol.messages import (
+    Applied,
+    Checkpoint,
+    Complete,
+    Decision,
+    Envelope,
+    Outcome,
+    Payload,
+    Prepare,
+    Vote,
+    VoteValue,
+)
+
+__all__ = ["Params", "Result", "SimViolation", "World", "repro_command", "run"]
+
+PIPELINE = "sim"
+TOPIC = "src"
+STORES = ("pg", "mongo")
+TP = tuple[str, int]
+
+OPEN, PREPARED, COMMITTED, ABORTED = "open", "prepared", "committed", "aborted"
+
+TICK_MS = 50
+
+
+class SimViolation(AssertionError):
+    """A guarantee, or the sink contract, was broken."""
+
+
+class RetriableError(Exception):
+    """A sink's transient failure: the runtime retries later."""
+
+
+class PrepareError(Exception):
+    """A sink could not prepare."""
+
+
+# -- the sink stores ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class StorePart:
+    state: str
+    owner: tuple[str, int]  # (participant, incarnation) whose data thread opened it
+    records: list[tuple[int, int]] = field(default_factory=list)  # (partition, offset)
+    positions: dict[TP, int] = field(default_factory=dict)
+
+
+class Store:
+    """One shared store (a database), holding every participant's parts of the pipeline."""
+
+    def __init__(self, world: World, name: str) -> None:
+        self.world = world
+        self.name = name
+        self.parts: dict[tuple[int, str], StorePart] = {}
+        #: Scripted faults for hand-written scenarios: fail this many commits/aborts.
+        self.fail_next = 0
+        self.open_by: dict[tuple[str, int], tuple[int, str]] = {}
+
+    def _fail(self, what: str) -> None:
+        raise SimViolation(f"sink {self.name}: {what}")
+
+    def begin(self, txn: int, participant: str, owner: tuple[str, int]) -> None:
+        key = (txn, participant)
+        old = self.parts.get(key)
+        if old is not None and old.state in (OPEN, PREPARED, COMMITTED):
+            self._fail(f"begin of part {key} which is {old.state}")
+        if owner in self.open_by:
+            self._fail(f"begin of {key} while {self.open_by[owner]} is still open (one at a time)")
+        self.parts[key] = StorePart(OPEN, owner)
+        self.open_by[owner] = key
+
+    def write(self, txn: int, participant: str, owner: tuple[str, int], recs: list[Any]) -> None:
+        part = self.parts.get((txn, participant))
+        if part is None or part.state != OPEN or part.owner != owner:
+            self._fail(f"write into part {(txn, participant)} that is not open here")
+        assert part is not None
+        part.records.extend(recs)
+
+    def prepare(
+        self, txn: int, participant: str, owner: tuple[str, int], positions: dict[TP, int]
+    ) -> None:
+        key = (txn, participant)
+        part = self.parts.get(key)
+        if part is None or part.state != OPEN or part.owner != owner:
+            self._fail(
+                f"prepare of part {key} that is not open here ({part.state if part else 'unknown'})"
+            )
+        assert part is not None
+        if self.world.fault(self.world.p.p_prepare_fail):
+            raise PrepareError(f"{self.name} refused to prepare {key}")
+        part.state = PREPARED
+        part.positions = dict(positions)
+        self.open_by.pop(owner, None)
+
+    def commit(self, txn: int, participant: str) -> None:
+        key = (txn, participant)
+        part = self.parts.get(key)
+        if part is None:
+            self._fail(f"commit of unknown part {key}")
+        assert part is not None
+        if part.state == COMMITTED:
+            return
+        if part.state != PREPARED:
+            self._fail(f"commit of part {key} which is {part.state}")
+        if self.fail_next or self.world.fault(self.world.p.p_commit_fail):
+            self.fail_next = max(0, self.fail_next - 1)
+            raise RetriableError(f"{self.name} commit of {key} timed out")
+        part.state = COMMITTED
+
+    def abort(self, txn: int, participant: str, caller: tuple[str, int], data: bool) -> None:
+        key = (txn, participant)
+        part = self.parts.get(key)
+        if part is None or part.state == ABORTED:
+            return
+        if part.state == COMMITTED:
+            self._fail(f"abort of committed part {key}")
+        if part.state == OPEN:
+            if not data or part.owner != caller:
+                # A real store cannot roll back another connection's open transaction; a file
+                # sink would delete a staging area under the writer's feet. Either way a bug.
+                self._fail(f"abort of part {key} that another thread/process is writing")
+            self.open_by.pop(part.owner, None)
+        elif self.world.fault(self.world.p.p_commit_fail):
+            raise RetriableError(f"{self.name} abort of {key} timed out")
+        part.state = ABORTED
+
+    def abandon(self, owner: tuple[str, int]) -> None:
+        """The owner crashed: its open part is rolled back by the store."""
+        key = self.open_by.pop(owner, None)
+        if key is not None:
+            self.parts[key].state = ABORTED
+
+    def in_doubt(self) -> list[tuple[int, str]]:
+        return [k for k, p in self.parts.items() if p.state == PREPARED]
+
+
+# -- parameters -----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Params:
+    """Everything a schedule depends on, drawn from the seed (so the seed alone reproduces it)."""
+
+    participants: int
+    partitions: int
+    fault_steps: int
+    records: int
+    checkpoint_every: int
+    p_prepare_fail: float
+    p_commit_fail: float
+    p_publish_fail: float
+    p_crash_participant: float
+    p_crash_coordinator: float
+    p_depose: float
+    p_rebalance: float
+    p_kick: float
+    p_duplicate: float
+    quiesce_ms: int = 60_000
+    max_steps: int = 60_000
+
+    @classmethod
+    def calm(cls, participants: int = 3, partitions: int = 4, records: int = 30) -> Params:
+        """No random faults: hand-written scenarios inject their own."""
+        return cls(participants, partitions, 0, records, 3, *([0.0] * 9))
+
+    @classmethod
+    def draw(cls, rng: random.Random) -> Params:
+        def maybe(p: float) -> float:
+            return p if rng.random() < 0.6 else 0.0
+
+        return cls(
+            participants=rng.randint(2, 4),
+            partitions=rng.randint(2, 6),
+            fault_steps=rng.randint(150, 500),
+            records=rng.randint(10, 40),
+            checkpoint_every=rng.choice((1, 2, 3, 5, 20)),
+            p_prepare_fail=maybe(0.05),
+            p_commit_fail=maybe(0.1),
+            p_publish_fail=maybe(0.03),
+            p_crash_participant=maybe(0.006),
+            p_crash_coordinator=maybe(0.002),
+            p_depose=maybe(0.002),
+            p_rebalance=maybe(0.012),
+            p_kick=maybe(0.006),
+            p_duplicate=maybe(0.01),
+        )
+
+
+COORD_SETTINGS = dict(
+    commit_interval_ms=60, vote_timeout_ms=400, max_failed_cycles=4, publish_retry_ms=50
+)
+SWEEP_MS = 300
+SESSION_TIMEOUT_MS = (100, 300)
+LEASE_MS = (50, 200)
+RESTART_MS = (20, 300)
+
+
+# -- processes --------------------------------------------------------------------------------
+
+
+class Participant:
+    """One participant process: a machine, a control thread and a data thread."""
+
+    def __init__(self, world: World, name: str, incarnation: int) -> None:
+        self.world = world
+        self.name = name
+        self.incarnation = incarnation
+        self.owner = (name, incarnation)
+        self.member_id = f"{name}-{incarnation}"
+        self.machine = pm.ParticipantMachine(
+            pm.ParticipantSettings(name, STORES, sweep_interval_ms=SWEEP_MS)
+        )
+        self.alive = True
+        self.cursor = world.latest_checkpoint()
+        self.replay_end = len(world.log)
+        self.caught_up = False
+        self.ctl_q: deque[pm.Action] = deque()
+        self.retry: list[tuple[int, pm.Action]] = []
+        self.data_q: deque[pm.Action] = deque()
+        self.open_txn: int | None = None
+        self.fetch: dict[TP, int] = {}
+        self.batch: tuple[int, dict[TP, tuple[int, int, int]], list[tuple[int, int]]] | None = None
+        self.outbox: deque[Payload] = deque()
+        self.rebalance = 0  # 1: Revoked due, 2: Assigned due
+        self.joined = False
+        self.next_tick = world.now
+        # Hand-written scenarios freeze a thread with these.
+        self.hold_control = False
+        self.hold_data = False
+
+    # -- feeding the machine --
+
+    def feed(self, event: pm.Event, data: bool) -> None:
+        w = self.world
+        actions = self.machine.handle(event)
+        if w.verbose:
+            w.trace(f"{self.member_id}.{'data' if data else 'ctl '} <- {_show(event)}")
+            for a in actions:
+                w.trace(f"{' ' * len(self.member_id)}      -> {_show(a)}")
+        for a in actions:
+            if isinstance(a, pm.Log):
+                continue
+            if a.thread is pm.Thread.DATA:
+                if data:
+                    self.run_data(a)
+                else:
+                    self.data_q.append(a)
+            else:
+                self.ctl_q.append(a)
+            if not self.alive:
+                return
+
+    # -- the control thread --
+
+    def add_moves(self, out: list[tuple[int, Callable[[], None]]]) -> None:
+        if not self.hold_control:
+            self.add_control_moves(out)
+        if not self.hold_data:
+            self.add_data_moves(out)
+        if self.outbox:
+            out.append((3, self.flush))
+
+    def add_control_moves(self, out: list[tuple[int, Callable[[], None]]]) -> None:
+        w = self.world
+        if self.ctl_q:
+            out.append((6, self.run_next_control))
+        if self.retry and self.retry[0][0] <= w.now:
+            out.append((2, self.run_retry))
+        if not self.caught_up and self.cursor >= self.replay_end:
+            out.append((5, self.catch_up))
+        elif self.cursor < len(w.log):
+            out.append((4, self.read))
+        if w.now >= self.next_tick:
+            out.append((2, self.tick))
+
+    def add_data_moves(self, out: list[tuple[int, Callable[[], None]]]) -> None:
+        """One thing at a time, in this order of priority."""
+        w = self.world
+        if self.batch is not None:
+            out.append((4, self.finish_batch))
+        elif self.data_q:
+            out.append((6, self.run_next_data))
+        elif self.rebalance:
+            out.append((w.rebalance_weight, self.poll_rebalance))
+        elif self.machine.ready:
+            hw = w.hw
+            for (_, p), off in self.fetch.items():
+                if off < hw[p]:
+                    out.append((4, self.start_batch))
+                    break
+
+    def run_next_control(self) -> None:
+        self.run_control(self.ctl_q.popleft())
+
+    def run_retry(self) -> None:
+        _, a = self.retry.pop(0)
+        self.run_control(a)
+
+    def catch_up(self) -> None:
+        self.caught_up = True
+        self.feed(pm.CaughtUp(), data=False)
+        self.feed(pm.InDoubt(self.world.list_in_doubt(), sweep=False), data=False)
+        self.world.group_join(self)
+
+    def read(self) -> None:
+        env = self.world.log[self.cursor]
+        self.cursor += 1
+        self.feed(
+            pm.Received(self.world.deliver(env), replay=self.cursor <= self.replay_end), False
+        )
+
+    def tick(self) -> None:
+        self.next_tick = self.world.now + TICK_MS
+        self.feed(pm.Tick(self.world.now), data=False)
+
+    def run_control(self, a: pm.Action) -> None:
+        w = self.world
+        if isinstance(a, pm.CommitPart | pm.AbortPart):
+            try:
+                for s in a.sinks:
+                    if isinstance(a, pm.CommitPart):
+                        w.stores[s].commit(a.txn, a.participant)
+                    else:
+                        w.stores[s].abort(a.txn, a.participant, self.owner, data=False)
+            except RetriableError as exc:
+                if w.verbose:
+                    w.trace(f"{self.member_id}.ctl  !! {exc}; retry later")
+                self.retry.append((w.now + w.rng.randint(20, 200), a))
+                self.retry.sort(key=lambda r: r[0])
+                return
+            outcome = Outcome.COMMIT if isinstance(a, pm.CommitPart) else Outcome.ABORT
+            self.feed(pm.PartApplied(a.txn, a.participant, outcome), data=False)
+        elif isinstance(a, pm.SendVote):
+            self.outbox.append(a.vote)
+        elif isinstance(a, pm.SendApplied):
+            self.outbox.append(a.applied)
+        elif isinstance(a, pm.Sweep):
+            self.feed(pm.InDoubt(w.list_in_doubt(), sweep=True), data=False)
+        else:
+            raise SimViolation(f"{self.member_id}: control thread got {a!r}")
+
+    # -- the data thread --
+
+    def run_next_data(self) -> None:
+        self.run_data(self.data_q.popleft())
+
+    def poll_rebalance(self) -> None:
+        w = self.world
+        if self.rebalance == 1:
+            self.rebalance = 2
+            self.fetch = {}
+            self.feed(pm.Revoked(), data=True)
+            return
+        self.rebalance = 0
+        mine = sorted(w.assignment.get(self.member_id, ()))
+        offsets = {tp: w.group_offsets.get(tp, 0) for tp in mine}
+        self.fetch = {}
+        self.feed(pm.Assigned(w.generation, self.member_id, offsets), data=True)
+
+    def start_batch(self) -> None:
+        w = self.world
+        self.feed(pm.WillWrite(), data=True)
+        if not self.alive:
+            return
+        if self.open_txn is None:
+            raise SimViolation(f"{self.member_id}: WillWrite left no part open to write into")
+        batch: dict[TP, tuple[int, int, int]] = {}
+        recs: list[tuple[int, int]] = []
+        for tp, off in sorted(self.fetch.items()):
+            avail = w.hw[tp[1]] - off
+            if avail <= 0 or w.rng.random() < 0.3:
+                continue
+            n = w.rng.randint(1, min(avail, 3))
+            recs += [(tp[1], o) for o in range(off, off + n)]
+            batch[tp] = (off + n - 1, n, 0)
+            self.fetch[tp] = off + n
+        if not batch:
+            tp, off = next((tp, o) for tp, o in sorted(self.fetch.items()) if o < w.hw[tp[1]])
+            recs = [(tp[1], off)]
+            batch[tp] = (off, 1, 0)
+            self.fetch[tp] = off + 1
+        self.batch = (self.open_txn, batch, recs)
+
+    def finish_batch(self) -> None:
+        assert self.batch is not None
+        txn, batch, recs = self.batch
+        self.batch = None
+        for s in STORES:
+            self.world.stores[s].write(txn, self.name, self.owner, recs)
+        self.feed(pm.Written(txn, batch), data=True)
+
+    def run_data(self, a: pm.Action) -> None:
+        w = self.world
+        if isinstance(a, pm.BeginPart):
+            for s in STORES:
+                w.stores[s].begin(a.txn, self.name, self.owner)
+            self.open_txn = a.txn
+        elif isinstance(a, pm.PreparePart) and not a.ready:
+            self.feed(pm.Cut(a.txn), data=True)
+        elif isinstance(a, pm.PreparePart):
+            if a.sinks and self.open_txn != a.txn:
+                raise SimViolation(
+                    f"{self.member_id}: prepare of {a.txn} but the open part is {self.open_txn}"
+                )
+            if not a.sinks and self.open_txn is not None:
+                raise SimViolation(
+                    f"{self.member_id}: empty prepare of {a.txn} while part {self.open_txn} "
+                    "is open in the sinks"
+                )
+            self.open_txn = None
+            try:
+                for s in a.sinks:
+                    w.stores[s].prepare(a.txn, self.name, self.owner, dict(a.positions))
+            except PrepareError as exc:
+                self.feed(pm.PrepareFailed(a.txn, str(exc)), data=True)
+                return
+            self.feed(pm.PrepareDone(a.txn), data=True)
+        elif isinstance(a, pm.AbortPart):
+            for s in a.sinks:
+                # Only a prepared part can fail to abort: this runtime gives up and leaves it
+                # to the machine's in-doubt resolution (the sweep), the harder path to get right.
+                with contextlib.suppress(RetriableError):
+                    w.stores[s].abort(a.txn, self.name, self.owner, data=True)
+            if a.txn == self.open_txn:
+                self.open_txn = None
+        elif isinstance(a, pm.Seek):
+            self.fetch = dict(a.offsets)
+        else:
+            raise SimViolation(f"{self.member_id}: data thread got {a!r}")
+
+    # -- the producer --
+
+    def flush(self) -> None:
+        self.world.append(self.member_id, self.outbox.popleft())
+
+
+class Coordinator:
+    def __init__(self, world: World, name: str, incarnation: int) -> None:
+        self.world = world
+        self.name = name
+        self.incarnation = incarnation
+        self.label = f"{name}-{incarnation}"
+        self.machine = cm.CoordinatorMachine(
+            cm.CoordinatorSettings(checkpoint_every=world.p.checkpoint_every, **COORD_SETTINGS)
+        )
+        self.alive = True
+        self.epoch = -1
+        self.reading = False
+        self.cursor = 0
+        self.replay_end = 0
+        self.next_tick = world.now
+        self.lost_at: int | None = None  # when a deposed leader learns it lost its lease
+        self.failed_run = 0  # consecutive aborts published since leadership
+        self.alarmed = False
+        self.fenced_writes = 0
+        self.hold = False  # hand-written scenarios freeze the coordinator with this
+        self.feed_partitions()
+
+    def feed(self, event: cm.Event) -> None:
+        w = self.world
+        queue: deque[cm.Event] = deque([event])
+        while queue and self.alive:
+            ev = queue.popleft()
+            actions = self.machine.handle(ev)
+            if w.verbose:
+                w.trace(f"{self.label} <- {_show(ev)}")
+                for a in actions:
+                    w.trace(f"{' ' * len(self.label)}    -> {_show(a)}")
+            for a in actions:
+                if isinstance(a, cm.Publish):
+                    queue.append(self.publish(a.payload))
+                elif isinstance(a, cm.Alarm):
+                    self.alarmed = a.active
+                    w.alarms.append((self.label, a))
+                elif isinstance(a, cm.StepDown):
+                    self.reading = False
+            if (
+                isinstance(ev, cm.Published)
+                and isinstance(ev.payload, Decision)
+                and self.failed_run >= COORD_SETTINGS["max_failed_cycles"]
+                and not self.alarmed
+            ):
+                w.missing_alarm = f"{self.label}: {self.failed_run} aborts in a row and no alarm"
+
+    def publish(self, payload: Payload) -> cm.Event:
+        w = self.world
+        if self.epoch != w.epoch:
+            self.fenced_writes += 1
+            return cm.PublishFailed(payload, w.now, "producer fenced", fenced=True)
+        if w.fault(w.p.p_publish_fail):
+            return cm.PublishFailed(payload, w.now, "transaction aborted: broker timeout")
+        w.append(self.label, payload, epoch=self.epoch)
+        if isinstance(payload, Decision):
+            if payload.outcome is Outcome.COMMIT:
+                self.failed_run = 0
+                for pos in payload.positions:
+                    w.group_offsets[(pos.topic, pos.partition)] = pos.offset
+            else:
+                self.failed_run += 1
+        return cm.Published(payload, w.now)
+
+    def feed_partitions(self) -> None:
+        w = self.world
+        tps = frozenset((TOPIC, p) for p in range(w.p.partitions))
+        self.feed(cm.SourcePartitions(tps, {tp: w.group_offsets.get(tp, 0) for tp in tps}))
+
+    def acquire(self) -> None:
+        w = self.world
+        w.epoch += 1
+        w.leader = self
+        self.epoch = w.epoch
+        self.lost_at = None
+        self.failed_run = 0
+        self.alarmed = False
+        self.cursor = w.latest_checkpoint()
+        self.replay_end = len(w.log)
+        self.reading = True
+        if w.verbose:
+            w.trace(f"== {self.label} wins leadership (epoch {self.epoch})")
+        self.feed(cm.LeadershipAcquired(w.now))
+        self.feed_partitions()
+        if self.cursor >= self.replay_end:
+            self.feed(cm.CaughtUp(w.now))
+
+    def add_moves(self, out: list[tuple[int, Callable[[], None]]]) -> None:
+        w = self.world
+        if self.hold:
+            return
+        if self.reading and self.cursor < len(w.log):
+            out.append((5, self.read))
+        if w.now >= self.next_tick:
+            out.append((3, self.tick))
+        if self.lost_at is not None and w.now >= self.lost_at:
+            out.append((2, self.lose))
+
+    def read(self) -> None:
+        w = self.world
+        env = w.log[self.cursor]
+        self.cursor += 1
+        self.feed(cm.Received(w.deliver(env), w.now))
+        if self.cursor == self.replay_end and self.machine.phase is cm.Phase.RECOVERING:
+            self.feed(cm.CaughtUp(w.now))
+
+    def tick(self) -> None:
+        w = self.world
+        self.next_tick = w.now + TICK_MS
+        if w.rng.random() < 0.1:
+            self.feed_partitions()
+        self.feed(cm.Tick(w.now))
+
+    def lose(self) -> None:
+        self.lost_at = None
+        self.reading = False
+        self.feed(cm.LeadershipLost(self.world.now, "lease expired"))
+
+
+# -- the world ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Result:
+    seed: int
+    ok: bool
+    error: str
+    steps: int
+    now_ms: int
+    commits: int
+    aborts: int
+    records: int
+    trace: list[str]
+
+
+class World:
+    def __init__(
+        self, seed: int, verbose: bool = False, wire: bool = False, params: Params | None = None
+    ) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.p = params if params is not None else Params.draw(self.rng)
+        self.verbose = verbose
+        self.wire = wire
+        self.lines: list[str] = []
+        self.now = 0
+        self.steps = 0
+        self.faults_on = True
+        self.log: list[Envelope] = []
+        self.log_epochs: list[int] = []
+        self.log_view = LogView()
+        self.checkpoints: list[int] = []
+        self.msg_id = 0
+        self.stores = {name: Store(self, name) for name in STORES}
+        self.hw = [0] * self.p.partitions
+        self.records_left = self.p.records
+        self.group_offsets: dict[TP, int] = {}
+        self.generation = 0
+        self.members: dict[str, Participant] = {}
+        self.assignment: dict[str, set[TP]] = {}
+        self.departures: list[tuple[int, str]] = []  # (when, member_id)
+        self.ghosts: list[tuple[str, deque[Payload]]] = []  # producers of dead processes
+        self.epoch = 0
+        self.leader: Coordinator | None = None
+        self.alarms: list[tuple[str, cm.Alarm]] = []
+        self.missing_alarm = ""
+        self.restarts: list[tuple[int, str]] = []  # (when, name)
+        self.rejoins: list[tuple[int, Participant]] = []  # kicked members noticing it
+        self.lease_expiry: int | None = None
+        #: How eagerly members handle a rebalance: low keeps slow members in the old generation.
+        self.rebalance_weight = self.rng.choice((1, 3))
+        self.coordinators = [Coordinator(self, f"C{i}", 0) for i in range(2)]
+        self.participants = [Participant(self, f"P{i}", 0) for i in range(self.p.participants)]
+        self.coordinators[0].acquire()
+
+    # -- utilities --
+
+    def trace(self, line: str) -> None:
+        self.lines.append(f"[{self.now:6d}] {line}")
+
+    def fault(self, p: float) -> bool:
+        return self.faults_on and p > 0 and self.rng.random() < p
+
+    def latest_checkpoint(self) -> int:
+        return self.checkpoints[-1] if self.checkpoints else 0
+
+    def append(self, sender: str, payload: Payload, epoch: int = -1) -> None:
+        self.msg_id += 1
+        env = Envelope(f"m{self.msg_id}", PIPELINE, sender, self.now, payload)
+        if isinstance(payload, Checkpoint):
+            self.checkpoints.append(len(self.log))
+        self.log.append(env)
+        self.log_epochs.append(epoch)
+        if isinstance(payload, Decision):
+            first = self.log_view.decisions.get(payload.txn)
+            if first is not None and (first.outcome, first.parts, first.positions) != (
+                payload.outcome,
+                payload.parts,
+                payload.positions,
+            ):
+                raise SimViolation(f"two different decisions for txn {payload.txn}")
+        self.log_view.apply(env)
+        if self.verbose:
+            self.trace(f"LOG #{len(self.log) - 1} from {sender}: {_show(payload)}")
+
+    def deliver(self, env: Envelope) -> Envelope:
+        if not self.wire:
+            return env
+        from twophase.protocol import codec
+
+        value, headers = codec.encode(env)
+        return codec.decode(value, headers, pipeline=PIPELINE)
+
+    def list_in_doubt(self) -> tuple[tuple[str, int, str], ...]:
+        return tuple(
+            (s, txn, participant)
+            for s in STORES
+            for txn, participant in sorted(self.stores[s].in_doubt())
+        )
+
+    # -- the consumer group --
+
+    def group_join(self, proc: Participant) -> None:
+        proc.joined = True
+        self.members[proc.member_id] = proc
+        self.rebalance_group("join " + proc.member_id)
+
+    def rebalance_group(self, why: str) -> None:
+        self.generation += 1
+        ids = sorted(self.members)
+        self.rng.shuffle(ids)
+        self.assignment = {m: set() for m in ids}
+        if ids:
+            for p in range(self.p.partitions):
+                self.assignment[ids[p % len(ids)]].add((TOPIC, p))
+        if self.verbose:
+            pretty = {m: sorted(p for _, p in tps) for m, tps in sorted(self.assignment.items())}
+            self.trace(f"== rebalance to generation {self.generation} ({why}): {pretty}")
+        for proc in self.members.values():
+            if proc.alive:
+                proc.rebalance = 1 if proc.machine.assigned or proc.rebalance == 1 else 2
+
+    def kick(self, proc: Participant) -> None:
+        """The group drops a live member (a long pause, max.poll.interval exceeded) that does not
+        know it yet: it keeps working in its old generation until it notices and rejoins."""
+        del self.members[proc.member_id]
+        self.rebalance_group(f"kicked {proc.member_id}")
+        self.rejoins.append((self.now + self.rng.randint(50, 400), proc))
+
+    # -- faults --
+
+    def crash_participant(self, proc: Participant) -> None:
+        if self.verbose:
+            self.trace(f"!! crash {proc.member_id}")
+        proc.alive = False
+        for s in self.stores.values():
+            s.abandon(proc.owner)
+        sent = self.rng.randint(0, len(proc.outbox))
+        if sent:
+            self.ghosts.append((proc.member_id, deque(list(proc.outbox)[:sent])))
+        if proc.joined:
+            self.departures.append(
+                (self.now + self.rng.randint(*SESSION_TIMEOUT_MS), proc.member_id)
+            )
+        self.restarts.append((self.now + self.rng.randint(*RESTART_MS), proc.name))
+
+    def restart(self, name: str) -> None:
+        if name.startswith("P"):
+            i = int(name[1:])
+            old = self.participants[i]
+            self.participants[i] = Participant(self, name, old.incarnation + 1)
+            if self.verbose:
+                self.trace(f"!! restart {self.participants[i].member_id}")
+        else:
+            i = int(name[1:])
+            old_c = self.coordinators[i]
+            self.coordinators[i] = Coordinator(self, name, old_c.incarnation + 1)
+            if self.verbose:
+                self.trace(f"!! restart {self.coordinators[i].label} as standby")
+
+    def crash_coordinator(self, c: Coordinator) -> None:
+        if self.verbose:
+            self.trace(f"!! crash {c.label}")
+        c.alive = False
+        if self.leader is c:
+            self.leader = None
+            self.lease_expiry = self.now + self.rng.randint(*LEASE_MS)
+        self.restarts.append((self.now + self.rng.randint(*RESTART_MS), c.name))
+
+    def depose(self) -> None:
+        """The standby takes over while the leader still runs (a long pause, a partition)."""
+        old = self.leader
+        standby = next((c for c in self.coordinators if c is not old and c.alive), None)
+        if old is None or standby is None:
+            return
+        if self.verbose:
+            self.trace(f"!! {old.label} deposed while still running")
+        if self.rng.random() < 0.5:
+            old.lost_at = self.now + self.rng.randint(0, 500)
+        standby.acquire()
+
+    # -- the scheduler --
+
+    def moves(self) -> list[tuple[int, Callable[[], None]]]:
+        moves: list[tuple[int, Callable[[], None]]] = []
+        for c in self.coordinators:
+            if c.alive:
+                c.add_moves(moves)
+        for proc in self.participants:
+            if proc.alive:
+                proc.add_moves(moves)
+        if self.ghosts:
+            moves.append((2, self.flush_ghost))
+        if self.records_left and self.rng.random() < 0.2:
+            moves.append((2, self.produce))
+        if self.faults_on:
+            moves.append((1, self.maybe_fault))
+        return moves
+
+    def flush_ghost(self) -> None:
+        i = self.rng.randrange(len(self.ghosts))
+        sender, q = self.ghosts[i]
+        self.append(sender, q.popleft())
+        if not q:
+            self.ghosts.pop(i)
+
+    def produce(self) -> None:
+        self.records_left -= 1
+        self.hw[self.rng.randrange(self.p.partitions)] += 1
+
+    def maybe_fault(self) -> None:
+        p = self.p
+        r = self.rng
+        live = [x for x in self.participants if x.alive]
+        if live and r.random() < p.p_crash_participant * 10:
+            self.crash_participant(r.choice(live))
+        if self.leader is not None and r.random() < p.p_crash_coordinator * 10:
+            self.crash_coordinator(self.leader)
+        if r.random() < p.p_depose * 10:
+            self.depose()
+        if self.members and r.random() < p.p_rebalance * 10:
+            self.rebalance_group("random")
+        if self.members and r.random() < p.p_kick * 10:
+            self.kick(self.members[r.choice(sorted(self.members))])
+        if r.random() < p.p_duplicate * 10:
+            readers: list[Any] = [x for x in live if x.caught_up] + [
+                c for c in self.coordinators if c.alive and c.reading and c.cursor > c.replay_end
+            ]
+            if readers:
+                who = r.choice(readers)
+                floor = who.replay_end
+                who.cursor = max(floor, who.cursor - r.randint(1, 3))
+
+    def timers(self) -> None:
+        """Things that happen at a time: session timeouts, restarts, lease expiry."""
+        now = self.now
+        if self.departures and any(t <= now for t, _ in self.departures):
+            gone = [m for t, m in self.departures if t <= now]
+            self.departures = [(t, m) for t, m in self.departures if t > now]
+            for m in gone:
+                self.members.pop(m, None)
+            self.rebalance_group("session timeout " + ", ".join(gone))
+        if self.rejoins and any(t <= now for t, _ in self.rejoins):
+            due_procs = [x for t, x in self.rejoins if t <= now]
+            self.rejoins = [(t, x) for t, x in self.rejoins if t > now]
+            for proc in due_procs:
+                if proc.alive and proc.member_id not in self.members:
+                    if self.verbose:
+                        self.trace(f"!! {proc.member_id} notices it was dropped from the group")
+                    self.group_join(proc)
+        if self.restarts and any(t <= now for t, _ in self.restarts):
+            due = [n for t, n in self.restarts if t <= now]
+            self.restarts = [(t, n) for t, n in self.restarts if t > now]
+            for n in due:
+                self.restart(n)
+        if self.leader is None and (self.lease_expiry is None or now >= self.lease_expiry):
+            alive = [c for c in self.coordinators if c.alive]
+            if alive:
+                self.lease_expiry = None
+                self.rng.choice(alive).acquire()
+
+    def step(self) -> bool:
+        self.steps += 1
+        self.now += self.rng.randint(0, 4)
+        self.timers()
+        moves = self.moves()
+        if not moves:
+            self.now += self.rng.randint(5, 20)  # nothing to do until a timer fires
+            return False
+        total = 0
+        for w, _ in moves:
+            total += w
+        x = self.rng.random() * total
+        for w, fn in moves:
+            x -= w
+            if x < 0:
+                fn()
+                break
+        else:
+            moves[-1][1]()
+        return True
+
+    # -- the run --
+
+    def done(self) -> bool:
+        if self.records_left or self.restarts or self.departures or self.ghosts or self.rejoins:
+            return False
+        if any(self.group_offsets.get((TOPIC, p), 0) != hw for p, hw in enumerate(self.hw)):
+            return False
+        if any(s.in_doubt() for s in self.stores.values()):
+            return False
+        return not self.log_view.pending
+
+    def run(self) -> Result:
+        error = ""
+        try:
+            for _ in range(self.p.fault_steps):
+                self.step()
+            self.quiesce()
+            self.check()
+        except SimViolation as exc:
+            error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - a crash inside a machine is a finding too
+            import traceback
+
+            error = "exception: " + "".join(traceback.format_exception(exc)).strip()
+        commits = sum(1 for d in self.log_view.decisions.values() if d.outcome is Outcome.COMMIT)
+        return Result(
+            self.seed,
+            not error,
+            error,
+            self.steps,
+            self.now,
+            commits,
+            len(self.log_view.decisions) - commits,
+            sum(self.hw),
+            self.lines,
+        )
+
+    def quiesce(self) -> None:
+        """Faults off, everything restarted, all records produced; run until all is committed
+        and nothing is prepared, or fail with what is stuck."""
+        self.faults_on = False
+        if self.verbose:
+            self.trace("== faults off: driving to quiescence")
+        for proc in self.participants:
+            if not proc.alive:
+                self.restarts = [(t, n) for t, n in self.restarts if n != proc.name]
+                self.restart(proc.name)
+        for c in self.coordinators:
+            if not c.alive:
+                self.restarts = [(t, n) for t, n in self.restarts if n != c.name]
+                self.restart(c.name)
+        for st in self.stores.values():
+            st.fail_next = 0
+        deadline = self.now + self.p.quiesce_ms
+        while self.records_left:
+            self.produce()
+        while self.steps % 8 or not self.done():
+            if self.now > deadline or self.steps > self.p.max_steps:
+                raise SimViolation(f"no quiescence: {self.stuck()}")
+            self.step()
+
+    def run_until(self, pred: Callable[[], bool], max_steps: int = 20_000) -> None:
+        """Step until ``pred()`` holds (for hand-written scenarios)."""
+        for _ in range(max_steps):
+            if pred():
+                return
+            self.step()
+        raise SimViolation(f"condition not reached in {max_steps} steps")
+
+    def stuck(self) -> str:
+        bits = []
+        lag = {p: (self.group_offsets.get((TOPIC, p), 0), hw) for p, hw in enumerate(self.hw)}
+        bits.append(f"offsets/hw {lag}")
+        for s in self.stores.values():
+            if s.in_doubt():
+                bits.append(f"{s.name} prepared {sorted(s.in_doubt())}")
+        if self.log_view.pending:
+            bits.append(f"pending {sorted(self.log_view.pending)}")
+        leader = self.leader
+        bits.append(f"leader {leader.label + ' ' + leader.machine.phase.value if leader else None}")
+        return "; ".join(bits)
+
+    # -- the guarantees --
+
+    def check(self) -> None:
+        tps = [(TOPIC, p) for p in range(self.p.partitions)]
+        prev = {tp: 0 for tp in tps}
+        decided: dict[int, Decision] = {}
+        votes: dict[int, list[Vote]] = {}
+        committed_keys: set[tuple[int, str]] = set()
+        for env in self.log:
+            msg = env.payload
+            if isinstance(msg, Prepare):
+                votes[msg.txn] = []  # the leader that prepared counts votes read after this
+                continue
+            if isinstance(msg, Vote):
+                votes.setdefault(msg.txn, []).append(msg)
+                continue
+            if not isinstance(msg, Decision):
+                continue
+            first = decided.get(msg.txn)
+            if first is not None:
+                if (first.outcome, first.parts, first.positions) != (
+                    msg.outcome,
+                    msg.parts,
+                    msg.positions,
+                ):
+                    raise SimViolation(f"(5) two different decisions for txn {msg.txn}")
+                continue
+            decided[msg.txn] = msg
+            if msg.outcome is not Outcome.COMMIT:
+                continue
+            new = {(p.topic, p.partition): p.offset for p in msg.positions}
+            if set(new) != set(tps):
+                raise SimViolation(f"(3) commit {msg.txn} positions name {sorted(new)}")
+            self._check_votes(msg, votes.get(msg.txn, []), prev, new)
+            for s in STORES:
+                store = self.stores[s]
+                got: list[tuple[int, int]] = []
+                for part in msg.parts:
+                    if s not in part.sinks:
+                        continue
+                    key = (msg.txn, part.participant)
+                    sp = store.parts.get(key)
+                    if sp is None or sp.state != COMMITTED:
+                        raise SimViolation(
+                            f"(2) part {key} of commit {msg.txn} is "
+                            f"{sp.state if sp else 'missing'} in {s}"
+                        )
+                    committed_keys.add(key)
+                    got += sp.records
+                want = [
+                    (p, o) for (t, p), end in sorted(new.items()) for o in range(prev[(t, p)], end)
+                ]
+                if sorted(got) != want:
+                    raise SimViolation(
+                        f"(1) commit {msg.txn} in {s}: records {_ranges(got)} but the positions "
+                        f"moved {_moves(prev, new)}"
+                    )
+            prev = new
+        for s in STORES:
+            for key, sp in self.stores[s].parts.items():
+                if sp.state == COMMITTED and key not in committed_keys:
+                    raise SimViolation(f"(1) part {key} committed in {s} without a commit decision")
+                if sp.state == PREPARED:
+                    raise SimViolation(f"(6) part {key} still prepared in {s}")
+        final = {tp: prev[tp] for tp in tps}
+        if any(self.group_offsets.get(tp, 0) != off for tp, off in final.items()):
+            raise SimViolation(f"(3) group offsets {self.group_offsets} != positions {final}")
+        if self.missing_alarm:
+            raise SimViolation("(7) " + self.missing_alarm)
+
+    def _check_votes(
+        self, d: Decision, votes: list[Vote], prev: dict[TP, int], new: dict[TP, int]
+    ) -> None:
+        counted: list[Vote] = []
+        for part in d.parts:
+            # The leader counts the first vote it reads from a participant; a different second
+            # one makes it abort, so the first must match the part.
+            first = next((v for v in votes if v.participant == part.participant), None)
+            if (
+                first is None
+                or first.vote is not VoteValue.PREPARED
+                or first.generation != part.generation
+                or first.sinks != part.sinks
+            ):
+                raise SimViolation(f"(5) commit {d.txn} names {part} but its vote is {first}")
+            counted.append(first)
+        busy = [v for v in counted if v.partitions]
+        if len({v.generation for v in busy}) > 1:
+            raise SimViolation(f"(5) commit {d.txn} counted votes of several generations")
+        seen: dict[TP, tuple[int, int]] = {}
+        for v in busy:
+            for pr in v.partitions:
+                tp = (pr.topic, pr.partition)
+                if tp in seen:
+                    raise SimViolation(f"(5) commit {d.txn}: {tp} covered twice")
+                seen[tp] = (pr.start, pr.end)
+        want = {tp: (prev[tp], new[tp]) for tp in new}
+        if seen != want:
+            raise SimViolation(f"(5) commit {d.txn}: votes cover {seen}, positions moved {want}")
+
+
+# -- formatting ---------------------------------------------------------------------------------
+
+
+def _ranges(recs: list[tuple[int, int]]) -> str:
+    by: dict[int, list[int]] = {}
+    for p, o in sorted(recs):
+        by.setdefault(p, []).append(o)
+    return "{" + ", ".join(f"{p}: {offs}" for p, offs in sorted(by.items())) + "}"
+
+
+def _moves(prev: dict[TP, int], new: dict[TP, int]) -> str:
+    return "{" + ", ".join(f"{p}: {prev[(t, p)]}->{o}" for (t, p), o in sorted(new.items())) + "}"
+
+
+def _show(x: Any) -> str:
+    """A compact one-line rendering of an event, action or payload for traces."""
+    if isinstance(x, pm.Received | cm.Received):
+        return (
+            f"Received({_show(x.env.payload)}{', replay' if getattr(x, 'replay', False) else ''})"
+        )
+    if isinstance(x, Prepare):
+        return f"PREPARE {x.txn}"
+    if isinstance(x, Vote):
+        ranges = " ".join(f"{p.partition}:[{p.start},{p.end})" for p in x.partitions)
+        return (
+            f"VOTE {x.txn} {x.participant} g{x.generation} {x.vote.value} {ranges} "
+            f"sinks={','.join(x.sinks) or '-'}{' ' + x.reason if x.reason else ''}"
+        )
+    if isinstance(x, Decision):
+        if x.outcome is Outcome.ABORT:
+            return f"DECISION {x.txn} abort ({x.reason})"
+        parts = ",".join(f"{p.participant}{'' if p.sinks else '(idle)'}" for p in x.parts)
+        pos = " ".join(f"{p.partition}:{p.offset}" for p in x.positions)
+        return f"DECISION {x.txn} commit [{parts}] {pos}"
+    if isinstance(x, Applied):
+        return f"APPLIED {x.txn} {x.part} by {x.applied_by}"
+    if isinstance(x, Complete):
+        return f"COMPLETE {x.txn}"
+    if isinstance(x, Checkpoint):
+        pend = ",".join(str(p.txn) for p in x.pending)
+        return f"CHECKPOINT last={x.last_txn} pending=[{pend}]"
+    if isinstance(x, cm.Publish):
+        return f"Publish({_show(x.payload)})"
+    if isinstance(x, cm.Published | cm.PublishFailed):
+        extra = "" if isinstance(x, cm.Published) else f" {x.reason} fenced={x.fenced}"
+        return f"{type(x).__name__}({_show(x.payload)}{extra})"
+    if isinstance(x, pm.SendVote):
+        return f"SendVote({_show(x.vote)})"
+    if isinstance(x, pm.SendApplied):
+        return f"SendApplied({_show(x.applied)})"
+    if isinstance(x, pm.Written):
+        b = " ".join(f"{p}:{v[0]}/{v[1]}" for (_, p), v in sorted(x.batch.items()))
+        return f"Written({x.txn}, {b})"
+    if isinstance(x, pm.Seek | pm.Assigned):
+        offs = " ".join(f"{p}:{o}" for (_, p), o in sorted(x.offsets.items()))
+        if isinstance(x, pm.Assigned):
+            return f"Assigned(g{x.generation} {x.member_id} {offs})"
+        return f"Seek({offs})"
+    if isinstance(x, pm.PreparePart):
+        if not x.ready:
+            return f"PreparePart({x.txn}, cut please)"
+        offs = " ".join(f"{p}:{o}" for (_, p), o in sorted(x.positions.items()))
+        return f"PreparePart({x.txn}, ready, {offs}, sinks={','.join(x.sinks) or '-'})"
+    if isinstance(x, pm.InDoubt):
+        return f"InDoubt({', '.join(f'{s}/{t}/{p}' for s, t, p in x.parts)}{', sweep' if x.sweep else ''})"
+    if isinstance(x, pm.Log | cm.Log):
+        return f"log {x.level}: {x.message}{f' (txn {x.txn})' if x.txn else ''}"
+    return repr(x)
+
+
+# -- entry points -------------------------------------------------------------------------------
+
+
+def repro_command(seed: int, wire: bool = False) -> str:
+    return f"python -m tests.sim.world --seed {seed} --verbose{' --wire' if wire else ''}"
+
+
+def run(seed: int, verbose: bool = False, wire: bool = False) -> Result:
+    return World(seed, verbose=verbose, wire=wire).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--seed", type=int, help="run one schedule")
+    ap.add_argument("--seeds", help="run a range of schedules, e.g. 0:1000")
+    ap.add_argument("--verbose", action="store_true", help="print the trace")
+    ap.add_argument("--wire", action="store_true", help="round-trip every message via the codec")
+    args = ap.parse_args(argv)
+    if args.seed is not None:
+        res = run(args.seed, verbose=args.verbose, wire=args.wire)
+        if args.verbose:
+            print("\n".join(res.trace))
+        print(
+            f"seed {res.seed}: {'ok' if res.ok else 'FAILED'} after {res.steps} steps, "
+            f"{res.now_ms} ms: {res.records} records, {res.commits} commits, {res.aborts} aborts"
+        )
+        if not res.ok:
+            print(res.error)
+        return 0 if res.ok else 1
+    lo, hi = (int(x) for x in (args.seeds or "0:1000").split(":"))
+    bad = 0
+    for seed in range(lo, hi):
+        res = run(seed, wire=args.wire)
+        if not res.ok:
+            bad += 1
+            print(f"{repro_command(seed, args.wire)}  # {res.error.splitlines()[0][:200]}")
+    print(f"{hi - lo - bad}/{hi - lo} schedules passed")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
