@@ -1,0 +1,215 @@
+"""Each transition of the participant's state machine, event by event."""
+
+from __future__ import annotations
+
+from participants.machine import (
+    AbortPart,
+    Action,
+    Assigned,
+    BeginPart,
+    CaughtUp,
+    CommitPart,
+    Cut,
+    InDoubt,
+    PartApplied,
+    ParticipantMachine,
+    ParticipantSettings,
+    PrepareDone,
+    PrepareFailed,
+    PreparePart,
+    Received,
+    Revoked,
+    Seek,
+    SendApplied,
+    SendVote,
+    Sweep,
+    Thread,
+    Tick,
+    WillWrite,
+    Written,
+)
+from twophase.protocol.messages import (
+    Applied,
+    Decision,
+    Envelope,
+    Outcome,
+    Part,
+    Payload,
+    Position,
+    Prepare,
+    VoteValue,
+)
+
+T = "src"
+TP0, TP1 = (T, 0), (T, 1)
+SINKS = ("pg", "mongo")
+
+
+def env(payload: Payload) -> Envelope:
+    return Envelope("id", "pipe", "test", 0, payload)
+
+
+def of(actions: list[Action], kind: type) -> list:  # type: ignore[type-arg]
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def machine(
+    offsets: dict[tuple[str, int], int] | None = None, name: str = "a"
+) -> ParticipantMachine:
+    m = ParticipantMachine(ParticipantSettings(name, SINKS, sweep_interval_ms=1000))
+    m.handle(CaughtUp())
+    m.handle(Assigned(3, f"{name}-1", offsets if offsets is not None else {TP0: 0, TP1: 10}))
+    return m
+
+
+def commit(txn: int, *parts: Part, pos: dict[tuple[str, int], int]) -> Decision:
+    return Decision(
+        txn, Outcome.COMMIT, parts, tuple(Position(t, p, o) for (t, p), o in sorted(pos.items()))
+    )
+
+
+def write(m: ParticipantMachine, batch: dict[tuple[str, int], tuple[int, int, int]]) -> int:
+    """WillWrite + Written as the data thread does; returns the open part's txn."""
+    begin = of(m.handle(WillWrite()), BeginPart)
+    txn = begin[0].txn if begin else m.open.txn  # type: ignore[union-attr]
+    m.handle(Written(txn, batch))
+    return txn
+
+
+def prepare_and_vote(m: ParticipantMachine, txn: int) -> list[Action]:
+    (ask,) = m.handle(Received(env(Prepare(txn, 0))))
+    assert ask == PreparePart(txn)
+    (ready,) = m.handle(Cut(txn))
+    assert isinstance(ready, PreparePart) and ready.ready
+    return [ready, *m.handle(PrepareDone(txn))]
+
+
+def test_replay_acts_on_nothing_and_assignment_seeks_to_committed_positions() -> None:
+    m = ParticipantMachine(ParticipantSettings("a", SINKS))
+    d = commit(1, Part("a", 1, SINKS), pos={TP0: 7})
+    assert m.handle(Received(env(Prepare(1, 0)), replay=True)) == []
+    assert m.handle(Received(env(d), replay=True)) == []
+    assert not m.ready
+    m.handle(CaughtUp())
+    acts = m.handle(Assigned(2, "a-1", {TP0: 3, TP1: 4}))
+    # The log's position wins over the group's offset; the group's offset is the fallback.
+    assert of(acts, Seek) == [Seek({TP0: 7, TP1: 4})]
+    assert m.ready
+
+
+def test_first_write_begins_the_next_transaction_once() -> None:
+    m = machine()
+    assert m.handle(WillWrite()) == [BeginPart(1)]
+    assert m.handle(WillWrite()) == []
+
+
+def test_prepare_cuts_the_open_part_and_votes_its_exact_ranges() -> None:
+    m = machine()
+    write(m, {TP0: (4, 5, 0)})
+    write(m, {TP0: (6, 2, 1)})
+    ready, vote_action = prepare_and_vote(m, 1)
+    assert isinstance(ready, PreparePart)
+    assert ready.positions == {TP0: 7, TP1: 10} and ready.sinks == SINKS
+    (send,) = of([vote_action], SendVote)
+    v = send.vote
+    assert v.vote is VoteValue.PREPARED and v.generation == 3 and v.member_id == "a-1"
+    assert [(p.partition, p.start, p.end, p.records, p.dead_lettered) for p in v.partitions] == [
+        (0, 0, 7, 7, 1),
+        (1, 10, 10, 0, 0),
+    ]
+    # The next part starts where the prepared one ends.
+    assert m.handle(WillWrite()) == [BeginPart(2)]
+    assert m.open is not None and m.open.start == {TP0: 7, TP1: 10}
+
+
+def test_an_idle_participant_votes_empty_ranges_and_prepares_no_sink() -> None:
+    m = machine()
+    ready, vote_action = prepare_and_vote(m, 1)
+    assert isinstance(ready, PreparePart) and ready.sinks == ()
+    assert isinstance(vote_action, SendVote) and vote_action.vote.sinks == ()
+
+
+def test_a_duplicate_prepare_is_ignored() -> None:
+    m = machine()
+    write(m, {TP0: (0, 1, 0)})
+    prepare_and_vote(m, 1)
+    assert m.handle(Received(env(Prepare(1, 0)))) == []
+
+
+def test_commit_decision_applies_and_acknowledges() -> None:
+    m = machine()
+    write(m, {TP0: (0, 1, 0)})
+    prepare_and_vote(m, 1)
+    acts = m.handle(Received(env(commit(1, Part("a", 3, SINKS), pos={TP0: 1, TP1: 10}))))
+    assert of(acts, CommitPart) == [CommitPart(1, "a", SINKS)]
+    assert not of(acts, Seek)  # the next part already starts at the committed positions
+    assert m.handle(PartApplied(1, "a", Outcome.COMMIT)) == [SendApplied(Applied(1, "a", "a"))]
+
+
+def test_abort_decision_aborts_and_rewinds_the_open_part() -> None:
+    m = machine()
+    write(m, {TP0: (0, 1, 0)})
+    prepare_and_vote(m, 1)
+    write(m, {TP0: (3, 3, 0)})  # part 2 builds on part 1's end
+    acts = m.handle(Received(env(Decision(1, Outcome.ABORT, reason="timeout"))))
+    assert AbortPart(1, "a", SINKS) in acts  # the prepared part, on the control thread
+    assert AbortPart(2, "a", SINKS, thread=Thread.DATA) in acts  # the open part
+    # Never committed anything: back to the group's offsets.
+    assert of(acts, Seek) == [Seek({TP0: 0, TP1: 10})]
+    assert m.handle(PartApplied(1, "a", Outcome.ABORT)) == []
+
+
+def test_a_commit_that_leaves_us_out_aborts_our_part_and_rewinds() -> None:
+    m = machine()
+    write(m, {TP0: (0, 1, 0)})
+    prepare_and_vote(m, 1)
+    acts = m.handle(Received(env(commit(1, Part("b", 4, SINKS), pos={TP0: 5, TP1: 10}))))
+    assert AbortPart(1, "a", SINKS) in acts
+    assert of(acts, Seek) == [Seek({TP0: 5, TP1: 10})]
+
+
+def test_prepare_failure_votes_abort_and_rewinds() -> None:
+    m = machine()
+    write(m, {TP0: (0, 1, 0)})
+    m.handle(Received(env(Prepare(1, 0))))
+    m.handle(Cut(1))
+    acts = m.handle(PrepareFailed(1, "disk full"))
+    (send,) = of(acts, SendVote)
+    assert send.vote.vote is VoteValue.ABORT and send.vote.reason == "disk full"
+    assert AbortPart(1, "a", SINKS, thread=Thread.DATA) in acts
+    assert of(acts, Seek) == [Seek({TP0: 0, TP1: 10})]
+
+
+def test_revoke_abandons_the_open_part_and_its_late_writes() -> None:
+    m = machine()
+    m.handle(WillWrite())
+    acts = m.handle(Revoked())
+    assert AbortPart(1, "a", SINKS, thread=Thread.DATA) in acts
+    assert m.handle(Written(1, {TP0: (0, 1, 0)})) == []
+    assert not m.ready
+
+
+def test_in_doubt_own_part_is_resolved_from_the_log_or_when_decided() -> None:
+    m = ParticipantMachine(ParticipantSettings("a", SINKS))
+    m.handle(Received(env(Prepare(1, 0)), replay=True))
+    m.handle(Received(env(commit(1, Part("a", 1, SINKS), pos={TP0: 2})), replay=True))
+    m.handle(Received(env(Prepare(2, 0)), replay=True))
+    m.handle(CaughtUp())
+    acts = m.handle(InDoubt((("pg", 1, "a"), ("mongo", 1, "a"), ("pg", 2, "a"))))
+    assert of(acts, CommitPart) == [CommitPart(1, "a", ("mongo", "pg"))]
+    acts = m.handle(Received(env(Decision(2, Outcome.ABORT, reason="x"))))
+    assert of(acts, AbortPart) == [AbortPart(2, "a", ("pg",))]
+
+
+def test_sweep_finishes_a_foreign_part_only_after_it_sat_for_a_whole_sweep() -> None:
+    m = machine()
+    m.handle(Received(env(Prepare(1, 0))))
+    m.handle(Received(env(commit(1, Part("dead", 1, ("pg",)), pos={TP0: 0}))))
+    assert m.handle(Tick(0)) == [Sweep()]
+    assert m.handle(Tick(500)) == []
+    assert of(m.handle(InDoubt((("pg", 1, "dead"),), sweep=True)), CommitPart) == []
+    acts = m.handle(InDoubt((("pg", 1, "dead"),), sweep=True))
+    assert of(acts, CommitPart) == [CommitPart(1, "dead", ("pg",))]
+    assert m.handle(PartApplied(1, "dead", Outcome.COMMIT)) == [
+        SendApplied(Applied(1, "dead", "a"))
+    ]
