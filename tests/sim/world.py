@@ -53,7 +53,7 @@ import contextlib
 import random
 import sys
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -262,7 +262,11 @@ RESTART_MS = (20, 300)
 
 
 class Participant:
-    """One participant process: a machine, a control thread and a data thread."""
+    """One participant process: a machine, a control thread and a data thread.
+
+    Each thread runs one *job* at a time: a generator that yields wherever the real runtime
+    does I/O (one sink call, one listing), so the other thread's work interleaves there.
+    """
 
     def __init__(self, world: World, name: str, incarnation: int) -> None:
         self.world = world
@@ -278,11 +282,12 @@ class Participant:
         self.replay_end = len(world.log)
         self.caught_up = False
         self.ctl_q: deque[pm.Action] = deque()
+        self.ctl_job: Iterator[None] | None = None
         self.retry: list[tuple[int, pm.Action]] = []
         self.data_q: deque[pm.Action] = deque()
+        self.data_job: Iterator[None] | None = None
         self.open_txn: int | None = None
         self.fetch: dict[TP, int] = {}
-        self.batch: tuple[int, dict[TP, tuple[int, int, int]], list[tuple[int, int]]] | None = None
         self.outbox: deque[Payload] = deque()
         self.rebalance = 0  # 1: Revoked due, 2: Assigned due
         self.joined = False
@@ -293,27 +298,30 @@ class Participant:
 
     # -- feeding the machine --
 
-    def feed(self, event: pm.Event, data: bool) -> None:
+    def feed(self, event: pm.Event, data: bool) -> list[pm.Action]:
+        """Hand ``event`` to the machine; queue the other thread's actions and return this
+        thread's DATA actions, which the caller runs at once (the runtime does the same)."""
         w = self.world
         actions = self.machine.handle(event)
         if w.verbose:
             w.trace(f"{self.member_id}.{'data' if data else 'ctl '} <- {_show(event)}")
             for a in actions:
                 w.trace(f"{' ' * len(self.member_id)}      -> {_show(a)}")
+        inline: list[pm.Action] = []
         for a in actions:
             if isinstance(a, pm.Log):
                 continue
             if a.thread is pm.Thread.DATA:
-                if data:
-                    self.run_data(a)
-                else:
-                    self.data_q.append(a)
+                (inline if data else self.data_q).append(a)
             else:
                 self.ctl_q.append(a)
-            if not self.alive:
-                return
+        return inline
 
-    # -- the control thread --
+    def feed_data(self, event: pm.Event) -> Iterator[None]:
+        for a in self.feed(event, data=True):
+            yield from self.data_action(a)
+
+    # -- scheduling --
 
     def add_moves(self, out: list[tuple[int, Callable[[], None]]]) -> None:
         if not self.hold_control:
@@ -325,6 +333,9 @@ class Participant:
 
     def add_control_moves(self, out: list[tuple[int, Callable[[], None]]]) -> None:
         w = self.world
+        if self.ctl_job is not None:
+            out.append((5, self.step_control))
+            return
         if self.ctl_q:
             out.append((6, self.run_next_control))
         if self.retry and self.retry[0][0] <= w.now:
@@ -337,10 +348,10 @@ class Participant:
             out.append((2, self.tick))
 
     def add_data_moves(self, out: list[tuple[int, Callable[[], None]]]) -> None:
-        """One thing at a time, in this order of priority."""
+        """One job at a time; queued actions before rebalances before new records."""
         w = self.world
-        if self.batch is not None:
-            out.append((4, self.finish_batch))
+        if self.data_job is not None:
+            out.append((5, self.step_data))
         elif self.data_q:
             out.append((6, self.run_next_data))
         elif self.rebalance:
@@ -352,18 +363,44 @@ class Participant:
                     out.append((4, self.start_batch))
                     break
 
+    def step_control(self) -> None:
+        assert self.ctl_job is not None
+        if next(self.ctl_job, StopIteration) is StopIteration:
+            self.ctl_job = None
+
+    def step_data(self) -> None:
+        assert self.data_job is not None
+        if next(self.data_job, StopIteration) is StopIteration:
+            self.data_job = None
+
+    def start_control(self, job: Iterator[None]) -> None:
+        self.ctl_job = job
+        self.step_control()
+
+    def start_data(self, job: Iterator[None]) -> None:
+        self.data_job = job
+        self.step_data()
+
+    # -- the control thread --
+
     def run_next_control(self) -> None:
-        self.run_control(self.ctl_q.popleft())
+        self.start_control(self.control_action(self.ctl_q.popleft()))
 
     def run_retry(self) -> None:
         _, a = self.retry.pop(0)
-        self.run_control(a)
+        self.start_control(self.control_action(a))
 
     def catch_up(self) -> None:
         self.caught_up = True
         self.feed(pm.CaughtUp(), data=False)
-        self.feed(pm.InDoubt(self.world.list_in_doubt(), sweep=False), data=False)
-        self.world.group_join(self)
+        self.start_control(self.list_in_doubt(sweep=False))
+
+    def list_in_doubt(self, sweep: bool) -> Iterator[None]:
+        parts = self.world.list_in_doubt()
+        yield  # the listing takes a while; the data thread goes on meanwhile
+        self.feed(pm.InDoubt(parts, sweep=sweep), data=False)
+        if not sweep:
+            self.world.group_join(self)  # the runtime subscribes once recovery is done
 
     def read(self) -> None:
         env = self.world.log[self.cursor]
@@ -376,21 +413,22 @@ class Participant:
         self.next_tick = self.world.now + TICK_MS
         self.feed(pm.Tick(self.world.now), data=False)
 
-    def run_control(self, a: pm.Action) -> None:
+    def control_action(self, a: pm.Action) -> Iterator[None]:
         w = self.world
         if isinstance(a, pm.CommitPart | pm.AbortPart):
-            try:
-                for s in a.sinks:
+            for s in a.sinks:
+                try:
                     if isinstance(a, pm.CommitPart):
                         w.stores[s].commit(a.txn, a.participant)
                     else:
                         w.stores[s].abort(a.txn, a.participant, self.owner, data=False)
-            except RetriableError as exc:
-                if w.verbose:
-                    w.trace(f"{self.member_id}.ctl  !! {exc}; retry later")
-                self.retry.append((w.now + w.rng.randint(20, 200), a))
-                self.retry.sort(key=lambda r: r[0])
-                return
+                except RetriableError as exc:
+                    if w.verbose:
+                        w.trace(f"{self.member_id}.ctl  !! {exc}; retry later")
+                    self.retry.append((w.now + w.rng.randint(20, 200), a))
+                    self.retry.sort(key=lambda r: r[0])
+                    return
+                yield
             outcome = Outcome.COMMIT if isinstance(a, pm.CommitPart) else Outcome.ABORT
             self.feed(pm.PartApplied(a.txn, a.participant, outcome), data=False)
         elif isinstance(a, pm.SendVote):
@@ -398,68 +436,64 @@ class Participant:
         elif isinstance(a, pm.SendApplied):
             self.outbox.append(a.applied)
         elif isinstance(a, pm.Sweep):
-            self.feed(pm.InDoubt(w.list_in_doubt(), sweep=True), data=False)
+            yield from self.list_in_doubt(sweep=True)
         else:
             raise SimViolation(f"{self.member_id}: control thread got {a!r}")
 
     # -- the data thread --
 
     def run_next_data(self) -> None:
-        self.run_data(self.data_q.popleft())
+        self.start_data(self.data_action(self.data_q.popleft()))
 
     def poll_rebalance(self) -> None:
+        self.start_data(self.rebalance_job())
+
+    def rebalance_job(self) -> Iterator[None]:
         w = self.world
+        self.fetch = {}
         if self.rebalance == 1:
             self.rebalance = 2
-            self.fetch = {}
-            self.feed(pm.Revoked(), data=True)
+            yield from self.feed_data(pm.Revoked())
             return
         self.rebalance = 0
         mine = sorted(w.assignment.get(self.member_id, ()))
         offsets = {tp: w.group_offsets.get(tp, 0) for tp in mine}
-        self.fetch = {}
-        self.feed(pm.Assigned(w.generation, self.member_id, offsets), data=True)
+        yield from self.feed_data(pm.Assigned(w.generation, self.member_id, offsets))
 
     def start_batch(self) -> None:
+        self.start_data(self.batch_job())
+
+    def batch_job(self) -> Iterator[None]:
+        """poll, WillWrite, write into every sink, Written: the runtime's write path."""
         w = self.world
-        self.feed(pm.WillWrite(), data=True)
-        if not self.alive:
-            return
-        if self.open_txn is None:
-            raise SimViolation(f"{self.member_id}: WillWrite left no part open to write into")
         batch: dict[TP, tuple[int, int, int]] = {}
         recs: list[tuple[int, int]] = []
         for tp, off in sorted(self.fetch.items()):
             avail = w.hw[tp[1]] - off
-            if avail <= 0 or w.rng.random() < 0.3:
+            if avail <= 0 or (batch and w.rng.random() < 0.3):
                 continue
             n = w.rng.randint(1, min(avail, 3))
             recs += [(tp[1], o) for o in range(off, off + n)]
             batch[tp] = (off + n - 1, n, 0)
             self.fetch[tp] = off + n
-        if not batch:
-            tp, off = next((tp, o) for tp, o in sorted(self.fetch.items()) if o < w.hw[tp[1]])
-            recs = [(tp[1], off)]
-            batch[tp] = (off, 1, 0)
-            self.fetch[tp] = off + 1
-        self.batch = (self.open_txn, batch, recs)
-
-    def finish_batch(self) -> None:
-        assert self.batch is not None
-        txn, batch, recs = self.batch
-        self.batch = None
+        yield from self.feed_data(pm.WillWrite())
+        txn = self.open_txn
+        if txn is None:
+            raise SimViolation(f"{self.member_id}: WillWrite left no part open to write into")
         for s in STORES:
-            self.world.stores[s].write(txn, self.name, self.owner, recs)
-        self.feed(pm.Written(txn, batch), data=True)
+            yield
+            w.stores[s].write(txn, self.name, self.owner, recs)
+        yield from self.feed_data(pm.Written(txn, batch))
 
-    def run_data(self, a: pm.Action) -> None:
+    def data_action(self, a: pm.Action) -> Iterator[None]:
         w = self.world
         if isinstance(a, pm.BeginPart):
+            self.open_txn = a.txn
             for s in STORES:
                 w.stores[s].begin(a.txn, self.name, self.owner)
-            self.open_txn = a.txn
+                yield
         elif isinstance(a, pm.PreparePart) and not a.ready:
-            self.feed(pm.Cut(a.txn), data=True)
+            yield from self.feed_data(pm.Cut(a.txn))
         elif isinstance(a, pm.PreparePart):
             if a.sinks and self.open_txn != a.txn:
                 raise SimViolation(
@@ -471,19 +505,21 @@ class Participant:
                     "is open in the sinks"
                 )
             self.open_txn = None
-            try:
-                for s in a.sinks:
+            for s in a.sinks:
+                try:
                     w.stores[s].prepare(a.txn, self.name, self.owner, dict(a.positions))
-            except PrepareError as exc:
-                self.feed(pm.PrepareFailed(a.txn, str(exc)), data=True)
-                return
-            self.feed(pm.PrepareDone(a.txn), data=True)
+                except PrepareError as exc:
+                    yield from self.feed_data(pm.PrepareFailed(a.txn, str(exc)))
+                    return
+                yield
+            yield from self.feed_data(pm.PrepareDone(a.txn))
         elif isinstance(a, pm.AbortPart):
             for s in a.sinks:
                 # Only a prepared part can fail to abort: this runtime gives up and leaves it
                 # to the machine's in-doubt resolution (the sweep), the harder path to get right.
                 with contextlib.suppress(RetriableError):
                     w.stores[s].abort(a.txn, self.name, self.owner, data=True)
+                yield
             if a.txn == self.open_txn:
                 self.open_txn = None
         elif isinstance(a, pm.Seek):
