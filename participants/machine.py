@@ -475,7 +475,9 @@ class ParticipantMachine:
         part = self._ensure_open()
         if part.begun:
             return []
-        part.txn = max(part.txn, self.next_txn())
+        # A PREPARE we have not cut yet will cut this very part: number it so, or the cut
+        # would prepare a transaction the sinks never began.
+        part.txn = self.pending_prepare or max(part.txn, self.next_txn())
         part.begun = True
         return [BeginPart(part.txn)]
 

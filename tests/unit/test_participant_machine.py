@@ -122,6 +122,17 @@ def test_prepare_cuts_the_open_part_and_votes_its_exact_ranges() -> None:
     assert m.open is not None and m.open.start == {TP0: 7, TP1: 10}
 
 
+def test_a_batch_written_before_the_cut_goes_into_the_part_being_cut() -> None:
+    m = machine()
+    assert m.handle(Received(env(Prepare(1, 0)))) == [PreparePart(1)]
+    # The data thread polled before it saw the PREPARE: it writes one more batch first.
+    assert m.handle(WillWrite()) == [BeginPart(1)]
+    m.handle(Written(1, {TP0: (2, 3, 0)}))
+    (ready,) = m.handle(Cut(1))
+    assert isinstance(ready, PreparePart) and ready.txn == 1 and ready.sinks == SINKS
+    assert ready.positions == {TP0: 3, TP1: 10}
+
+
 def test_an_idle_participant_votes_empty_ranges_and_prepares_no_sink() -> None:
     m = machine()
     ready, vote_action = prepare_and_vote(m, 1)
