@@ -352,9 +352,14 @@ class Participant:
         w = self.world
         if self.data_job is not None:
             out.append((5, self.step_data))
-        elif self.data_q:
+            return
+        if self.data_q:
             out.append((6, self.run_next_data))
-        elif self.rebalance:
+            # A runtime checks its queue, then polls: a PREPARE handed over meanwhile waits
+            # until after the batch. A Seek or an abort never may (the batch is stale then).
+            if not all(isinstance(a, pm.PreparePart) for a in self.data_q):
+                return
+        if self.rebalance:
             out.append((w.rebalance_weight, self.poll_rebalance))
         elif self.machine.ready:
             hw = w.hw
