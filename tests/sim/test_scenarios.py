@@ -31,12 +31,13 @@ def has_data(p: Participant) -> bool:
 
 
 def at_fresh_prepare(w: World, after_commits: int = 1) -> int:
-    """Run until a PREPARE has just been written (after some commits) while some participant
-    has records in its open part; return its txn."""
+    """Run until a PREPARE has just been written (after some commits), nobody has read it yet,
+    and some participant has records in its open part; return its txn."""
     w.run_until(
         lambda: (
             commits(w) >= after_commits
             and isinstance(w.log[-1].payload, Prepare)
+            and all(p.cursor < len(w.log) for p in w.participants)
             and any(has_data(p) for p in w.participants)
         )
     )

@@ -34,7 +34,8 @@ What is modelled
   Crashes lose the machine, the queues and every open sink part; prepared parts stay.
 * The consumer group: eager rebalances (Revoked, later Assigned with a new generation) delivered
   to each member at its own pace, so slow members keep working in the old generation for a while.
-  Members join after their start-up replay, leave a session timeout after a crash, and random
+  Members join after their start-up replay (or, in some schedules, before it), leave a session
+  timeout after a crash, get dropped while alive (and only notice later), and random
   rebalances happen too. Assigned offsets are the group's committed offsets.
 * Sinks: two shared stores (like one PostgreSQL and one MongoDB) with the SDK's semantics; parts
   are open/prepared/committed/aborted; prepare may fail, commit and abort may fail retriably
@@ -295,6 +296,8 @@ class Participant:
         # Hand-written scenarios freeze a thread with these.
         self.hold_control = False
         self.hold_data = False
+        if world.join_early:
+            world.group_join(self)
 
     # -- feeding the machine --
 
@@ -404,7 +407,7 @@ class Participant:
         parts = self.world.list_in_doubt()
         yield  # the listing takes a while; the data thread goes on meanwhile
         self.feed(pm.InDoubt(parts, sweep=sweep), data=False)
-        if not sweep:
+        if not sweep and not self.joined:
             self.world.group_join(self)  # the runtime subscribes once recovery is done
 
     def read(self) -> None:
@@ -711,6 +714,8 @@ class World:
         #: How eagerly members handle a rebalance: low keeps slow members in the old generation.
         self.rebalance_weight = self.rng.choice((1, 3))
         self.coordinators = [Coordinator(self, f"C{i}", 0) for i in range(2)]
+        #: Whether the runtime subscribes before its start-up replay is done (both are fine).
+        self.join_early = self.rng.random() < 0.3
         self.participants = [Participant(self, f"P{i}", 0) for i in range(self.p.participants)]
         self.coordinators[0].acquire()
 
@@ -1056,6 +1061,8 @@ class World:
             new = {(p.topic, p.partition): p.offset for p in msg.positions}
             if set(new) != set(tps):
                 raise SimViolation(f"(3) commit {msg.txn} positions name {sorted(new)}")
+            if any(new[tp] < prev[tp] for tp in tps):
+                raise SimViolation(f"(3) commit {msg.txn} moves back: {_moves(prev, new)}")
             self._check_votes(msg, votes.get(msg.txn, []), prev, new)
             for s in STORES:
                 store = self.stores[s]
