@@ -82,6 +82,9 @@ CONTROL_POLL_S = 0.02
 SINK_RETRY_BUDGET_S = 60.0
 #: Applying a decision is retried for this long (a day) before the process gives up and restarts.
 APPLY_RETRY_BUDGET_S = 86_400.0
+#: Decided parts waiting to be applied before consumption pauses: bounds staged data when a
+#: store applies slower than Kafka delivers.
+MAX_UNAPPLIED = 2
 #: Lag is recomputed this often; it needs a watermark request per partition.
 LAG_REFRESH_S = 5.0
 
@@ -151,6 +154,7 @@ class ParticipantRuntime:
         )
         self.lock = threading.RLock()
         self.data_queue: queue.Queue[Action] = queue.Queue()
+        self.apply_queue: queue.Queue[Action] = queue.Queue()
         self.stop_event = threading.Event()
         self.fatal: BaseException | None = None
         self.producer = Producer(
@@ -182,6 +186,7 @@ class ParticipantRuntime:
             self.metrics, ready=lambda: self.machine.ready, status=self.status
         )
         self._paused = False
+        self._poisoned = False  # a write failed: read nothing until the rewind
         self._next_lag = 0.0
         self._assignment: list[TopicPartition] = []
 
@@ -218,10 +223,15 @@ class ParticipantRuntime:
             for env in reader.replay():
                 self._feed(Received(env, replay=True))
             self._feed(CaughtUp())
-            self._run(self._feed(InDoubt(self._list_in_doubt())), Thread.CONTROL)
+            # Recovery runs to completion before anything new is written.
+            self._run(self._feed(InDoubt(self._list_in_doubt())), Thread.CONTROL, inline=True)
             control = threading.Thread(
                 target=self._guard(self._control_loop, reader), name="control", daemon=True
             )
+            applier = threading.Thread(
+                target=self._guard(self._apply_loop), name="apply", daemon=True
+            )
+            applier.start()
             control.start()
             self.consumer.subscribe(
                 self.cfg.source_topics, on_assign=self._on_assign, on_revoke=self._on_revoke
@@ -231,6 +241,7 @@ class ParticipantRuntime:
                 self.health.beat()
                 self._data_step()
             control.join(timeout=10)
+            applier.join(timeout=10)
             reader.close()
         finally:
             self._close()
@@ -268,14 +279,32 @@ class ParticipantRuntime:
         with self.lock:
             return self.machine.handle(event)
 
-    def _run(self, actions: list[Action], here: Thread) -> None:
-        """Execute actions meant for this thread; queue the data thread's."""
+    def _run(self, actions: list[Action], here: Thread, *, inline: bool = False) -> None:
+        """Execute actions meant for this thread; queue the data thread's; hand decisions on
+        prepared parts to the apply worker (in order), unless ``inline`` (start-up recovery)."""
         for action in actions:
             target = getattr(action, "thread", here)
             if here is Thread.CONTROL and target is Thread.DATA:
                 self.data_queue.put(action)
+            elif (
+                isinstance(action, (CommitPart, AbortPart))
+                and target is Thread.CONTROL
+                and not inline
+            ):
+                self.apply_queue.put(action)
             else:
                 self._execute(action, here)
+
+    def _apply_loop(self) -> None:
+        """Applies decisions in log order, so the control thread keeps reading (and forwarding
+        the next PREPARE) while a slow store commits the previous part."""
+        while not self.stop_event.is_set():
+            try:
+                action = self.apply_queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            assert isinstance(action, (CommitPart, AbortPart))
+            self._apply(action, Thread.CONTROL)
 
     def _execute(self, action: Action, here: Thread) -> None:
         if isinstance(action, (CommitPart, AbortPart)):
@@ -386,6 +415,12 @@ class ParticipantRuntime:
         self._drain_queue()
         if self.fatal is not None:
             return
+        if self.apply_queue.qsize() >= MAX_UNAPPLIED:
+            # The stores apply slower than we read: hold consumption (the group session stays
+            # alive through consume(), which we keep calling with everything paused).
+            self._pause()
+        elif self._paused and not self._poisoned:
+            self._resume()
         msgs = self.consumer.consume(self.cfg.participant.max_batch_records, CONSUME_TIMEOUT_S)
         if self._drain_queue():
             return  # a rewind happened: what was just fetched will be fetched again
@@ -496,6 +531,7 @@ class ParticipantRuntime:
             log.error(
                 "txn=%s write failed, the part will be aborted and re-read: %s", part_txn, exc
             )
+            self._poisoned = True
             self._pause()
             return
         written: dict[tuple[str, int], int] = {}
@@ -540,14 +576,18 @@ class ParticipantRuntime:
             self.consumer.pause(self._assignment)
         self._paused = True
 
+    def _resume(self) -> None:
+        if self._paused and self._assignment:
+            self.consumer.resume(self._assignment)
+        self._paused = False
+
     def _seek(self, offsets: dict[tuple[str, int], int] | Any) -> None:
         owned = {(tp.topic, tp.partition) for tp in self._assignment}
         targets = [
             TopicPartition(t, p, o) for (t, p), o in sorted(offsets.items()) if (t, p) in owned
         ]
-        if self._paused and self._assignment:
-            self.consumer.resume(self._assignment)
-            self._paused = False
+        self._poisoned = False
+        self._resume()
         for tp in targets:
             try:
                 self.consumer.seek(tp)
@@ -574,13 +614,13 @@ class ParticipantRuntime:
                 start = dict(a.offsets)
         self._assignment = [TopicPartition(t, p, start[(t, p)]) for t, p in sorted(start)]
         consumer.assign(self._assignment)
-        self._paused = False
+        self._paused = self._poisoned = False
         self._run([a for a in actions if not isinstance(a, Seek)], Thread.DATA)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._run(self._feed(Revoked()), Thread.DATA)
         self._assignment = []
-        self._paused = False
+        self._paused = self._poisoned = False
         consumer.unassign()
 
     def _update_lag(self) -> None:
