@@ -86,7 +86,7 @@ require_port_free() { # port service
   if port_open "$1"; then
     local who
     who=$(port_owner "$1")
-    die "port $1 needed by $2 is already in use by another process${who:+ ($who)}; stop it or set the TWOPHASE_*_PORT variable"
+    die "port $1 needed by $2 is already in use by another process${who:+: $who}; stop it or set the TWOPHASE_*_PORT variable"
   fi
 }
 
@@ -163,16 +163,20 @@ need_mvn() {
 fetch_jars() { # pom dest extra-mvn-args...
   local pom=$1 dest=$2
   shift 2
-  local stamp="$dest/.complete-$(printf '%s %s' "$(sha "$pom")" "$*" | sha1sum | cut -c1-12)"
+  local stamp
+  stamp="$dest/.complete-$(printf '%s %s' "$(sha "$pom")" "$*" | sha1sum | cut -c1-12)"
   [[ -f $stamp ]] && return 0
   need_mvn
   log "fetching $(basename "$(dirname "$pom")") jars with Maven into $dest (first run only)"
   local tmp="$dest.tmp.$$"
   rm -rf "$tmp"
-  if ! mvn -B -q -Dstyle.color=never -f "$pom" -Dmaven.repo.local="$M2" "$@" \
-      dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$tmp" >&2; then
+  local mvn_log=$LOG_DIR/maven.log
+  mkdir -p "$LOG_DIR"
+  if ! mvn -B -Dstyle.color=never -f "$pom" -Dmaven.repo.local="$M2" "$@" \
+      dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$tmp" >"$mvn_log" 2>&1; then
     rm -rf "$tmp"
-    die "Maven could not fetch the jars for $pom (see the output above)"
+    grep -E '^\[ERROR\]' "$mvn_log" | head -n 5 >&2 || true
+    die "Maven could not fetch the jars for $pom (full output: $mvn_log)"
   fi
   rm -rf "$dest"
   mv "$tmp" "$dest"
@@ -190,9 +194,10 @@ kafka_jars() {
   fetch_jars "$HERE/kafka/pom.xml" "$KAFKA_JARS" -Dkafka.version="$KAFKA_VERSION"
 }
 
+# Tools log warnings only, to stderr, so their stdout stays their answer.
 kafka_java() { # main-class args...
   java -Xmx256m -Dlog4j2.configurationFile="$HERE/kafka/log4j2.properties" \
-    -cp "$KAFKA_JARS/*" "$@"
+    -Dtwophase.log.level=WARN -Dtwophase.log.target=SYSTEM_ERR -cp "$KAFKA_JARS/*" "$@"
 }
 
 kafka_start() {
@@ -250,7 +255,7 @@ PG_BIN=
 
 find_pg() {
   local d
-  for d in $(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V -r); do
+  for d in $(printf '%s\n' /usr/lib/postgresql/*/bin | sort -V -r); do
     if [[ -x $d/initdb && -x $d/pg_ctl && -x $d/postgres && -x $d/psql ]]; then
       PG_BIN=$d
       return 0
@@ -263,8 +268,9 @@ pg_install() {
   find_pg && return 0
   # /usr/local/bin/pg_ctl and friends may be symlinks to a Debian server install, or just a
   # client: only a directory with initdb + postgres counts.
-  [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null 2>&1 ||
+  if [[ $EUID -ne 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
     die "no PostgreSQL server found under /usr/lib/postgresql; install it (Debian: apt-get install postgresql)"
+  fi
   log "postgres: installing the Debian postgresql package (first run only)"
   apt-get update -qq >&2 || die "apt-get update failed"
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >&2 ||
@@ -275,7 +281,8 @@ pg_install() {
 # initdb and postgres refuse to run as root: as root, run them as the postgres OS user.
 as_pg() {
   if [[ $EUID -eq 0 ]]; then
-    runuser -u postgres -- "$@"
+    # /usr/sbin is not on every root PATH (CI runners, `sudo -E`).
+    "$(command -v runuser || echo /usr/sbin/runuser)" -u postgres -- "$@"
   else
     "$@"
   fi
@@ -507,6 +514,13 @@ cmd_up() {
   local t0=$SECONDS
   # Fetch everything first, so a registry failure stops us before anything is started.
   need_java
+  # Ports first: a clash found after Kafka started would leave a half-up stack.
+  kafka_pid >/dev/null || {
+    require_port_free "$KAFKA_PORT" "Kafka (TWOPHASE_KAFKA_PORT)"
+    require_port_free "$CONTROLLER_PORT" "the Kafka controller (TWOPHASE_KAFKA_CONTROLLER_PORT)"
+  }
+  pg_pid >/dev/null || require_port_free "$PG_PORT" "PostgreSQL (TWOPHASE_PG_PORT)"
+  mongo_pid >/dev/null || require_port_free "$MONGO_PORT" "SecantusDB (TWOPHASE_MONGO_PORT)"
   kafka_jars
   spark_jars
   secantus_install
@@ -521,9 +535,9 @@ cmd_up() {
 
 cmd_down() {
   lock
-  mongo_stop
-  kafka_stop
-  pg_stop
+  mongo_stop TERM
+  kafka_stop TERM
+  pg_stop TERM
   rm -f "$STACK_DIR/stack.env"
   log "stack down (data kept in $STACK_DIR; delete it for a fresh start)"
 }

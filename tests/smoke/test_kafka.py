@@ -82,9 +82,22 @@ def _poll_one(consumer: Consumer) -> Message:
 
 
 def _group_offsets(admin: AdminClient, group: str, topic: str) -> int:
+    """The group's committed offset of partition 0. ``require_stable``: commit_transaction
+    returns before the commit markers reach __consumer_offsets, and until they do a plain
+    fetch still answers the previous offset (KIP-447)."""
     request = ConsumerGroupTopicPartitions(group, [TopicPartition(topic, 0)])
-    result = admin.list_consumer_group_offsets([request])[group].result()
-    return int(result.topic_partitions[0].offset)
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        result = admin.list_consumer_group_offsets([request], require_stable=True)[group].result()
+        partition = result.topic_partitions[0]
+        if partition.error is None:
+            return int(partition.offset)
+        if (
+            partition.error.code() != KafkaError.UNSTABLE_OFFSET_COMMIT
+            or time.monotonic() > deadline
+        ):
+            raise KafkaException(partition.error)
+        time.sleep(0.05)
 
 
 def test_read_committed_sees_committed_transaction_and_not_aborted_one(
