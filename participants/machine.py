@@ -291,7 +291,8 @@ class ParticipantMachine:
         #: Foreign in-doubt parts seen by the previous sweep: finished only when seen twice, so a
         #: live owner applying its own decision is not raced.
         self.seen_last_sweep: set[tuple[int, str]] = set()
-        self.applying: set[tuple[int, str]] = set()
+        #: Parts whose decision is being applied, and the sinks it is applied in.
+        self.applying: dict[tuple[int, str], tuple[str, ...]] = {}
         self.pending_prepare: int = 0
         self.next_sweep_ms = 0
         # Figures for status and metrics only.
@@ -559,18 +560,33 @@ class ParticipantMachine:
     def _apply(
         self, txn: int, participant: str, sinks: tuple[str, ...], outcome: Outcome
     ) -> Action:
-        self.applying.add((txn, participant))
+        self.applying[(txn, participant)] = sinks
         if outcome is Outcome.COMMIT:
             return CommitPart(txn, participant, sinks)
         return AbortPart(txn, participant, sinks)
 
     def _on_applied(self, event: PartApplied) -> list[Action]:
         key = (event.txn, event.participant)
-        self.applying.discard(key)
+        done = self.applying.pop(key, ())
         self.in_doubt.pop(key, None)
-        if event.outcome is Outcome.COMMIT:
-            return [SendApplied(Applied(event.txn, event.participant, self.me))]
-        return []
+        if event.outcome is not Outcome.COMMIT:
+            return []
+        declared = self._declared_sinks(event.txn, event.participant)
+        if declared is not None and not set(declared) <= set(done):
+            # APPLIED means every sink of the part; the rest are not ours to commit.
+            missing = sorted(set(declared) - set(done))
+            return [
+                Log("warning", f"{event.participant}'s part is not ours in {missing}", event.txn)
+            ]
+        return [SendApplied(Applied(event.txn, event.participant, self.me))]
+
+    def _declared_sinks(self, txn: int, participant: str) -> tuple[str, ...] | None:
+        """The sinks a committed part was prepared in, as its vote (hence the decision) says."""
+        decision = self.log.decisions.get(txn)
+        part = decision.includes(participant) if decision is not None else None
+        if part is None and txn in self.log.pending:
+            part = self.log.pending[txn].parts.get(participant)
+        return part.sinks if part is not None else None
 
     def _on_in_doubt(self, event: InDoubt) -> list[Action]:
         found: dict[tuple[int, str], set[str]] = {}
@@ -579,9 +595,9 @@ class ParticipantMachine:
         # Committed parts nobody acknowledged (the owner crashed between apply and APPLIED, or is
         # gone): re-applying is idempotent, and the acknowledgement lets the coordinator complete.
         for txn, pending in self.log.pending.items():
-            for name, part in pending.parts.items():
+            for name in pending.parts:
                 if name not in pending.acked and (event.sweep or name == self.me):
-                    found.setdefault((txn, name), set()).update(part.sinks)
+                    found.setdefault((txn, name), set())  # the sinks come from the decision
         seen_now: set[tuple[int, str]] = set()
         for key, sinks in sorted(found.items()):
             txn, participant = key
@@ -602,6 +618,11 @@ class ParticipantMachine:
                 continue
             txn, participant = key
             outcome = self.log.outcome_of(txn, participant)
+            if outcome is Outcome.COMMIT:
+                # A listing may be older than the prepare it caught half-way; the vote named
+                # every sink the part was prepared in before anyone could commit it.
+                declared = self._declared_sinks(txn, participant) or ()
+                sinks = sinks | (set(declared) & set(self.settings.sinks))
             if outcome is not None:
                 actions.append(self._apply(txn, participant, tuple(sorted(sinks)), outcome))
                 actions.append(

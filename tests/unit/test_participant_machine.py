@@ -224,3 +224,24 @@ def test_sweep_finishes_a_foreign_part_only_after_it_sat_for_a_whole_sweep() -> 
     assert m.handle(PartApplied(1, "dead", Outcome.COMMIT)) == [
         SendApplied(Applied(1, "dead", "a"))
     ]
+
+
+def test_a_stale_listing_still_commits_every_sink_the_vote_named() -> None:
+    """The listing caught the part prepared in pg only (its owner was still preparing mongo);
+    committing pg alone and acknowledging would let the part be presumed aborted in mongo."""
+    m = machine()
+    m.handle(Received(env(Prepare(1, 0))))
+    assert of(m.handle(InDoubt((("pg", 1, "b"),))), CommitPart) == []  # undecided yet
+    acts = m.handle(Received(env(commit(1, Part("b", 3, SINKS), pos={TP0: 0, TP1: 10}))))
+    assert of(acts, CommitPart) == [CommitPart(1, "b", ("mongo", "pg"))]
+    assert m.handle(PartApplied(1, "b", Outcome.COMMIT)) == [SendApplied(Applied(1, "b", "a"))]
+
+
+def test_no_acknowledgement_for_a_part_with_sinks_we_do_not_have() -> None:
+    m = ParticipantMachine(ParticipantSettings("a", ("pg",)))
+    m.handle(Received(env(Prepare(1, 0)), replay=True))
+    m.handle(Received(env(commit(1, Part("b", 3, ("pg", "files")), pos={})), replay=True))
+    m.handle(CaughtUp())
+    (c,) = of(m.handle(InDoubt((("pg", 1, "b"),))), CommitPart)
+    assert c == CommitPart(1, "b", ("pg",))
+    assert of(m.handle(PartApplied(1, "b", Outcome.COMMIT)), SendApplied) == []
