@@ -294,6 +294,8 @@ class ParticipantMachine:
         #: Parts whose decision is being applied, and the sinks it is applied in.
         self.applying: dict[tuple[int, str], tuple[str, ...]] = {}
         self.pending_prepare: int = 0
+        #: The last transaction cut: PREPAREs only grow, so one at or below it is a re-read.
+        self.last_cut: int = 0
         self.next_sweep_ms = 0
         # Figures for status and metrics only.
         self.votes_sent = 0
@@ -352,8 +354,10 @@ class ParticipantMachine:
     def _on_prepare(self, msg: Prepare) -> list[Action]:
         if msg.txn <= self.log.last_decided:
             return []  # decided already (a slow reader); nothing to vote on
-        if msg.txn == self.pending_prepare or msg.txn in self.prepared:
-            return []  # a duplicate delivery: cutting again would replace the part we voted on
+        if msg.txn == self.pending_prepare or msg.txn <= self.last_cut:
+            # A re-read. Cutting again would replace the part we voted on, or (after a failed
+            # prepare) begin a part under the same id the control thread may still abort.
+            return []
         self.pending_prepare = msg.txn
         part = self.open
         if part is not None and part.begun and part.txn != msg.txn:
@@ -500,6 +504,7 @@ class ParticipantMachine:
         part = self._ensure_open()
         part.txn = txn
         part.cut = True
+        self.last_cut = txn
         ends = {tp: part.end.get(tp, start) for tp, start in part.start.items()}
         sinks = self.settings.sinks if part.begun else ()
         return [PreparePart(txn, positions=ends, sinks=sinks, ready=True)]

@@ -191,6 +191,16 @@ def test_prepare_failure_votes_abort_and_rewinds() -> None:
     assert of(acts, Seek) == [Seek({TP0: 0, TP1: 10})]
 
 
+def test_a_prepare_re_read_after_a_failed_prepare_is_ignored() -> None:
+    m = machine()
+    write(m, {TP0: (0, 1, 0)})
+    m.handle(Received(env(Prepare(1, 0))))
+    m.handle(Cut(1))
+    m.handle(PrepareFailed(1, "disk full"))
+    assert m.handle(Received(env(Prepare(1, 0)))) == []
+    assert m.handle(WillWrite()) == [BeginPart(2)]  # never part 1 again: it may be aborted
+
+
 def test_revoke_abandons_the_open_part_and_its_late_writes() -> None:
     m = machine()
     m.handle(WillWrite())
