@@ -1212,10 +1212,17 @@ def run(seed: int, verbose: bool = False, wire: bool = False) -> Result:
     return World(seed, verbose=verbose, wire=wire).run()
 
 
+def _verdict(job: tuple[int, bool]) -> tuple[int, str]:
+    seed, wire = job
+    res = run(seed, wire=wire)
+    return seed, "" if res.ok else res.error.splitlines()[0][:200]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--seed", type=int, help="run one schedule")
     ap.add_argument("--seeds", help="run a range of schedules, e.g. 0:1000")
+    ap.add_argument("--jobs", type=int, default=1, help="processes for --seeds")
     ap.add_argument("--verbose", action="store_true", help="print the trace")
     ap.add_argument("--wire", action="store_true", help="round-trip every message via the codec")
     args = ap.parse_args(argv)
@@ -1231,13 +1238,18 @@ def main(argv: list[str] | None = None) -> int:
             print(res.error)
         return 0 if res.ok else 1
     lo, hi = (int(x) for x in (args.seeds or "0:1000").split(":"))
-    bad = 0
-    for seed in range(lo, hi):
-        res = run(seed, wire=args.wire)
-        if not res.ok:
-            bad += 1
-            print(f"{repro_command(seed, args.wire)}  # {res.error.splitlines()[0][:200]}")
-    print(f"{hi - lo - bad}/{hi - lo} schedules passed")
+    jobs = [(seed, args.wire) for seed in range(lo, hi)]
+    if args.jobs > 1:
+        import multiprocessing
+
+        with multiprocessing.Pool(args.jobs) as pool:
+            verdicts = list(pool.imap(_verdict, jobs, chunksize=200))
+    else:
+        verdicts = [_verdict(j) for j in jobs]
+    bad = [(seed, err) for seed, err in verdicts if err]
+    for seed, err in bad:
+        print(f"{repro_command(seed, args.wire)}  # {err}")
+    print(f"{hi - lo - len(bad)}/{hi - lo} schedules passed")
     return 1 if bad else 0
 
 
