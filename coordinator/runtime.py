@@ -91,8 +91,14 @@ class CoordinatorRuntime:
         self.admin = AdminClient(client_settings(cfg, "admin"))
         # Never subscribes: it only lends the source group's metadata to
         # send_offsets_to_transaction, so commit decisions move the group's offsets atomically.
+        # The classic protocol matters: with group.protocol=consumer librdkafka invents a member
+        # id, and the broker rejects the transactional offset commit as UNKNOWN_MEMBER_ID.
         self.group_handle = Consumer(
-            client_settings(cfg, "group-handle-consumer", **{"group.id": cfg.group_id})
+            client_settings(
+                cfg,
+                "group-handle-consumer",
+                **{"group.id": cfg.group_id, "group.protocol": "classic"},
+            )
         )
         self.consumer = Consumer(
             client_settings(
