@@ -368,7 +368,13 @@ class ParticipantRuntime:
             if commit:
                 _crash_point("before_commit")
             try:
-                self._retry(partial(sink.commit if commit else sink.abort, part), f"{ctx} {name}")
+                # A decided part is applied however long the store needs: giving up would only
+                # hand the same work to recovery after a restart.
+                self._retry(
+                    partial(sink.commit if commit else sink.abort, part),
+                    f"{ctx} {name}",
+                    budget_s=APPLY_RETRY_BUDGET_S,
+                )
             except UnknownPartError as exc:
                 if action.participant == self.me:
                     raise FatalError(
@@ -477,7 +483,15 @@ class ParticipantRuntime:
             if self._drain_queue():
                 return  # rewound: these records will be fetched again from the new position
             actions = self.machine.handle(WillWrite())
-        self._run(actions, Thread.DATA)
+        try:
+            self._run(actions, Thread.DATA)
+        except FatalSinkError:
+            raise
+        except (SinkError, RetriableError) as exc:
+            log.error("could not open a part, it will be aborted and re-read: %s", exc)
+            self._poisoned = True
+            self._pause()
+            return
         with self.lock:
             part_txn = self.machine.open.txn if self.machine.open else 0
         part = PartId(self.cfg.pipeline, part_txn, self.me)
