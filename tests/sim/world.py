@@ -30,7 +30,9 @@ What is modelled
   after a lease delay) or be deposed while still running (a zombie that keeps receiving events
   until its next write is fenced, and maybe a LeadershipLost later).
 * Participants: a control thread and a data thread feeding one machine, each with its own queue
-  of actions, interleaved at random (a sink write happens between WillWrite and Written).
+  of actions and each running one job at a time that yields at every sink call or listing, so
+  the other thread interleaves wherever the real runtime releases the lock (between WillWrite
+  and Written, between two sinks' commits, between an in-doubt listing and its InDoubt event).
   Crashes lose the machine, the queues and every open sink part; prepared parts stay.
 * The consumer group: eager rebalances (Revoked, later Assigned with a new generation) delivered
   to each member at its own pace, so slow members keep working in the old generation for a while.
@@ -39,12 +41,22 @@ What is modelled
   rebalances happen too. Assigned offsets are the group's committed offsets.
 * Sinks: two shared stores (like one PostgreSQL and one MongoDB) with the SDK's semantics; parts
   are open/prepared/committed/aborted; prepare may fail, commit and abort may fail retriably
-  (the runtime retries later). Misuse of the SDK contract by the machines is a violation.
+  (the control thread retries later; the data thread gives an abort up and leaves the part to
+  in-doubt resolution). Misuse of the SDK contract by the machines is a violation, including a
+  control-thread abort of a part the data thread has open.
 
-What is not modelled: dead-lettering and poison records, multiple source topics, control-topic
-retention/compaction (the whole log is kept), decode errors, real time, clock skew between
-processes, and Kafka's own failure modes beyond the ones above (e.g. a consumer group that loses
-committed offsets).
+What the runtime must do for these results to hold (the simulator's data thread does exactly
+this): call ``WillWrite`` only when no Seek or AbortPart handed over by the control thread is
+waiting (check under the machine lock; a queued PreparePart may wait one batch); drop fetched
+records on Seek; poll before WillWrite; subscribe to the source group with the log start as the
+offset of partitions the group has never committed, on both the participant and the coordinator
+side (``SourcePartitions.group_offsets``).
+
+What is not modelled: dead-lettering and poison records, multiple source topics and partitions
+added at run time, control-topic retention/compaction (the whole log is kept), decode errors,
+real time, clock skew between processes, participants with different sink sets, and Kafka's own
+failure modes beyond the ones above (e.g. a consumer group that loses committed offsets, a
+commit_transaction with an unknown outcome).
 """
 
 from __future__ import annotations
