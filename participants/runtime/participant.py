@@ -82,6 +82,11 @@ CONTROL_POLL_S = 0.02
 SINK_RETRY_BUDGET_S = 60.0
 #: Applying a decision is retried for this long (a day) before the process gives up and restarts.
 APPLY_RETRY_BUDGET_S = 86_400.0
+#: Time one batch may take to write into every sink. A PREPARE waits for the batch in flight,
+#: so this bounds how much of the vote timeout a slow store can eat; batches are sized to it.
+BATCH_TARGET_S = 0.5
+INITIAL_BATCH = 500
+MIN_BATCH = 20
 #: Decided parts waiting to be applied before consumption pauses: bounds staged data when a
 #: store applies slower than Kafka delivers.
 MAX_UNAPPLIED = 2
@@ -188,6 +193,7 @@ class ParticipantRuntime:
         self._paused = False
         self._poisoned = False  # a write failed: read nothing until the rewind
         self._next_lag = 0.0
+        self._batch_size = min(INITIAL_BATCH, cfg.participant.max_batch_records)
         self._assignment: list[TopicPartition] = []
 
     # -- status --------------------------------------------------------------------------------
@@ -427,7 +433,7 @@ class ParticipantRuntime:
             self._pause()
         elif self._paused and not self._poisoned:
             self._resume()
-        msgs = self.consumer.consume(self.cfg.participant.max_batch_records, CONSUME_TIMEOUT_S)
+        msgs = self.consumer.consume(self._batch_size, CONSUME_TIMEOUT_S)
         if self._drain_queue():
             return  # a rewind happened: what was just fetched will be fetched again
         good = [m for m in msgs if m.error() is None]
@@ -436,10 +442,21 @@ class ParticipantRuntime:
             if err is not None:
                 raise_fatal(err)
         if good and not self._paused:
+            started = time.monotonic()
             self._write(good)
+            self._adapt_batch(len(good), time.monotonic() - started)
         if time.monotonic() >= self._next_lag:
             self._next_lag = time.monotonic() + LAG_REFRESH_S
             self._update_lag()
+
+    def _adapt_batch(self, n: int, seconds: float) -> None:
+        """Size the next batch so that writing it into every sink takes about BATCH_TARGET_S:
+        a PREPARE waits for at most one batch, whatever the stores' speed."""
+        if n < self._batch_size // 2 or seconds <= 0:
+            return  # a short batch says nothing about the stores' speed
+        rate = n / seconds
+        want = int(rate * BATCH_TARGET_S)
+        self._batch_size = max(MIN_BATCH, min(self.cfg.participant.max_batch_records, want))
 
     def _drain_queue(self) -> bool:
         seeked = False
