@@ -8,7 +8,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
 export TWOPHASE_STACK_DIR ?= $(CURDIR)/.stack
-export TWOPHASE_CACHE_DIR ?= $(CURDIR)/.cache
+# Downloads and builds (jars, helm, SecantusDB) are shared by every clone on the machine.
+export TWOPHASE_CACHE_DIR ?= $(HOME)/.cache/twophase
 
 .PHONY: help venv stack-up stack-down stack-status test test-fast lint demo bench chaos helm clean
 

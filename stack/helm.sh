@@ -9,7 +9,7 @@ set -euo pipefail
 HELM_VERSION="v3.21.4"
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cache_dir="${TWOPHASE_CACHE_DIR:-$repo_root/.cache}"
+cache_dir="${TWOPHASE_CACHE_DIR:-${HOME:-/root}/.cache/twophase}"
 bin_dir="$cache_dir/bin"
 helm_bin="$bin_dir/helm"
 

@@ -26,7 +26,7 @@ SECANTUS_VERSION=0.7.0b3
 SPARK_VERSION=$(sed -n 's/^[^#]*"pyspark==\([^"]*\)".*/\1/p' "$REPO/pyproject.toml" | head -n1)
 
 STACK_DIR=$(realpath -m "${TWOPHASE_STACK_DIR:-$REPO/.stack}")
-CACHE_DIR=$(realpath -m "${TWOPHASE_CACHE_DIR:-$REPO/.cache}")
+CACHE_DIR=$(realpath -m "${TWOPHASE_CACHE_DIR:-${HOME:-/root}/.cache/twophase}")
 KAFKA_PORT=${TWOPHASE_KAFKA_PORT:-9092}
 CONTROLLER_PORT=${TWOPHASE_KAFKA_CONTROLLER_PORT:-9093}
 PG_PORT=${TWOPHASE_PG_PORT:-55432}

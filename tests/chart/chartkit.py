@@ -26,7 +26,7 @@ Manifest = dict[str, Any]
 
 
 def helm_path() -> Path:
-    cache = Path(os.environ.get("TWOPHASE_CACHE_DIR", REPO / ".cache"))
+    cache = Path(os.environ.get("TWOPHASE_CACHE_DIR", Path.home() / ".cache" / "twophase"))
     return cache / "bin" / "helm"
 
 
