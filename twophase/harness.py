@@ -133,7 +133,7 @@ class Scenario:
             ],
             "dead_letter": {"replication_factor": 1},
             "commit": {"interval_ms": self.interval_ms, "vote_timeout_ms": self.vote_timeout_ms},
-            "participant": {"sweep_interval_ms": 3000},
+            "participant": {"sweep_interval_ms": 15_000},
             "metrics": {"port": 0},
             "sinks": sinks,
         }
