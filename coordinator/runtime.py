@@ -111,6 +111,9 @@ class CoordinatorRuntime:
                     "enable.partition.eof": True,
                     "auto.offset.reset": "earliest",
                     "session.timeout.ms": SESSION_TIMEOUT_MS,
+                    # A standby joining must not move the partition away from a healthy leader
+                    # (each move costs a presumed abort).
+                    "partition.assignment.strategy": "cooperative-sticky",
                     "heartbeat.interval.ms": SESSION_TIMEOUT_MS // 4,
                 },
             )
@@ -183,11 +186,14 @@ class CoordinatorRuntime:
 
     # -- leadership ----------------------------------------------------------------------------
 
+    # Cooperative rebalancing: callbacks carry only what changed, so an empty list is no news.
     def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._assigned = bool(partitions)
+        if partitions:
+            self._assigned = True
 
-    def _on_revoke(self, _consumer: Consumer, _partitions: list[TopicPartition]) -> None:
-        self._assigned = False
+    def _on_revoke(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        if partitions:
+            self._assigned = False
 
     def _on_leadership_change(self) -> None:
         change, self._assigned = self._assigned, None
