@@ -1,0 +1,119 @@
+"""Pipeline configuration: start-up validation names the field and file; secrets stay secret."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+
+from participants.registry import build_sinks
+from twophase.config import load_config, parse_config, redact
+from twophase.errors import ConfigError
+
+BASE = {
+    "pipeline": "orders",
+    "kafka": {"bootstrap_servers": "127.0.0.1:9092", "config": {"security.protocol": "PLAINTEXT"}},
+    "sources": [{"topic": "orders"}],
+    "sinks": [{"name": "files", "type": "files", "path": "/tmp/x"}],
+}
+
+
+def _with(**changes: object) -> dict[str, object]:
+    return {**BASE, **changes}
+
+
+def test_a_valid_config_has_derived_names() -> None:
+    cfg = parse_config(BASE, env={})
+    assert cfg.control_topic == "twophase.control.orders"
+    assert cfg.dead_letter_topic == "orders.dlq"
+    assert cfg.transactional_id == "twophase.orders.coordinator"  # stable, never random
+    assert cfg.group_id == "twophase.orders"
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        (_with(pipeline="bad name!"), "pipeline"),
+        (_with(commit={"interval_ms": "soon"}), "commit.interval_ms"),
+        (_with(commit={"vote_timeout_ms": 5}), "commit.vote_timeout_ms"),
+        (_with(sources=[]), "sources"),
+        (_with(kafka={}), "kafka.bootstrap_servers"),
+        (_with(surprise=1), "surprise"),
+        (_with(sinks=[{"type": "files"}]), "sinks"),
+    ],
+)
+def test_errors_name_the_field(raw: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(raw, source="pipeline.yaml", env={})
+    assert err.value.field == field
+    assert "pipeline.yaml" in str(err.value)
+
+
+def test_sink_sections_are_validated_by_their_own_model() -> None:
+    cfg = parse_config(
+        _with(
+            sinks=[{"name": "pg", "type": "postgres", "dsn": "postgresql://x/y", "mode": "upsert"}]
+        ),
+        env={},
+    )
+    with pytest.raises(ConfigError) as err:
+        build_sinks(cfg.sinks, pipeline="orders", participant="p", source="pipeline.yaml")
+    assert err.value.field.startswith("sinks[0].")
+
+
+def test_unknown_sink_type_lists_the_installed_ones() -> None:
+    cfg = parse_config(_with(sinks=[{"name": "x", "type": "nosuch"}]), env={})
+    with pytest.raises(ConfigError, match="postgres") as err:
+        build_sinks(cfg.sinks, pipeline="orders", participant="p")
+    assert err.value.field == "sinks[0].type"
+
+
+def test_secrets_come_from_env_and_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = tmp_path / "hmac"
+    secret.write_text("from-a-file\n")
+    raw = _with(
+        control={"hmac_key": f"${{FILE:{secret}}}"}, kafka={"bootstrap_servers": "${ENV:BOOT}"}
+    )
+    monkeypatch.delenv("BOOT", raising=False)
+    with pytest.raises(ConfigError) as err:
+        parse_config(raw, env={})
+    assert err.value.field == "kafka.bootstrap_servers" and "BOOT" in str(err.value)
+    monkeypatch.setenv("BOOT", "broker:9092")
+    cfg = parse_config(raw, env={})
+    assert cfg.kafka.bootstrap_servers == "broker:9092"
+    assert cfg.hmac_key == b"from-a-file"
+    assert "from-a-file" not in repr(cfg)  # SecretStr: never in reprs, so never in logs
+
+
+def test_missing_secret_file_names_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(_with(control={"hmac_key": f"${{FILE:{tmp_path}/nope}}"}), env={})
+    assert err.value.field == "control.hmac_key"
+
+
+def test_environment_overrides_any_field() -> None:
+    cfg = parse_config(
+        BASE, env={"TWOPHASE__COMMIT__INTERVAL_MS": "250", "TWOPHASE__METRICS__PORT": "0"}
+    )
+    assert cfg.commit.interval_ms == 250
+    assert cfg.metrics.port == 0
+
+
+def test_load_config_reports_yaml_errors_with_the_file(tmp_path: Path) -> None:
+    p = tmp_path / "broken.yaml"
+    p.write_text("pipeline: [unclosed\n")
+    with pytest.raises(ConfigError, match="broken.yaml"):
+        load_config(p)
+    p.write_text(yaml.safe_dump(BASE))
+    assert load_config(p).pipeline == "orders"
+
+
+def test_redact_masks_secret_looking_settings(caplog: pytest.LogCaptureFixture) -> None:
+    settings = {"sasl.password": "hunter2", "bootstrap.servers": "b:9092", "ssl.key.password": "k"}
+    shown = redact(settings)
+    assert shown["sasl.password"] == "***" and shown["ssl.key.password"] == "***"
+    assert shown["bootstrap.servers"] == "b:9092"
+    logging.getLogger("t").warning("%s", shown)
+    assert "hunter2" not in caplog.text
