@@ -104,7 +104,7 @@ def test_environment_overrides_any_field() -> None:
 def test_load_config_reports_yaml_errors_with_the_file(tmp_path: Path) -> None:
     p = tmp_path / "broken.yaml"
     p.write_text("pipeline: [unclosed\n")
-    with pytest.raises(ConfigError, match="broken.yaml"):
+    with pytest.raises(ConfigError, match=r"broken\.yaml"):
         load_config(p)
     p.write_text(yaml.safe_dump(BASE))
     assert load_config(p).pipeline == "orders"
