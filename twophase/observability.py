@@ -122,6 +122,7 @@ class HealthServer:
         self.ready = ready
         self.status = status
         self.last_beat = time.monotonic()
+        self.port = 0  # the bound port once started (useful with port 0)
         self._server: ThreadingHTTPServer | None = None
 
     def beat(self) -> None:
@@ -162,7 +163,8 @@ class HealthServer:
 
         self._server = ThreadingHTTPServer((host, port), Handler)
         threading.Thread(target=self._server.serve_forever, daemon=True, name="health").start()
-        return int(self._server.server_address[1])
+        self.port = int(self._server.server_address[1])
+        return self.port
 
     def stop(self) -> None:
         if self._server is not None:
