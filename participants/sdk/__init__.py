@@ -3,8 +3,18 @@
 Built-in sinks (:mod:`participants.sinks`) import only from here. A third-party sink package
 registers its class under the ``twophase.sinks`` entry-point group and becomes usable by its name
 in a pipeline's ``sinks[].type``.
+
+* :class:`Sink` -- the contract (:mod:`participants.sdk.sink` documents every rule).
+* :class:`BatchingSink` -- the contract built on six store operations, for stores with local
+  transactions but no two-phase commit (:mod:`participants.sdk.batching`).
+* the durable file-system steps of :mod:`participants.sdk.staging`, for sinks that stage files.
+* :mod:`participants.sdk.testkit` -- the conformance kit, a pytest plugin (imported on its own:
+  it needs pytest, a sink at run time does not).
+
+Guide: ``docs/write-a-sink.md``.
 """
 
+from participants.sdk.batching import BatchingSink, PartMarker, PartState
 from participants.sdk.errors import (
     AbortTransactionError,
     BackpressureError,
@@ -15,12 +25,26 @@ from participants.sdk.errors import (
 )
 from participants.sdk.records import PartId, Positions, Record, Rejected, TopicPartition
 from participants.sdk.sink import Sink, SinkConfig, SinkContext
+from participants.sdk.staging import (
+    discard_tree,
+    fsync_dir,
+    makedirs_durable,
+    read_json,
+    remove_tree,
+    rename_durable,
+    write_atomic,
+    write_durable,
+    write_json_atomic,
+)
 
 __all__ = [
     "AbortTransactionError",
     "BackpressureError",
+    "BatchingSink",
     "FatalSinkError",
     "PartId",
+    "PartMarker",
+    "PartState",
     "Positions",
     "Record",
     "Rejected",
@@ -31,4 +55,13 @@ __all__ = [
     "SinkError",
     "TopicPartition",
     "UnknownPartError",
+    "discard_tree",
+    "fsync_dir",
+    "makedirs_durable",
+    "read_json",
+    "remove_tree",
+    "rename_durable",
+    "write_atomic",
+    "write_durable",
+    "write_json_atomic",
 ]

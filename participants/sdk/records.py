@@ -68,7 +68,12 @@ class PartId:
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
-    """A record the sink will not store, with the reason. The runtime dead-letters it."""
+    """A record the sink will not store, with the reason. The runtime dead-letters it.
+
+    ``extra`` goes into the dead letter's headers. Standard keys, used when the sink knows them:
+    ``field`` (the value's field at fault, dotted when nested), ``column`` (the store's column or
+    attribute), ``sqlstate`` (the SQL server's error code). Values are strings.
+    """
 
     record: Record
     reason: str

@@ -4,32 +4,79 @@ Life cycle of one sink instance inside a participant process::
 
     setup()                                  once, before anything else
     in_doubt() -> commit()/abort() ...       recovery of earlier processes' parts
+    stale_parts(t) -> abort() ...            open parts whose writer died (never prepared)
     begin(T) write(T, ..)* prepare(T, pos)   the open part, then its durable prepare
     begin(T+1) write(T+1, ..)* ...           the next part fills while T waits for its decision
-    commit(T) | abort(T)                     the coordinator's decision, possibly on another thread
+    commit(T) | abort(T)                     the coordinator's decision, on the control thread
     close()
 
-Rules a sink must keep (the conformance kit in :mod:`participants.sdk.testkit` checks them):
+Rules a sink must keep (the conformance kit, :mod:`participants.sdk.testkit`, checks each one
+against the real store; ``docs/write-a-sink.md`` walks through writing a sink that passes it):
+
+**Parts.**
+
+* At most one part is open at a time. ``begin`` while another part is open is a runtime bug: raise
+  :class:`FatalSinkError`. ``begin`` of a part that is already prepared or committed raises too:
+  a part id is never reused for other data.
+* ``abort`` of an *open* part forgets it: ``begin`` with the same :class:`PartId` may follow. A
+  rewind re-reads the same transaction's records, and the coordinator's transaction number is
+  the part's name, so the same id is opened again -- also by a restarted process after a crash.
+
+**Prepare.**
 
 * ``prepare`` is durable: once it returns, ``commit`` of that part must succeed from any process,
   on new connections, after a crash of this one. It stores ``positions`` in the same local
   transaction as the data, together with a per-part marker, so the store itself can say whether
   a part is prepared, committed, or unknown.
-* ``abort`` of an *open* part forgets it: ``begin`` with the same :class:`PartId` may follow. A
-  rewind re-reads the same transaction's records, and the coordinator's transaction number is
-  the part's name, so the same id is opened again.
+* ``prepare`` repeated with the same positions after it succeeded is a no-op: the runtime repeats
+  a prepare whose first attempt raised :class:`RetriableSinkError`, not knowing whether it landed.
+
+**Decisions.**
+
 * ``commit``, ``abort`` are idempotent by :class:`PartId`. ``commit`` of an already committed part
-  is a no-op; of an unknown part raises :class:`UnknownPartError`. ``abort`` of an unknown or
-  already aborted part is a no-op; ``abort`` of a committed part raises ``FatalSinkError``.
+  is a no-op; of an unknown (or aborted) part raises :class:`UnknownPartError`. ``abort`` of an
+  unknown or already aborted part is a no-op; ``abort`` of a committed part raises
+  :class:`FatalSinkError`.
+* Decisions are applied on a different thread from writes: ``commit``/``abort`` of a *prepared*
+  part run on the control thread while ``begin``/``write``/``prepare`` work on the open part on the
+  data thread. ``abort`` of the *open* part (a rewind) also comes from the control thread, possibly
+  while a ``write`` of that part is in flight. A sink guards its own shared state accordingly
+  (connections are not shared between the two threads without a lock).
 * Nothing of a part is visible to readers of the target before ``commit``; after ``commit`` all of
-  it is, exactly once, including after replays of the same part.
-* ``commit``/``abort`` of a *prepared* part may run on another thread while ``begin``/``write``
-  work on the open part; a sink guards its own shared state accordingly.
+  it is, exactly once, including after replays of the same decision.
 * ``in_doubt`` lists every prepared, undecided part of *this pipeline* in the store -- from every
-  participant, not only this one -- so any live participant can finish a dead one's work.
-* A sink never retries by itself: it raises :class:`RetriableSinkError` /
-  :class:`BackpressureError` and the runtime retries; records it cannot store are returned from
-  ``write`` as :class:`Rejected` and dead-lettered by the runtime.
+  participant, not only this one, and never another pipeline's -- so any live participant can
+  finish a dead one's work.
+* ``close()`` releases connections and keeps prepared parts prepared: they belong to the
+  coordinator's decision, not to this process. An open part may be dropped.
+
+**Failures** -- a sink never retries by itself; it raises, and the runtime acts by the branch:
+
+* ``write`` raising :class:`RetriableSinkError` (or :class:`BackpressureError`) promises that the
+  call left the part as it was before it: the runtime repeats the *same* call with the same
+  records. A sink that cannot promise that (half a batch may have landed) raises
+  :class:`AbortTransactionError` instead.
+* ``write`` raising :class:`AbortTransactionError`: the open part is lost. The runtime aborts it
+  and rewinds; every later ``write``/``prepare`` of that part should raise the same error.
+* ``prepare`` raising :class:`RetriableSinkError`: the runtime repeats it with the same positions
+  (hence the no-op rule above). :class:`AbortTransactionError`: the participant votes ABORT and
+  the part is aborted.
+* ``commit``/``abort`` raising :class:`RetriableSinkError` are repeated until they succeed (a
+  decided part is applied however long the store needs).
+* :class:`FatalSinkError` from any call stops the process with its message; prepared parts stay
+  for recovery.
+* Records the store refuses are not errors: ``write`` returns them as :class:`Rejected` (the runtime
+  dead-letters them) and stores the rest of the batch. ``Rejected.extra`` uses these keys when it
+  can: ``field`` (the record value's field at fault, dotted for nested ones), ``column`` (the
+  store's column or attribute), ``sqlstate`` (the server's error code, for SQL stores); a sink may
+  add its own keys. All values are strings.
+
+**Housekeeping** (optional; defaults do nothing, and are right for a store that needs nothing):
+
+* ``stale_parts(before_txn)`` lists parts that were begun and never prepared by a process that is
+  gone, older than ``before_txn``; the runtime aborts them. Never this process's own open part.
+* ``committed_positions()`` returns the source positions stored with committed data.
+* ``forget(before_txn)`` deletes the markers of *decided* parts older than ``before_txn``.
 """
 
 from __future__ import annotations
@@ -42,7 +89,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from participants.sdk.records import PartId, Positions, Record, Rejected
+from participants.sdk.records import PartId, Positions, Record, Rejected, TopicPartition
 
 __all__ = ["Sink", "SinkConfig", "SinkContext"]
 
@@ -101,27 +148,75 @@ class Sink(abc.ABC):
 
     @abc.abstractmethod
     def begin(self, part: PartId) -> None:
-        """Open ``part``: from now on :meth:`write` adds to it. At most one part is open at a time."""
+        """Open ``part``: from now on :meth:`write` adds to it.
+
+        At most one part is open at a time: :class:`FatalSinkError` while another one is. Also
+        after an ``abort`` of the same id (a rewind), and after a crash left it open.
+        """
 
     @abc.abstractmethod
     def write(self, part: PartId, records: Sequence[Record]) -> Sequence[Rejected]:
-        """Add ``records`` to the open ``part``; return those that cannot be stored, with reasons."""
+        """Add ``records`` to the open ``part``; return those the store refuses, with reasons.
+
+        :class:`RetriableSinkError` only when the call left the part as it was (it is repeated
+        as is); :class:`AbortTransactionError` when the part is lost.
+        """
 
     @abc.abstractmethod
     def prepare(self, part: PartId, positions: Positions) -> None:
-        """Make ``part`` durable and committable by any process; store ``positions`` with it."""
+        """Make ``part`` durable and committable by any process; store ``positions`` with it.
+
+        Repeated with the same positions after it succeeded: a no-op.
+        """
 
     @abc.abstractmethod
     def commit(self, part: PartId) -> None:
-        """Make ``part`` visible. Idempotent; works from any process after :meth:`prepare`."""
+        """Make ``part`` visible. Idempotent; works from any process after :meth:`prepare`.
+
+        :class:`UnknownPartError` when the part is neither prepared nor committed here.
+        """
 
     @abc.abstractmethod
     def abort(self, part: PartId) -> None:
-        """Discard ``part``, open or prepared. Idempotent; no-op for unknown parts."""
+        """Discard ``part``, open or prepared. Idempotent; no-op for unknown parts.
+
+        :class:`FatalSinkError` when the part is already committed.
+        """
 
     @abc.abstractmethod
     def in_doubt(self) -> list[PartId]:
         """Every prepared, undecided part of this pipeline in the store, from any participant."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
-        """Release connections. Prepared parts stay prepared."""
+        """Release connections. Prepared parts stay prepared; an open part may be dropped."""
+
+    # -- housekeeping (optional) -------------------------------------------------------------
+
+    def stale_parts(self, before_txn: int) -> list[PartId]:
+        """Parts of this pipeline begun and never prepared by a process that is gone, with
+        ``txn < before_txn``; the runtime aborts each one.
+
+        The runtime passes a transaction number no live participant can still have open (the
+        oldest undecided one), so a sink that cannot tell a live writer from a dead one may rely
+        on it; a sink that can (a lock the kernel drops) may check both. Never returns this
+        process's own open part, nor prepared parts (those are :meth:`in_doubt`). The default
+        suits stores that drop an unprepared part with its writer's connection (PostgreSQL).
+        """
+        return []
+
+    def committed_positions(self) -> dict[TopicPartition, int]:
+        """Next offset per source partition, as stored with the committed data of this pipeline.
+
+        Stored in the same local transaction as the data, so it is never ahead of it. Empty when
+        the sink does not store positions where a reader can get them (the default).
+        """
+        return {}
+
+    def forget(self, before_txn: int) -> int:
+        """Delete the markers of decided (committed or aborted) parts with ``txn < before_txn``.
+
+        Markers make decisions idempotent; once the decision log is past a transaction nobody
+        repeats its decision, and without this they grow by one per part forever. Prepared parts,
+        data and :meth:`committed_positions` are untouched. Returns how many were deleted.
+        """
+        return 0

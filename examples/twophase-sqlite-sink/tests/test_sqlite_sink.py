@@ -1,0 +1,7 @@
+"""The conformance kit against the SQLite sink (fixture: ``twophase_sink_factory`` in conftest)."""
+
+from participants.sdk.testkit import SinkConformance
+
+
+class TestSqliteSink(SinkConformance):
+    pass

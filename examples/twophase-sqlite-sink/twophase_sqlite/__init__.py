@@ -1,0 +1,169 @@
+"""Exactly-once SQLite sink for twophase, written only against the public participant SDK.
+
+One database file holds the target table, a staging table of the same shape (same types and
+CHECKs, so a bad row is refused at write time, not at commit) and the markers. A commit is one
+SQLite transaction: staged rows move to the target, the marker flips, the positions are stored.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+from participants import sdk
+
+__all__ = ["SqliteSink", "SqliteSinkConfig"]
+
+#: How long a transaction waits for another writer of the file; ours take milliseconds.
+BUSY_TIMEOUT_S = 30.0
+_PART = "sink = ? AND token = ?"
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS twophase_parts (sink, token, pipeline, txn, participant, state,
+    positions, records, PRIMARY KEY (sink, token));
+CREATE TABLE IF NOT EXISTS twophase_positions (sink, pipeline, topic, partition, next,
+    PRIMARY KEY (sink, pipeline, topic, partition));
+CREATE TABLE IF NOT EXISTS "{t}" ({columns}) STRICT;
+CREATE TABLE IF NOT EXISTS "{t}__staging" (_part TEXT, {columns}) STRICT;
+CREATE INDEX IF NOT EXISTS "{t}__staging_part" ON "{t}__staging" (_part)"""
+
+
+class SqliteSinkConfig(sdk.SinkConfig):
+    type: Literal["sqlite"]
+    path: Path
+    table: str
+    #: Column -> column definition, e.g. ``{"n": "INTEGER NOT NULL CHECK (n >= 0)"}``, filled
+    #: from the record value's field of the same name.
+    columns: dict[str, str]
+
+
+class SqliteSink(sdk.BatchingSink):
+    config_model = SqliteSinkConfig
+
+    def __init__(self, config: sdk.SinkConfig, context: sdk.SinkContext) -> None:
+        assert isinstance(config, SqliteSinkConfig)
+        super().__init__(config, context)
+        self.cfg = config
+        self._lock = threading.Lock()  # one connection for the data and the control thread
+        self._db: sqlite3.Connection | None = None
+        self._cols = ", ".join(f'"{c}"' for c in config.columns)
+        self._target, self._stage = f'"{config.table}"', f'"{config.table}__staging"'
+
+    def setup(self) -> None:
+        db = self._db = sqlite3.connect(
+            self.cfg.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+        )
+        db.execute("PRAGMA journal_mode = WAL")
+        db.execute("PRAGMA synchronous = FULL")  # every COMMIT is durable
+        columns = ", ".join(f'"{c}" {d}' for c, d in self.cfg.columns.items())
+        with self._tx("setup", sdk.FatalSinkError):
+            for ddl in _SCHEMA.format(t=self.cfg.table, columns=columns).split(";"):
+                db.execute(ddl)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+            self._db = None
+
+    @contextmanager
+    def _tx(self, what: str, failure: type[sdk.SinkError]) -> Iterator[sqlite3.Connection]:
+        """One SQLite transaction; a busy database is retriable, any other error ``failure``."""
+        with self._lock:
+            if (db := self._db) is None:
+                raise sdk.FatalSinkError("setup() has not run", sink=self.name)
+            try:
+                db.execute("BEGIN IMMEDIATE")  # take the write lock now, not half-way through
+                try:
+                    yield db
+                except BaseException:
+                    if db.in_transaction:
+                        db.execute("ROLLBACK")
+                    raise
+                db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                busy = isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc)
+                error = sdk.RetriableSinkError if busy else failure
+                raise error(f"{what}: {exc}", sink=self.name) from exc
+
+    def _query(self, sql: str, *args: Any) -> list[Any]:
+        with self._tx("query", sdk.RetriableSinkError) as db:
+            return db.execute(sql, args).fetchall()
+
+    # -- the six store operations of BatchingSink --
+
+    def stage(self, part: sdk.PartId, records: Sequence[sdk.Record]) -> list[sdk.Rejected]:
+        marks = ", ".join("?" * (len(self.cfg.columns) + 1))
+        insert = f"INSERT INTO {self._stage} (_part, {self._cols}) VALUES ({marks})"
+        rejected = []
+        with self._tx("write", sdk.AbortTransactionError) as db:
+            for r in records:
+                try:  # a refused row undoes only its own statement
+                    db.execute(insert, [part.token, *(r.value.get(c) for c in self.cfg.columns)])
+                except (sqlite3.IntegrityError, sqlite3.ProgrammingError, OverflowError) as exc:
+                    rejected.append(sdk.Rejected(r, f"sqlite refused the row: {exc}"))
+        return rejected
+
+    def publish(self, part: sdk.PartId) -> None:
+        key = (self.name, part.token)
+        with self._tx("commit", sdk.RetriableSinkError) as db:
+            sql = f"SELECT positions FROM twophase_parts WHERE {_PART} AND state = 'prepared'"
+            if (row := db.execute(sql, key).fetchone()) is None:
+                return  # committed already, or not prepared: the caller checks which
+            db.execute(
+                f"INSERT INTO {self._target} ({self._cols}) SELECT {self._cols}"
+                f" FROM {self._stage} WHERE _part = ? ORDER BY rowid",
+                (part.token,),
+            )
+            db.execute(f"DELETE FROM {self._stage} WHERE _part = ?", (part.token,))
+            db.execute(f"UPDATE twophase_parts SET state = 'committed' WHERE {_PART}", key)
+            db.executemany(
+                "INSERT INTO twophase_positions VALUES (?, ?, ?, ?, ?)"
+                " ON CONFLICT DO UPDATE SET next = max(next, excluded.next)",
+                [(self.name, part.pipeline, t, p, n) for t, p, n in json.loads(row[0])],
+            )
+
+    def discard(self, part: sdk.PartId) -> None:
+        with self._tx("abort", sdk.RetriableSinkError) as db:
+            sql = f"UPDATE twophase_parts SET state = 'aborted' WHERE {_PART} AND state != ?"
+            db.execute(sql, (self.name, part.token, "committed"))
+            db.execute(f"DELETE FROM {self._stage} WHERE _part = ?", (part.token,))
+
+    def save_marker(self, marker: sdk.PartMarker, *, expect: Collection[str | None]) -> bool:
+        p, key = marker.part, (self.name, marker.part.token)
+        positions = json.dumps([[t, n, o] for (t, n), o in sorted(marker.positions.items())])
+        with self._tx("marker", sdk.RetriableSinkError) as db:
+            row = db.execute(f"SELECT state FROM twophase_parts WHERE {_PART}", key).fetchone()
+            if (row or (None,))[0] not in expect:
+                return False
+            row = (*key, p.pipeline, p.txn, p.participant, marker.state, positions, marker.records)
+            db.execute("INSERT OR REPLACE INTO twophase_parts VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row)
+        return True
+
+    def load_marker(self, part: sdk.PartId) -> sdk.PartMarker | None:
+        sql = f"SELECT state, positions, records FROM twophase_parts WHERE {_PART}"
+        for state, positions, records in self._query(sql, self.name, part.token):
+            positions = {(t, n): o for t, n, o in json.loads(positions)}
+            return sdk.PartMarker(part, state, positions, records)
+        return None
+
+    def list_parts(self, state: sdk.PartState) -> list[sdk.PartId]:
+        sql = "SELECT token FROM twophase_parts WHERE sink = ? AND pipeline = ? AND state = ?"
+        found = self._query(sql, self.name, self.context.pipeline, state)
+        return [sdk.PartId.parse(token) for (token,) in found]
+
+    # -- housekeeping --
+
+    def committed_positions(self) -> dict[sdk.TopicPartition, int]:
+        sql = "SELECT topic, partition, next FROM twophase_positions WHERE sink=? AND pipeline=?"
+        return {(t, n): o for t, n, o in self._query(sql, self.name, self.context.pipeline)}
+
+    def forget(self, before_txn: int) -> int:
+        with self._tx("forget", sdk.RetriableSinkError) as db:
+            sql = "DELETE FROM twophase_parts WHERE sink = ? AND pipeline = ? AND txn < ?"
+            sql += " AND state IN ('committed', 'aborted')"
+            return db.execute(sql, (self.name, self.context.pipeline, before_txn)).rowcount

@@ -1,0 +1,279 @@
+"""A base class for sinks over a store with local transactions but no two-phase commit.
+
+Most stores (SQLite, MySQL without XA, DuckDB, a key-value store, an object store with a manifest)
+can be made exactly-once the same way: each ``write`` stages its batch where readers do not look,
+a per-part *marker* says whether the part is open, prepared, committed or aborted, and ``commit``
+moves the staged data into the target and flips the marker in one local transaction.
+:class:`BatchingSink` does the part of that which is the same for every store -- the open part,
+the marker's state machine, idempotent and repeated calls, the two threads, the error branches --
+and leaves a subclass the store's own operations, each one local transaction:
+
+===================================  ===========================================================
+``stage(part, records)``             add one batch to the part's staging area; return rejections
+``publish(part)``                    if the marker says prepared: staged data -> target, marker ->
+                                     committed, positions stored -- atomically; else nothing
+``discard(part)``                    marker -> aborted unless committed, staged data deleted
+``save_marker(marker, expect=...)``  compare-and-set the marker: write it if the stored state is
+                                     one of ``expect`` (``None`` = no marker)
+``load_marker(part)``                the stored marker, or ``None``
+``list_parts(state)``                parts of this pipeline and sink in that state
+===================================  ===========================================================
+
+Everything else -- ``begin``/``write``/``prepare``/``commit``/``abort``/``in_doubt``/``stale_parts``
+-- comes from here and keeps the rules of :mod:`participants.sdk.sink`:
+
+* ``stage`` runs on the data thread while ``publish``/``discard``/``load_marker`` run on the
+  control thread: use a connection per thread, or one connection under a lock.
+* ``stage`` is atomic: if it raises :class:`RetriableSinkError` nothing of the batch was staged
+  (the runtime repeats the call). Any other error loses the part: later writes and the prepare
+  raise :class:`AbortTransactionError` until it is aborted.
+* Staged data must be durable when ``save_marker`` of the ``prepared`` marker returns: that is the
+  prepare, and from then on any process can ``publish``.
+* Markers are keyed by sink name and part (two sinks may share one marker table).
+
+Example: ``examples/twophase-sqlite-sink`` (about 170 lines); guide: ``docs/write-a-sink.md``.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from participants.sdk.errors import (
+    AbortTransactionError,
+    FatalSinkError,
+    RetriableSinkError,
+    SinkError,
+    UnknownPartError,
+)
+from participants.sdk.records import PartId, Positions, Record, Rejected, TopicPartition
+from participants.sdk.sink import Sink, SinkConfig, SinkContext
+
+__all__ = ["BatchingSink", "PartMarker", "PartState"]
+
+PartState = Literal["open", "prepared", "committed", "aborted"]
+_OPEN: tuple[PartState] = ("open",)
+
+
+@dataclass(frozen=True, slots=True)
+class PartMarker:
+    """What the store records about one part of one sink.
+
+    ``positions`` and ``records`` are set by the prepare; ``publish`` stores the positions with
+    the data (for :meth:`~participants.sdk.Sink.committed_positions`).
+    """
+
+    part: PartId
+    state: PartState
+    positions: Mapping[TopicPartition, int] = field(default_factory=dict)
+    records: int = 0
+
+
+@dataclass(slots=True)
+class _OpenPart:
+    part: PartId
+    #: Held by a write or prepare in flight; an abort from the control thread waits for it.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    records: int = 0
+    rejected: int = 0
+    #: Why the part can no longer be prepared (a failed stage, an abort); None while healthy.
+    broken: str | None = None
+
+
+class BatchingSink(Sink):
+    """Exactly-once over any store with local transactions: implement the six store methods."""
+
+    def __init__(self, config: SinkConfig, context: SinkContext) -> None:
+        super().__init__(config, context)
+        self._guard = threading.Lock()  # guards _open (the field, not the part's work)
+        self._open: _OpenPart | None = None
+
+    # -- the store's operations: what a subclass implements ------------------------------------
+
+    @abc.abstractmethod
+    def stage(self, part: PartId, records: Sequence[Record]) -> Sequence[Rejected]:
+        """Stage one batch of the open ``part``, invisible to readers; atomic; the refusals."""
+
+    @abc.abstractmethod
+    def publish(self, part: PartId) -> None:
+        """In one local transaction, if ``part`` is prepared: move its staged data into the target,
+        set its marker to committed and store its positions. Otherwise change nothing."""
+
+    @abc.abstractmethod
+    def discard(self, part: PartId) -> None:
+        """Mark ``part`` aborted unless it is committed (or has no marker); delete its staged data.
+
+        Called only for parts that are not committed; the guard is for a store shared with a
+        misbehaving writer.
+        """
+
+    @abc.abstractmethod
+    def save_marker(self, marker: PartMarker, *, expect: Collection[PartState | None]) -> bool:
+        """Write ``marker`` if the stored state of its part is in ``expect``; whether it did."""
+
+    @abc.abstractmethod
+    def load_marker(self, part: PartId) -> PartMarker | None:
+        """The stored marker of ``part`` in this sink, or None."""
+
+    @abc.abstractmethod
+    def list_parts(self, state: PartState) -> list[PartId]:
+        """Every part of this pipeline (``self.context.pipeline``) and sink in ``state``."""
+
+    # -- the Sink contract, built on them -------------------------------------------------------
+
+    def begin(self, part: PartId) -> None:
+        self._require_owned(part)
+        with self._guard:
+            if self._open is not None:
+                raise FatalSinkError(
+                    f"begin({part.token}) while part {self._open.part.token} is open: "
+                    "prepare or abort it first",
+                    sink=self.name,
+                )
+        marker = self.load_marker(part)
+        if marker is not None and marker.state in ("prepared", "committed"):
+            raise FatalSinkError(
+                f"begin: part {part.token} is already {marker.state}; a part id is never reused",
+                sink=self.name,
+            )
+        # Leftovers of an earlier attempt under the same id (a rewind, a crash) go first.
+        self.discard(part)
+        if not self.save_marker(PartMarker(part, "open"), expect=(None, "aborted")):
+            raise RetriableSinkError(f"begin: part {part.token} changed meanwhile", sink=self.name)
+        with self._guard:
+            self._open = _OpenPart(part)
+        self.log.debug("part %s: open", part.token)
+
+    def write(self, part: PartId, records: Sequence[Record]) -> Sequence[Rejected]:
+        op = self._writable(part, "write")
+        with op.lock:
+            self._check_healthy(op)
+            if not records:
+                return []
+            try:
+                rejected = list(self.stage(part, records))
+            except RetriableSinkError:
+                raise  # stage is atomic: nothing landed, the runtime repeats the call
+            except Exception as exc:
+                op.broken = f"a write failed: {exc}"
+                raise
+            op.records += len(records) - len(rejected)
+            op.rejected += len(rejected)
+        if rejected:
+            self.log.info(
+                "part %s: %d of %d records rejected (first: %s)",
+                part.token,
+                len(rejected),
+                len(records),
+                rejected[0].reason,
+            )
+        return rejected
+
+    def prepare(self, part: PartId, positions: Positions) -> None:
+        with self._guard:
+            op = self._open if self._open is not None and self._open.part == part else None
+        if op is None:
+            self._prepare_again(part, positions)
+            return
+        with op.lock:
+            self._check_healthy(op)
+            marker = PartMarker(part, "prepared", dict(positions), op.records)
+            if not self.save_marker(marker, expect=_OPEN):
+                # A first attempt that raised may have landed; anything else is an abort by
+                # another process (stale-part clean-up) behind this one's back.
+                try:
+                    self._prepare_again(part, positions)
+                except SinkError as exc:
+                    op.broken = str(exc)
+                    raise
+            with self._guard:
+                if self._open is op:
+                    self._open = None
+        self.log.info(
+            "part %s: prepared %d records (%d rejected)", part.token, op.records, op.rejected
+        )
+
+    def commit(self, part: PartId) -> None:
+        self._require_owned(part)
+        self.publish(part)
+        marker = self.load_marker(part)
+        if marker is None or marker.state != "committed":
+            state = marker.state if marker is not None else "unknown"
+            raise UnknownPartError(
+                f"commit: part {part.token} is {state} here, not prepared", sink=self.name
+            )
+        self.log.info("part %s: committed", part.token)
+
+    def abort(self, part: PartId) -> None:
+        self._require_owned(part)
+        with self._guard:
+            op = self._open if self._open is not None and self._open.part == part else None
+        if op is not None:
+            with op.lock:  # waits for a write in flight on the data thread
+                op.broken = "aborted"
+                with self._guard:
+                    if self._open is op:
+                        self._open = None
+        marker = self.load_marker(part)
+        if marker is not None and marker.state == "committed":
+            raise FatalSinkError(f"abort: part {part.token} is already committed", sink=self.name)
+        self.discard(part)
+        self.log.info("part %s: aborted", part.token)
+
+    def in_doubt(self) -> list[PartId]:
+        return sorted(p for p in self.list_parts("prepared") if self.owns(p))
+
+    def stale_parts(self, before_txn: int) -> list[PartId]:
+        """Open parts of this pipeline older than ``before_txn``, but this process's own.
+
+        A marker cannot tell whether its writer is alive: this relies on the runtime's promise
+        that no live participant still has a part older than ``before_txn`` open.
+        """
+        with self._guard:
+            mine = self._open.part if self._open is not None else None
+        return sorted(
+            p for p in self.list_parts("open") if p.txn < before_txn and p != mine and self.owns(p)
+        )
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _require_owned(self, part: PartId) -> None:
+        if not self.owns(part):
+            raise FatalSinkError(
+                f"part {part.token} belongs to pipeline {part.pipeline!r}, not "
+                f"{self.context.pipeline!r}",
+                sink=self.name,
+            )
+
+    def _writable(self, part: PartId, action: str) -> _OpenPart:
+        with self._guard:
+            op = self._open
+        if op is None or op.part != part:
+            raise AbortTransactionError(
+                f"{action}: part {part.token} is not open here (never begun, aborted, or prepared)",
+                sink=self.name,
+            )
+        return op
+
+    def _check_healthy(self, op: _OpenPart) -> None:
+        if op.broken is not None:
+            raise AbortTransactionError(
+                f"part {op.part.token} can only be aborted: {op.broken}", sink=self.name
+            )
+
+    def _prepare_again(self, part: PartId, positions: Positions) -> None:
+        """prepare() of a part not open here: fine if it is prepared with these positions."""
+        marker = self.load_marker(part)
+        if marker is None or marker.state not in ("prepared", "committed"):
+            state = marker.state if marker is not None else "unknown"
+            raise AbortTransactionError(
+                f"prepare: part {part.token} is {state} here, not open", sink=self.name
+            )
+        if dict(marker.positions) != dict(positions):
+            raise FatalSinkError(
+                f"prepare: part {part.token} is already {marker.state} with other positions",
+                sink=self.name,
+            )

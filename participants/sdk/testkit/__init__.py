@@ -1,0 +1,33 @@
+"""The sink conformance kit: a generated test suite every sink must pass, as a pytest plugin.
+
+A sink author writes one fixture and one class::
+
+    import pytest
+    from participants.sdk.testkit import SinkConformance, SinkFactory
+
+    @pytest.fixture
+    def twophase_sink_factory(tmp_path) -> SinkFactory:
+        return SinkFactory(
+            sink_class=MySink,
+            config={"name": "mine", "type": "mine", "path": str(tmp_path / "store")},
+            committed_ids=lambda: read_ids_like_a_reader(tmp_path / "store"),
+            bad_value={"id": "x", "n": "not a number", "text": ""},
+        )
+
+    class TestMySink(SinkConformance):
+        pass
+
+The plugin (entry point ``pytest11: twophase_sinkkit``, installed with twophase) supplies the
+``twophase_kit`` fixture the cases use. See ``docs/write-a-sink.md``.
+"""
+
+import pytest
+
+# Before the imports below: a failed case then shows both sides of its comparison, as in a test
+# module (pytest rewrites plugin modules only when it can list the installed files).
+pytest.register_assert_rewrite("participants.sdk.testkit.kit", "participants.sdk.testkit.suite")
+
+from participants.sdk.testkit.kit import TOPIC, Kit, SinkFactory, record, records  # noqa: E402
+from participants.sdk.testkit.suite import CASES, SinkConformance  # noqa: E402
+
+__all__ = ["CASES", "TOPIC", "Kit", "SinkConformance", "SinkFactory", "record", "records"]
