@@ -1248,8 +1248,11 @@ class FileSink(Sink):
                 parts.append(part)
         return sorted(parts)
 
-    def stale_parts(self) -> list[PartId]:
+    def stale_parts(self, before_txn: int | None = None) -> list[PartId]:
         """Open (never prepared) parts of this pipeline whose writer process is gone.
+
+        ``before_txn`` is accepted for the SDK signature and not needed: the lock below already
+        tells a live writer from a dead one, whatever its transaction.
 
         They can never be prepared, so :meth:`abort` of each is always right. Liveness comes from
         the kernel: the writer holds ``flock`` on the part's LOCK until it prepares, aborts or

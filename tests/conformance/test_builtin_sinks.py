@@ -146,16 +146,7 @@ def _file_factory(base: Path, fmt: str) -> SinkFactory:
     )
 
 
-#: FileSink.stale_parts(self) takes no before_txn: Sink.stale_parts(before_txn) raises TypeError
-#: (mypy: incompatible override). It needs the parameter (it may ignore it: flock tells).
-_FILES_STALE_SIGNATURE = (
-    "FileSink.stale_parts() takes no before_txn argument; the SDK calls "
-    "stale_parts(before_txn) and gets a TypeError"
-)
-FILES_KNOWN_FAILURES = {
-    "test_crash_between_prepare_and_decision": _FILES_STALE_SIGNATURE,
-    "test_stale_parts_never_lists_a_live_part": _FILES_STALE_SIGNATURE,
-}
+FILES_KNOWN_FAILURES: dict[str, str] = {}
 
 
 class TestFileSinkParquet(SinkConformance):
