@@ -1066,6 +1066,10 @@ class PostgresSink(Sink):
     # -- prepare / commit / abort -------------------------------------------------------------
 
     def prepare(self, part: PartId, positions: Positions) -> None:
+        with self._lock:
+            is_open = self._open is not None and self._open.part == part
+        if not is_open and self.state(part) == "prepared":
+            return  # a repeated prepare: the part is durable already (SDK: a no-op)
         op = self._open_part(part, "prepare")
         started = time.monotonic()
         with op.lock:

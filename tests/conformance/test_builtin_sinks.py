@@ -33,14 +33,6 @@ NEGATIVE_N = {"id": "refused", "n": -1, "text": "a CHECK constraint refuses a ne
 
 @pytest.mark.stack
 class TestPostgresSink(SinkConformance):
-    known_failures: ClassVar[Mapping[str, str]] = {
-        "test_prepare_repeated_with_same_positions_is_a_noop": (
-            "PostgresSink.prepare() of a part it has already prepared raises "
-            "AbortTransactionError('is not the open part') instead of returning; it should "
-            "check pg_prepared_xacts for the part's gid and return when it is there"
-        ),
-    }
-
     @pytest.fixture
     def twophase_sink_factory(self, pg_dsn: str) -> Iterator[SinkFactory]:
         name = f"kit{uuid.uuid4().hex[:10]}"
