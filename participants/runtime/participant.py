@@ -230,6 +230,7 @@ class ParticipantRuntime:
                 self._feed(Received(env, replay=True))
             self._feed(CaughtUp())
             # Recovery runs to completion before anything new is written.
+            self._abort_stale()
             self._run(self._feed(InDoubt(self._list_in_doubt())), Thread.CONTROL, inline=True)
             control = threading.Thread(
                 target=self._guard(self._control_loop, reader), name="control", daemon=True
@@ -322,6 +323,7 @@ class ParticipantRuntime:
         elif isinstance(action, SendApplied):
             self._retry(lambda: self.control.send(action.applied), "send applied")
         elif isinstance(action, Sweep):
+            self._abort_stale()
             self._run(self._feed(InDoubt(self._list_in_doubt(), sweep=True)), here)
         elif isinstance(action, BeginPart):
             part = PartId(self.cfg.pipeline, action.txn, self.me)
@@ -400,6 +402,24 @@ class ParticipantRuntime:
         )
         outcome = Outcome.COMMIT if commit else Outcome.ABORT
         self._run(self._feed(PartApplied(action.txn, action.participant, outcome)), here)
+
+    def _abort_stale(self) -> None:
+        """Parts begun and never prepared by processes that are gone can never commit: abort
+        them, so their staged data does not pile up. Only transactions already decided qualify
+        (a live participant's open part is always newer)."""
+        with self.lock:
+            before = self.machine.log.last_decided + 1
+        for sink in self.sinks:
+            for part in self._retry(partial(sink.stale_parts, before), f"stale_parts {sink.name}"):
+                if part.pipeline != self.cfg.pipeline:
+                    continue
+                self._retry(partial(sink.abort, part), f"abort stale {part.token} {sink.name}")
+                log.info(
+                    "txn=%s aborted stale open part of %s in %s",
+                    part.txn,
+                    part.participant,
+                    sink.name,
+                )
 
     def _list_in_doubt(self) -> tuple[tuple[str, int, str], ...]:
         found = []
