@@ -28,6 +28,21 @@ MongoDB clients have no two-phase commit, so a part goes through three durable s
    commit that crashes between chunks resumes where it stopped (from any process) and the result
    is still exactly once.
 
+   **Commit lease.** Any process may commit a prepared part (a restarted owner recovering it, another
+   participant's sweep), and two of them may try at once. Two committers whose chunk transactions
+   both write the marker conflict on every chunk (``WriteConflict``); with the runtime retrying both
+   they can livelock. So before each chunk a committer claims the part's lease on its marker,
+   outside any transaction, with one atomic ``findAndModify``: it matches only a ``prepared`` marker
+   whose lease is free, expired or already its own, and sets ``lease_owner`` and ``lease_until`` =
+   server time (``$$NOW``) + ``commit_lease_s`` -- renewing it once per chunk. A committer that finds
+   a live lease of another raises :class:`BackpressureError` without opening a transaction and
+   polls until the part is committed or the lease expires (its holder died); then it takes over
+   and resumes from the marker's ``applied`` count. The lease is for liveness only: exactly-once
+   rests on each chunk transaction re-reading the marker, requiring ``lease_owner`` to be this
+   committer and ``applied`` to be what it read, and writing the marker before anything else -- a
+   takeover in between is a write to the same document, so one of the two fails. ``abort`` respects
+   a live lease the same way.
+
    **Visibility during commit:** while a part larger than one chunk is being applied, a reader of
    the target may see some of its documents and not yet the rest. This is the "briefly ahead while
    the decision is being applied" of the design's atomicity guarantee: once the decision is
@@ -49,11 +64,13 @@ Deterministic ``_id`` s:
 
 Markers (``marker_collection``, one per part and sink; ``_id = pk``)::
 
-    {_id, kind: "part", pipeline, sink, txn, participant, state, records, applied, positions}
+    {_id, kind: "part", pipeline, sink, txn, participant, state, records, applied, positions,
+     lease_owner, lease_until}
 
 ``state`` goes ``open -> prepared -> committed`` or ``-> aborted``. An aborted part may be opened
 again (a rewind re-reads the same transaction under the same id); a part aborted by another
-process while this one still writes it can no longer be prepared. Committed positions per source
+process while this one still writes it can no longer be prepared. ``lease_owner``/``lease_until``
+exist only while a ``prepared`` part is being committed. Committed positions per source
 partition live in the same collection (``kind: "positions"``) and are readable with
 :meth:`MongoSink.committed_positions`.
 
@@ -70,7 +87,10 @@ validator refuses makes the commit fail with :class:`FatalSinkError`.
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
+import socket
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -79,6 +99,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 import bson
+import pymongo
 from bson.codec_options import CodecOptions
 from bson.raw_bson import RawBSONDocument
 from pydantic import Field, SecretStr, ValidationInfo, field_validator
@@ -102,6 +123,7 @@ from pymongo.write_concern import WriteConcern
 
 from participants.sdk import (
     AbortTransactionError,
+    BackpressureError,
     FatalSinkError,
     PartId,
     Positions,
@@ -138,6 +160,18 @@ _DUPLICATE_KEY = 11000
 #: Staged documents are read and replayed as raw BSON: user documents are never decoded.
 _RAW: CodecOptions[RawBSONDocument] = CodecOptions(document_class=RawBSONDocument)
 _DB_NAME_FORBIDDEN = re.compile(r'[/\\. "$\x00]')
+#: A committer that finds another's live lease asks to be retried after this long. The holder
+#: usually finishes within seconds, so waiting out the whole lease would waste most of it; one
+#: cheap marker read per second per waiter notices the commit (or an expired lease) promptly.
+_LEASE_POLL_S = 1.0
+#: Releasing leases on close() only spares other processes the wait for expiry; a shutdown never
+#: waits longer than this for it.
+_LEASE_RELEASE_TIMEOUT_S = 5.0
+#: The lease has expired by the server's clock. Compared as epoch milliseconds: SecantusDB 0.7
+#: answers false to every comparison of a stored date with ``$$NOW`` (either direction); on
+#: MongoDB both forms mean the same. A missing ``lease_until`` converts to null, which sorts low.
+_LEASE_EXPIRED: Doc = {"$expr": {"$lt": [{"$toLong": "$lease_until"}, {"$toLong": "$$NOW"}]}}
+_NO_LEASE: Doc = {"lease_owner": "", "lease_until": ""}
 
 
 class MongoSinkConfig(SinkConfig):
@@ -178,6 +212,12 @@ class MongoSinkConfig(SinkConfig):
     write_concern_timeout_s: float = Field(60.0, gt=0)
     #: ``maxCommitTimeMS`` of each commit transaction.
     max_commit_time_s: float = Field(60.0, gt=0)
+    #: How long a committer's claim on a part lasts; it renews the claim before every chunk. As
+    #: long as MongoDB's default ``transactionLifetimeLimitSeconds`` (60 s): any chunk that can
+    #: still succeed finishes inside it, so a live committer is never overtaken, while a crashed one
+    #: delays the rest of its part by at most this long (a dead client's open transaction blocks
+    #: the marker for that long on the server anyway). Safety never depends on it.
+    commit_lease_s: float = Field(60.0, gt=0)
     app_name: str = "twophase"
 
     @field_validator("database")
@@ -257,6 +297,15 @@ class MongoSink(Sink):
         self._max_bson = 16 * 1024 * 1024
         self._lock = threading.Lock()
         self._open: _OpenPart | None = None
+        #: This instance's name in commit leases: unique per process and instance, readable in logs.
+        self._me = (
+            f"{context.participant}@{socket.gethostname()}:{os.getpid()}/{secrets.token_hex(4)}"
+        )
+        #: Marker ``_id`` s whose commit runs on some thread of this instance right now: a second
+        #: thread would hold the same lease, so it waits like any other committer.
+        self._committing: set[str] = set()
+        #: Marker ``_id`` s this instance holds a lease on, released by close().
+        self._leases: set[str] = set()
         # Majority + journal: once acknowledged, a staged doc or marker survives any failover.
         self._wc = WriteConcern(
             w="majority", j=True, wtimeout=int(config.write_concern_timeout_s * 1000)
@@ -360,9 +409,29 @@ class MongoSink(Sink):
         )
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        if self._client is None:
+            return
+        with self._lock:
+            held = sorted(self._leases)
+            self._leases.clear()
+        if held:
+            # A restarted process has a new lease name: without this it would wait out its own
+            # predecessor's lease.
+            try:
+                with pymongo.timeout(_LEASE_RELEASE_TIMEOUT_S):
+                    self._markers.update_many(
+                        {"_id": {"$in": held}, "state": PREPARED, "lease_owner": self._me},
+                        {"$unset": _NO_LEASE},
+                    )
+            except PyMongoError as exc:
+                self.log.warning(
+                    "could not release the commit lease of %d parts (they expire within %.0fs): %s",
+                    len(held),
+                    self.cfg.commit_lease_s,
+                    exc,
+                )
+        self._client.close()
+        self._client = None
 
     def begin(self, part: PartId) -> None:
         pk = self._pk(part)
@@ -382,7 +451,8 @@ class MongoSink(Sink):
                         "records": 0,
                         "applied": 0,
                         "opened_at": datetime.now(UTC),
-                    }
+                    },
+                    "$unset": _NO_LEASE,
                 },
             )
             if marker is None:
@@ -497,38 +567,71 @@ class MongoSink(Sink):
         self.log.info("part %s: prepared %d documents", part.token, op.staged)
 
     def commit(self, part: PartId) -> None:
-        chunks = 0
-        while not self._commit_step(part):
-            chunks += 1
-        self.log.info("part %s: committed (%d chunks)", part.token, chunks + 1)
+        pk = self._pk(part)
+        self._enter_commit(part, "commit")
+        try:
+            # Read first: repeated decisions (recovery, sweeps) of a committed part cost one read.
+            with self._errors("commit", part.token, FatalSinkError):
+                marker = self._markers.find_one({"_id": pk}, {"state": 1})
+            if marker is not None and marker["state"] == COMMITTED:
+                self.log.debug("part %s: already committed", part.token)
+                return
+            self._require_prepared(part, marker)
+            steps = 1
+            while not self._commit_step(part):
+                steps += 1
+        finally:
+            with self._lock:
+                self._committing.discard(pk)
+        with self._lock:
+            self._leases.discard(pk)  # the last chunk released it (kept on errors, for close())
+        self.log.info("part %s: committed (%d steps)", part.token, steps)
 
     def abort(self, part: PartId) -> None:
         pk = self._pk(part)
-        with self._errors("abort", part.token, FatalSinkError):
-            marker = self._markers.find_one_and_update(
-                {"_id": pk, "state": {"$in": [OPEN, PREPARED]}, "applied": 0},
-                {"$set": {"state": ABORTED, "aborted_at": datetime.now(UTC)}},
-            )
-            if marker is None:
-                current = self._markers.find_one({"_id": pk})
-                state = current["state"] if current else None
-                if state == COMMITTED:
-                    raise FatalSinkError(
-                        f"abort: part {part.token} is already committed", sink=self.name
-                    )
-                if state in (OPEN, PREPARED) and current and current.get("applied", 0) > 0:
-                    raise FatalSinkError(
-                        f"abort: part {part.token} is being committed ({current['applied']} "
-                        "documents applied); only commit can finish it",
-                        sink=self.name,
-                    )
-                if state in (OPEN, PREPARED):
-                    raise RetriableSinkError(
-                        f"abort: part {part.token} changed meanwhile", sink=self.name
-                    )
-                # None (unknown part) or already aborted: nothing to mark.
-            removed = self._staging.delete_many({"part": pk}).deleted_count
+        self._enter_commit(part, "abort")
+        try:
+            with self._errors("abort", part.token, FatalSinkError):
+                marker = self._markers.find_one_and_update(
+                    {
+                        "_id": pk,
+                        "state": {"$in": [OPEN, PREPARED]},
+                        "applied": 0,
+                        "$or": [{"lease_owner": self._me}, {"lease_until": None}, _LEASE_EXPIRED],
+                    },
+                    {
+                        "$set": {"state": ABORTED, "aborted_at": datetime.now(UTC)},
+                        "$unset": _NO_LEASE,
+                    },
+                )
+                if marker is None:
+                    current = self._markers.find_one({"_id": pk})
+                    state = current["state"] if current else None
+                    if state == COMMITTED:
+                        raise FatalSinkError(
+                            f"abort: part {part.token} is already committed", sink=self.name
+                        )
+                    if state in (OPEN, PREPARED) and current and current.get("applied", 0) > 0:
+                        raise FatalSinkError(
+                            f"abort: part {part.token} is being committed ({current['applied']} "
+                            "documents applied); only commit can finish it",
+                            sink=self.name,
+                        )
+                    if current and state in (OPEN, PREPARED) and current.get("lease_owner"):
+                        # A committer holds it and has applied nothing yet: wait; it either
+                        # commits (then this abort is refused) or dies and its lease expires.
+                        raise self._busy("abort", part, current)
+                    if state in (OPEN, PREPARED):
+                        raise RetriableSinkError(
+                            f"abort: part {part.token} changed meanwhile", sink=self.name
+                        )
+                    # None (unknown part) or already aborted: nothing to mark.
+                removed = self._staging.delete_many({"part": pk}).deleted_count
+        finally:
+            with self._lock:
+                self._committing.discard(pk)
         with self._lock:
+            self._leases.discard(pk)
             if self._open is not None and self._open.part == part:
                 self._open = None
         self.log.info("part %s: aborted (%d staged documents removed)", part.token, removed)
@@ -706,9 +809,86 @@ class MongoSink(Sink):
                 op.uncertain.update(ids)
             raise
 
+    def _enter_commit(self, part: PartId, what: str) -> None:
+        """Refuse a second commit/abort of ``part`` on another thread of this instance: both
+        would act under the same lease name and collide like two processes without leases."""
+        pk = self._pk(part)
+        with self._lock:
+            if pk not in self._committing:
+                self._committing.add(pk)
+                return
+        raise BackpressureError(
+            f"{what}: part {part.token} is being committed by another thread of this process; "
+            f"retry after {_LEASE_POLL_S:.1f}s",
+            retry_after_s=_LEASE_POLL_S,
+            sink=self.name,
+        )
+
+    def _require_prepared(self, part: PartId, marker: Doc | None) -> Doc:
+        """``marker`` when the part is prepared; else :class:`UnknownPartError`."""
+        if marker is None:
+            raise UnknownPartError(
+                f"commit: part {part.token} is not in this store", sink=self.name
+            )
+        if marker["state"] != PREPARED:
+            raise UnknownPartError(
+                f"commit: part {part.token} is {marker['state']}, not prepared", sink=self.name
+            )
+        return marker
+
+    def _busy(self, what: str, part: PartId, marker: Doc) -> BackpressureError:
+        wait = min(_LEASE_POLL_S, self.cfg.commit_lease_s)
+        until = marker.get("lease_until")
+        return BackpressureError(
+            f"{what}: part {part.token} is being committed by {marker.get('lease_owner')} "
+            f"(lease until {until.isoformat(timespec='seconds') if until else '?'} server time, "
+            f"{marker.get('applied', 0)} of {marker.get('records', '?')} applied); "
+            f"retry after {wait:.1f}s",
+            retry_after_s=wait,
+            sink=self.name,
+        )
+
+    def _claim(self, part: PartId) -> bool:
+        """Take or renew ``part``'s commit lease, outside any transaction.
+
+        True when this instance holds it now; False when the part is committed already. Raises
+        :class:`BackpressureError` while another committer's lease is live.
+        """
+        pk = self._pk(part)
+        lease_ms = int(self.cfg.commit_lease_s * 1000)
+        before = self._markers.find_one_and_update(
+            {
+                "_id": pk,
+                "state": PREPARED,
+                "$or": [{"lease_owner": self._me}, {"lease_until": None}, _LEASE_EXPIRED],
+            },
+            # Server time: the clocks of the processes that share a part never matter.
+            [{"$set": {"lease_owner": self._me, "lease_until": {"$add": ["$$NOW", lease_ms]}}}],
+            projection={"lease_owner": 1, "applied": 1},
+        )
+        if before is not None:
+            with self._lock:
+                self._leases.add(pk)
+            previous = before.get("lease_owner")
+            if previous not in (None, self._me):
+                self.log.warning(
+                    "part %s: taking over the commit from %s, whose lease expired, at %s applied",
+                    part.token,
+                    previous,
+                    before.get("applied"),
+                )
+            return True
+        current = self._markers.find_one({"_id": pk})
+        if current is not None and current["state"] == COMMITTED:
+            return False
+        raise self._busy("commit", part, self._require_prepared(part, current))
+
     def _commit_step(self, part: PartId) -> bool:
-        """Apply one chunk of ``part`` in one transaction; True once the part is committed."""
+        """Renew the lease, apply one chunk of ``part`` in one transaction; True once committed."""
         cfg = self.cfg
+        with self._errors("commit", part.token, FatalSinkError):
+            if not self._claim(part):
+                return True
         with (
             self._errors("commit", part.token, FatalSinkError),
             self.client.start_session() as session,
@@ -729,17 +909,12 @@ class MongoSink(Sink):
         cfg = self.cfg
         staging_raw = self._staging.with_options(codec_options=_RAW)
         marker = self._markers.find_one({"_id": pk}, session=session)
-        if marker is None:
-            raise UnknownPartError(
-                f"commit: part {part.token} is not in this store", sink=self.name
-            )
-        state = marker["state"]
-        if state == COMMITTED:
+        if marker is not None and marker["state"] == COMMITTED:
             return True
-        if state != PREPARED:
-            raise UnknownPartError(
-                f"commit: part {part.token} is {state}, not prepared", sink=self.name
-            )
+        marker = self._require_prepared(part, marker)
+        if marker.get("lease_owner") != self._me:
+            raise self._busy("commit", part, marker)  # taken over since our claim: let it finish
+        applied = int(marker.get("applied", 0))
         batch = list(
             staging_raw.find({"part": pk}, session=session)
             .sort("seq", ASCENDING)
@@ -754,6 +929,36 @@ class MongoSink(Sink):
                 break
             chunk.append(staged)
         final = len(chunk) == len(batch)
+        if final and applied + len(chunk) != int(marker.get("records", 0)):
+            raise FatalSinkError(
+                f"commit: part {part.token} was prepared with {marker.get('records')} documents "
+                f"but {applied + len(chunk)} were staged; staging was changed behind this sink's "
+                "back",
+                sink=self.name,
+            )
+        # The marker first, guarded by what this transaction read: a takeover or an abort since
+        # its snapshot is a write to this document, so this write conflicts before any document
+        # is touched, instead of after a whole chunk's work.
+        update: Doc
+        if final:
+            update = {
+                "$set": {
+                    "state": COMMITTED,
+                    "applied": applied + len(chunk),
+                    "committed_at": datetime.now(UTC),
+                },
+                "$unset": _NO_LEASE,
+            }
+        else:
+            update = {
+                "$inc": {"applied": len(chunk)},
+                "$set": {"applied_through": chunk[-1]["seq"]},
+            }
+        guard = {"_id": pk, "state": PREPARED, "lease_owner": self._me, "applied": applied}
+        if self._markers.update_one(guard, update, session=session).matched_count != 1:
+            raise RetriableSinkError(
+                f"commit: part {part.token}: marker changed meanwhile", sink=self.name
+            )
         writes = self._apply(part, chunk, session) if chunk else 0
         if chunk:
             # The chunk is this part's lowest seqs and seqs are unique per staged document, so a
@@ -769,33 +974,10 @@ class MongoSink(Sink):
                     sink=self.name,
                 )
         if not final:
-            self._markers.update_one(
-                {"_id": pk},
-                {"$inc": {"applied": len(chunk)}, "$set": {"applied_through": chunk[-1]["seq"]}},
-                session=session,
-            )
             self.log.debug(
                 "part %s: applying, chunk of %d staged (%d writes)", part.token, len(chunk), writes
             )
             return False
-        applied = int(marker.get("applied", 0)) + len(chunk)
-        if applied != int(marker.get("records", 0)):
-            raise FatalSinkError(
-                f"commit: part {part.token} was prepared with {marker.get('records')} documents "
-                f"but {applied} were staged; staging was changed behind this sink's back",
-                sink=self.name,
-            )
-        self._markers.update_one(
-            {"_id": pk},
-            {
-                "$set": {
-                    "state": COMMITTED,
-                    "applied": applied,
-                    "committed_at": datetime.now(UTC),
-                }
-            },
-            session=session,
-        )
         moves = [
             UpdateOne(
                 {"_id": f"{self.name}:{part.pipeline}:{p['topic']}:{p['partition']}"},

@@ -6,11 +6,19 @@ Every test works in its own database and drops it at the end.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
+import random
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +30,7 @@ from pymongo.errors import AutoReconnect
 
 from participants.sdk import (
     AbortTransactionError,
+    BackpressureError,
     FatalSinkError,
     PartId,
     Record,
@@ -33,6 +42,7 @@ from participants.sinks.mongodb import MongoSink, MongoSinkConfig
 
 pytestmark = pytest.mark.stack
 
+REPO = Path(__file__).resolve().parents[2]
 TOPIC = "orders"
 Doc = dict[str, Any]
 MakeSink = Callable[..., MongoSink]
@@ -133,7 +143,8 @@ def test_insert_mode_end_to_end(make_sink: MakeSink, db: Database[Doc]) -> None:
         "nested": {"a": [1, {"b": 7}]},
     }
     assert db["target__twophase_staging"].count_documents({}) == 0
-    assert db.twophase_parts.find_one({"_id": "mongo:" + part.token})["state"] == "committed"
+    marker = db.twophase_parts.find_one({"_id": "mongo:" + part.token})
+    assert marker is not None and marker["state"] == "committed"
     assert sink.committed_positions() == {(TOPIC, 0): 10, (TOPIC, 3): 5}
     assert sink.in_doubt() == []
 
@@ -302,9 +313,12 @@ def test_commit_interrupted_between_chunks_completes_exactly_once(
     marker = db.twophase_parts.find_one({"_id": "mongo:" + part.token})
     assert marker is not None
     assert (marker["state"], marker["applied"]) == ("prepared", 14)
+    assert marker["lease_owner"].startswith("w1@")
     with pytest.raises(FatalSinkError, match="being committed"):
         first.abort(part)  # half-applied: only commit may finish it
-    first.close()
+    first.close()  # a clean shutdown hands the lease back: nobody waits for it to expire
+    marker = db.twophase_parts.find_one({"_id": "mongo:" + part.token})
+    assert marker is not None and "lease_owner" not in marker and "lease_until" not in marker
 
     second = make_sink(commit_chunk_size=7, participant="w2")
     assert second.in_doubt() == [part]
@@ -356,6 +370,271 @@ def test_commit_on_another_thread_while_next_part_is_written(
     sink.commit(t2)
     assert db.target.count_documents({}) == 500
     assert sink.committed_positions() == {(TOPIC, 0): 500}
+
+
+# -- concurrent committers of one part ----------------------------------------------------------
+
+#: A race of committers finishes in seconds; a livelock runs into this generous bound instead of
+#: hanging the suite.
+RACE_BUDGET_S = 120.0
+#: Short commit lease for the takeover tests, so they wait seconds instead of the default minute;
+#: long enough that a slow machine still asks before it expires.
+SHORT_LEASE_S = 5.0
+RACE_DOCS, RACE_CHUNK = 3000, 200
+
+
+def drive(call: Callable[[], None], budget_s: float = RACE_BUDGET_S) -> dict[str, int]:
+    """Retry ``call`` as the participant runtime does (``BackpressureError`` after its
+    ``retry_after_s``, other retriable errors with jittered exponential back-off) and count both."""
+    deadline = time.monotonic() + budget_s
+    delay = 0.05
+    stats = {"backpressure": 0, "retriable": 0}
+    while True:
+        try:
+            call()
+            return stats
+        except BackpressureError as exc:
+            stats["backpressure"] += 1
+            wait = exc.retry_after_s
+        except RetriableSinkError:
+            stats["retriable"] += 1
+            wait = delay * random.uniform(0.5, 1.5)
+            delay = min(delay * 2, 2.0)
+        if time.monotonic() + wait > deadline:
+            raise AssertionError(f"still not done after {budget_s:.0f}s: {stats}")
+        time.sleep(wait)
+
+
+def prepare_race(make_sink: MakeSink) -> PartId:
+    """A prepared part of ``RACE_DOCS`` documents whose writer has gone away."""
+    part = PartId("p1", 1, "w1")
+    writer = make_sink(participant="w1")
+    run_part(
+        writer, part, [rec(i, {"v": i, "pad": "x" * 64}) for i in range(RACE_DOCS)], commit=False
+    )
+    writer.close()
+    return part
+
+
+def assert_committed_once(db: Database[Doc], sink: MongoSink, part: PartId, n: int) -> None:
+    assert db.target.count_documents({}) == n
+    assert {d["_id"]: d["v"] for d in db.target.find({}, {"v": 1})} == {
+        f"{TOPIC}:0:{i}": i for i in range(n)
+    }
+    assert db["target__twophase_staging"].count_documents({}) == 0
+    marker = db.twophase_parts.find_one({"_id": "mongo:" + part.token})
+    assert marker is not None
+    assert (marker["state"], marker["applied"], marker["records"]) == ("committed", n, n)
+    assert "lease_owner" not in marker and "lease_until" not in marker
+    assert sink.committed_positions() == {(TOPIC, 0): n}
+    assert sink.in_doubt() == []
+
+
+@pytest.mark.timeout(RACE_BUDGET_S + 60)
+def test_threads_committing_one_part_take_turns(make_sink: MakeSink, db: Database[Doc]) -> None:
+    part = prepare_race(make_sink)
+    a = make_sink(participant="w1", commit_chunk_size=RACE_CHUNK)
+    b = make_sink(participant="w2", commit_chunk_size=RACE_CHUNK)
+    committers = [a, b, a]  # two instances (separate clients), and one of them on two threads
+    start = threading.Barrier(len(committers))
+    results: list[dict[str, int]] = []
+    errors: list[BaseException] = []
+
+    def run(sink: MongoSink) -> None:
+        start.wait()
+        try:
+            results.append(drive(partial(sink.commit, part)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in committers]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(RACE_BUDGET_S + 10)
+    elapsed = time.perf_counter() - t0
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    assert_committed_once(db, a, part, RACE_DOCS)
+    # The losers waited for the lease instead of colliding: no write conflict, no livelock.
+    assert sum(r["retriable"] for r in results) == 0, results
+    assert sum(r["backpressure"] for r in results) >= 1, results
+    print(f"\n3 threads committing {RACE_DOCS} docs: {elapsed:.1f}s, {results}")
+
+
+_COMMITTER = """
+import json, logging, random, sys, time
+from participants.sdk import BackpressureError, PartId, RetriableSinkError, SinkContext
+from participants.sinks.mongodb import MongoSink
+
+raw, participant, token, mode = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+part = PartId.parse(token)
+sink = MongoSink.from_mapping(
+    raw, SinkContext(part.pipeline, participant, raw["name"], logging.getLogger("child"))
+)
+sink.setup()
+if mode.startswith("park:"):
+    # Apply some chunks, then hang on to the lease until the parent kills this process.
+    for _ in range(int(mode[5:])):
+        assert not sink._commit_step(part)
+    print("PARKED", flush=True)
+    time.sleep(3600)
+print("READY", flush=True)
+sys.stdin.readline()  # all committers start together
+t0 = time.monotonic()
+deadline, delay = t0 + float(mode), 0.05
+stats = {"backpressure": 0, "retriable": 0}
+while True:  # the participant runtime's retry loop
+    try:
+        sink.commit(part)
+        break
+    except BackpressureError as exc:
+        stats["backpressure"] += 1
+        wait = exc.retry_after_s
+    except RetriableSinkError:
+        stats["retriable"] += 1
+        wait = delay * random.uniform(0.5, 1.5)
+        delay = min(delay * 2, 2.0)
+    if time.monotonic() + wait > deadline:
+        sys.exit(f"still not done: {stats}")
+    time.sleep(wait)
+stats["elapsed_s"] = round(time.monotonic() - t0, 2)
+print(json.dumps(stats), flush=True)
+"""
+
+
+def spawn_committer(
+    mongo_uri: str, db: Database[Doc], participant: str, part: PartId, mode: str, **cfg: Any
+) -> subprocess.Popen[str]:
+    raw: Doc = {"name": "mongo", "type": "mongodb", "uri": mongo_uri, "database": db.name}
+    raw |= {"collection": "target", "commit_chunk_size": RACE_CHUNK, **cfg}
+    return subprocess.Popen(
+        [sys.executable, "-c", _COMMITTER, json.dumps(raw), participant, part.token, mode],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def expect_line(proc: subprocess.Popen[str], word: str) -> None:
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    assert line == word, f"child said {line!r} (exit {proc.poll()}), expected {word}"
+
+
+@pytest.mark.timeout(RACE_BUDGET_S + 60)
+def test_processes_committing_one_part_take_turns(
+    make_sink: MakeSink, db: Database[Doc], mongo_uri: str
+) -> None:
+    part = prepare_race(make_sink)
+    procs = [
+        spawn_committer(mongo_uri, db, w, part, str(RACE_BUDGET_S)) for w in ("w1", "w2", "w3")
+    ]
+    try:
+        for proc in procs:
+            expect_line(proc, "READY")
+        t0 = time.perf_counter()
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        outputs = [proc.communicate(timeout=RACE_BUDGET_S + 10)[0] for proc in procs]
+        elapsed = time.perf_counter() - t0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    assert [proc.returncode for proc in procs] == [0, 0, 0], outputs
+    results = [json.loads(out) for out in outputs]
+    assert_committed_once(db, make_sink(), part, RACE_DOCS)
+    assert sum(r["retriable"] for r in results) == 0, results
+    assert sum(r["backpressure"] for r in results) >= 1, results
+    print(f"\n3 processes committing {RACE_DOCS} docs: {elapsed:.1f}s, {results}")
+
+
+@pytest.mark.timeout(RACE_BUDGET_S + 60)
+def test_killed_lease_holder_is_taken_over_after_its_lease_expires(
+    make_sink: MakeSink, db: Database[Doc], mongo_uri: str
+) -> None:
+    part = prepare_race(make_sink)
+    # Ready before the kill, so it asks while the dead holder's short lease is surely still live.
+    survivor = make_sink(
+        participant="w2", commit_chunk_size=RACE_CHUNK, commit_lease_s=SHORT_LEASE_S
+    )
+    holder = spawn_committer(mongo_uri, db, "w1", part, "park:3", commit_lease_s=SHORT_LEASE_S)
+    try:
+        expect_line(holder, "PARKED")
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(10)
+    killed = time.perf_counter()
+    with pytest.raises(BackpressureError, match=r"being committed by w1@.* 600 of 3000 applied"):
+        survivor.commit(part)  # the dead holder's lease is still live: wait, do not collide
+    marker = db.twophase_parts.find_one({"_id": "mongo:" + part.token})
+    assert marker is not None
+    assert (marker["state"], marker["applied"]) == ("prepared", 3 * RACE_CHUNK)
+    assert marker["lease_owner"].startswith("w1@")
+    assert db.target.count_documents({}) == 3 * RACE_CHUNK
+    assert survivor.in_doubt() == [part]
+
+    stats = drive(partial(survivor.commit, part))
+    waited = time.perf_counter() - killed
+    assert stats["retriable"] == 0 and stats["backpressure"] >= 1, stats
+    assert waited < SHORT_LEASE_S + 30
+    assert_committed_once(db, survivor, part, RACE_DOCS)
+    print(f"\ntakeover after SIGKILL: done {waited:.1f}s after the kill, {stats}")
+
+
+def test_abort_waits_for_a_live_commit_lease(make_sink: MakeSink, db: Database[Doc]) -> None:
+    holder = make_sink(participant="w1", commit_lease_s=SHORT_LEASE_S)
+    other = make_sink(participant="w2", commit_lease_s=SHORT_LEASE_S)
+
+    # The holder commits to the end: the waiting abort then learns the part is committed.
+    finished = PartId("p1", 1, "w1")
+    run_part(holder, finished, [rec(i, {"v": i}) for i in range(10)], commit=False)
+    assert holder._claim(finished)  # committing, nothing applied yet
+    with pytest.raises(BackpressureError, match="being committed by w1@") as err:
+        other.abort(finished)
+    assert 0 < err.value.retry_after_s <= SHORT_LEASE_S
+    holder.commit(finished)
+    with pytest.raises(FatalSinkError, match="already committed"):
+        other.abort(finished)
+
+    # The holder dies before applying anything: once its lease expires the abort goes through.
+    dead = PartId("p1", 2, "w1")
+    run_part(holder, dead, [rec(100 + i, {"v": i}) for i in range(10)], commit=False)
+    assert holder._claim(dead)
+    with pytest.raises(BackpressureError, match="being committed by w1@"):
+        other.abort(dead)
+    t0 = time.perf_counter()
+    stats = drive(partial(other.abort, dead))
+    assert stats["backpressure"] >= 1 and stats["retriable"] == 0, stats
+    assert time.perf_counter() - t0 < SHORT_LEASE_S + 30
+    marker = db.twophase_parts.find_one({"_id": "mongo:" + dead.token})
+    assert marker is not None and marker["state"] == "aborted" and "lease_owner" not in marker
+    assert db["target__twophase_staging"].count_documents({}) == 0
+    assert ids(db.target) == [f"{TOPIC}:0:{i}" for i in range(10)]  # only the committed part
+    with pytest.raises(UnknownPartError):
+        holder.commit(dead)  # the old holder cannot commit it any more
+
+
+def test_commit_of_a_committed_part_opens_no_transaction(
+    make_sink: MakeSink, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sink = make_sink()
+    part = PartId("p1", 1, "w1")
+    run_part(sink, part, [rec(i, {"v": i}) for i in range(5)])
+    other = make_sink(participant="w2")
+
+    def no_session(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("commit of a committed part opened a session")
+
+    for s in (sink, other):
+        monkeypatch.setattr(s.client, "start_session", no_session)
+        s.commit(part)
 
 
 def test_retried_write_does_not_duplicate(make_sink: MakeSink, db: Database[Doc]) -> None:
