@@ -13,7 +13,7 @@ guarantees of ``DESIGN.md`` are checked against the final state and the whole co
 
 Reproduce one schedule exactly, with a trace of every event and action::
 
-    python -m tests.sim.world --seed 1234 --verbose
+    .venv/bin/python -m tests.sim.world --seed 1234 --verbose   # from the repository root
 
 What is modelled
 ----------------
@@ -1217,7 +1217,7 @@ def _show(x: Any) -> str:
 
 
 def repro_command(seed: int, wire: bool = False) -> str:
-    return f"python -m tests.sim.world --seed {seed} --verbose{' --wire' if wire else ''}"
+    return f".venv/bin/python -m tests.sim.world --seed {seed} --verbose{' --wire' if wire else ''}"
 
 
 def run(seed: int, verbose: bool = False, wire: bool = False) -> Result:
