@@ -705,6 +705,10 @@ class MongoSink(Sink):
             )
             return {(d["topic"], int(d["partition"])): int(d["offset"]) for d in docs}
 
+    def forget(self, before_txn: int) -> int:
+        """The SDK's retention hook; see :meth:`forget_decided`."""
+        return self.forget_decided(before_txn)
+
     def forget_decided(self, before_txn: int) -> int:
         """Delete committed and aborted markers of this pipeline older than ``before_txn``.
 
