@@ -55,7 +55,7 @@ test: venv stack-up helm
 
 # The pure state machines and the simulator only: no services needed.
 test-fast: venv
-	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit tests/sim tests/contract $(PYTEST_ARGS)
 
 demo: venv stack-up
 	$(PY) -m twophase.demo

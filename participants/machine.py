@@ -87,6 +87,10 @@ class InDoubt:
 
     parts: tuple[tuple[str, int, str], ...]
     sweep: bool = False
+    #: Participants that are live members of the source group right now (their own parts are
+    #: theirs to finish); None when membership could not be read -- then no foreign part is
+    #: touched this sweep.
+    live: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -608,7 +612,10 @@ class ParticipantMachine:
             txn, participant = key
             if key in self.applying or (participant == self.me and txn in self.prepared):
                 continue  # this incarnation's own work, handled on its decision
-            if event.sweep and participant != self.me and key not in self.seen_last_sweep:
+            foreign = participant != self.me
+            if event.sweep and foreign and (event.live is None or participant in event.live):
+                continue  # a live owner finishes its own parts; racing it only costs conflicts
+            if event.sweep and foreign and key not in self.seen_last_sweep:
                 seen_now.add(key)  # finish a foreign part only once it has sat for a whole sweep
                 continue
             self.in_doubt.setdefault(key, set()).update(sinks)

@@ -15,6 +15,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from participants.machine import (
     AbortPart,
@@ -171,11 +172,15 @@ class ParticipantRuntime:
         )
         self.control = ControlWriter(cfg, f"participant:{self.me}", self.producer)
         self.dlq = DeadLetters(self.producer, cfg.dead_letter_topic, cfg.pipeline, self.me)
+        # The client.id names the participant, so others can tell live owners from dead ones.
+        self._client_id_prefix = f"twophase-{cfg.pipeline}-participant-"
+        self.admin = AdminClient(client_settings(cfg, "admin"))
         self.consumer = Consumer(
             client_settings(
                 cfg,
                 "source-consumer",
                 **{
+                    "client.id": self._client_id_prefix + self.me,
                     "group.id": cfg.group_id,
                     "enable.auto.commit": False,
                     "enable.auto.offset.store": False,
@@ -231,7 +236,11 @@ class ParticipantRuntime:
             self._feed(CaughtUp())
             # Recovery runs to completion before anything new is written.
             self._abort_stale()
-            self._run(self._feed(InDoubt(self._list_in_doubt())), Thread.CONTROL, inline=True)
+            self._run(
+                self._feed(InDoubt(self._list_in_doubt()), Thread.CONTROL),
+                Thread.CONTROL,
+                inline=True,
+            )
             control = threading.Thread(
                 target=self._guard(self._control_loop, reader), name="control", daemon=True
             )
@@ -282,9 +291,21 @@ class ParticipantRuntime:
 
     # -- the machine ---------------------------------------------------------------------------
 
-    def _feed(self, event: Event) -> list[Action]:
+    def _feed(self, event: Event, here: Thread = Thread.DATA) -> list[Action]:
+        """Feed the machine. From the control side, actions for the data thread are queued
+        *under the lock*, so the data thread's "nothing queued -> open a part" check is atomic
+        with every decision the machine took."""
         with self.lock:
-            return self.machine.handle(event)
+            actions = self.machine.handle(event)
+            if here is Thread.DATA:
+                return actions
+            rest: list[Action] = []
+            for action in actions:
+                if getattr(action, "thread", here) is Thread.DATA:
+                    self.data_queue.put(action)
+                else:
+                    rest.append(action)
+            return rest
 
     def _run(self, actions: list[Action], here: Thread, *, inline: bool = False) -> None:
         """Execute actions meant for this thread; queue the data thread's; hand decisions on
@@ -324,7 +345,12 @@ class ParticipantRuntime:
             self._retry(lambda: self.control.send(action.applied), "send applied")
         elif isinstance(action, Sweep):
             self._abort_stale()
-            self._run(self._feed(InDoubt(self._list_in_doubt(), sweep=True)), here)
+            self._run(
+                self._feed(
+                    InDoubt(self._list_in_doubt(), sweep=True, live=self._live_participants()), here
+                ),
+                here,
+            )
         elif isinstance(action, BeginPart):
             part = PartId(self.cfg.pipeline, action.txn, self.me)
             for sink in self.sinks:
@@ -401,7 +427,7 @@ class ParticipantRuntime:
             ", ".join(action.sinks) or "no sink",
         )
         outcome = Outcome.COMMIT if commit else Outcome.ABORT
-        self._run(self._feed(PartApplied(action.txn, action.participant, outcome)), here)
+        self._run(self._feed(PartApplied(action.txn, action.participant, outcome), here), here)
 
     def _abort_stale(self) -> None:
         """Parts begun and never prepared by processes that are gone can never commit: abort
@@ -421,6 +447,21 @@ class ParticipantRuntime:
                     sink.name,
                 )
 
+    def _live_participants(self) -> frozenset[str] | None:
+        """Participants that are members of the source group now (by their client.id); None
+        when the group cannot be described, so no foreign part is touched this sweep."""
+        prefix = self._client_id_prefix
+        try:
+            desc = self.admin.describe_consumer_groups([self.cfg.group_id])[
+                self.cfg.group_id
+            ].result(timeout=CALL_TIMEOUT_S)
+        except KafkaException as exc:
+            log.warning("cannot describe group %s: %s", self.cfg.group_id, exc)
+            return None
+        return frozenset(
+            m.client_id[len(prefix) :] for m in desc.members if m.client_id.startswith(prefix)
+        )
+
     def _list_in_doubt(self) -> tuple[tuple[str, int, str], ...]:
         found = []
         for sink in self.sinks:
@@ -438,8 +479,8 @@ class ParticipantRuntime:
             if env is not None:
                 if isinstance(env.payload, Prepare):
                     _delay_point("on_prepare")
-                self._run(self._feed(Received(env)), Thread.CONTROL)
-            self._run(self._feed(Tick(_now_ms())), Thread.CONTROL)
+                self._run(self._feed(Received(env), Thread.CONTROL), Thread.CONTROL)
+            self._run(self._feed(Tick(_now_ms()), Thread.CONTROL), Thread.CONTROL)
 
     # -- data thread ---------------------------------------------------------------------------
 
@@ -513,13 +554,17 @@ class ParticipantRuntime:
         self._run(self._feed(PrepareDone(action.txn)), Thread.DATA)
 
     def _write(self, msgs: list[Message]) -> None:
-        with self.lock:
-            # Atomically with opening the part: run any abort/seek the control thread queued, so
-            # a rewind can never land between the machine opening a part and the sinks beginning
-            # it (same id: the abort would hit the new part).
+        # Open the part only when nothing is queued for this thread, checked under the lock the
+        # control thread queues under: a rewind can never land between the machine opening a
+        # part and the sinks beginning it (same id: the abort would hit the new part). Queued
+        # work (a prepare, say) runs outside the lock so decisions are never held up by it.
+        while True:
             if self._drain_queue():
                 return  # rewound: these records will be fetched again from the new position
-            actions = self.machine.handle(WillWrite())
+            with self.lock:
+                if self.data_queue.empty():
+                    actions = self.machine.handle(WillWrite())
+                    break
         try:
             self._run(actions, Thread.DATA)
         except FatalSinkError:

@@ -417,8 +417,11 @@ class Participant:
 
     def list_in_doubt(self, sweep: bool) -> Iterator[None]:
         parts = self.world.list_in_doubt()
+        # What describing the group would say: members until their session expires, crashed
+        # or not.
+        live = frozenset(p.name for p in self.world.members.values())
         yield  # the listing takes a while; the data thread goes on meanwhile
-        self.feed(pm.InDoubt(parts, sweep=sweep), data=False)
+        self.feed(pm.InDoubt(parts, sweep=sweep, live=live), data=False)
         if not sweep and not self.joined:
             self.world.group_join(self)  # the runtime subscribes once recovery is done
 

@@ -228,8 +228,9 @@ def test_sweep_finishes_a_foreign_part_only_after_it_sat_for_a_whole_sweep() -> 
     m.handle(Received(env(commit(1, Part("dead", 1, ("pg",)), pos={TP0: 0}))))
     assert m.handle(Tick(0)) == [Sweep()]
     assert m.handle(Tick(500)) == []
-    assert of(m.handle(InDoubt((("pg", 1, "dead"),), sweep=True)), CommitPart) == []
-    acts = m.handle(InDoubt((("pg", 1, "dead"),), sweep=True))
+    alive = frozenset({"a"})
+    assert of(m.handle(InDoubt((("pg", 1, "dead"),), sweep=True, live=alive)), CommitPart) == []
+    acts = m.handle(InDoubt((("pg", 1, "dead"),), sweep=True, live=alive))
     assert of(acts, CommitPart) == [CommitPart(1, "dead", ("pg",))]
     assert m.handle(PartApplied(1, "dead", Outcome.COMMIT)) == [
         SendApplied(Applied(1, "dead", "a"))
@@ -255,3 +256,17 @@ def test_no_acknowledgement_for_a_part_with_sinks_we_do_not_have() -> None:
     (c,) = of(m.handle(InDoubt((("pg", 1, "b"),))), CommitPart)
     assert c == CommitPart(1, "b", ("pg",))
     assert of(m.handle(PartApplied(1, "b", Outcome.COMMIT)), SendApplied) == []
+
+
+def test_sweep_leaves_a_live_owners_parts_and_unknown_membership_alone() -> None:
+    m = machine()
+    m.handle(Received(env(Prepare(1, 0))))
+    m.handle(Received(env(commit(1, Part("b", 1, ("pg",)), pos={TP0: 0}))))
+    for _ in range(3):  # however often it is seen: b is a live member and applies its own part
+        acts = m.handle(InDoubt((("pg", 1, "b"),), sweep=True, live=frozenset({"a", "b"})))
+        assert of(acts, CommitPart) == []
+    for _ in range(3):  # membership unknown: touch nothing foreign
+        assert of(m.handle(InDoubt((("pg", 1, "b"),), sweep=True, live=None)), CommitPart) == []
+    m.handle(InDoubt((("pg", 1, "b"),), sweep=True, live=frozenset({"a"})))
+    acts = m.handle(InDoubt((("pg", 1, "b"),), sweep=True, live=frozenset({"a"})))
+    assert of(acts, CommitPart) == [CommitPart(1, "b", ("pg",))]  # b left the group: finish it
