@@ -9,7 +9,8 @@ de-duplicate.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import orjson
@@ -18,9 +19,10 @@ from confluent_kafka import KafkaError, Message, Producer
 from participants.sdk import Record
 from twophase.errors import RetriableError
 
-__all__ = ["DeadLetters", "decode_batch"]
+__all__ = ["DeadLetters", "decode_batch", "message_key"]
 
 H_REASON = "twophase.reason"
+log = logging.getLogger("twophase.participant")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +31,7 @@ class Undecodable:
     reason: str
 
 
-def _key(m: Message) -> bytes | None:
+def message_key(m: Message) -> bytes | None:
     key = m.key()
     return key if isinstance(key, bytes) else None
 
@@ -66,7 +68,7 @@ def decode_batch(
                 partition=m.partition() or 0,
                 offset=m.offset() or 0,
                 timestamp_ms=ts if ts and ts > 0 else 0,
-                key=_key(m),
+                key=message_key(m),
                 value=obj,
                 size=len(value),
             )
@@ -77,7 +79,15 @@ def decode_batch(
 class DeadLetters:
     """Produces rejected records to the DLQ with the reason and source coordinates in headers."""
 
-    def __init__(self, producer: Producer, topic: str, pipeline: str, participant: str) -> None:
+    def __init__(
+        self,
+        producer: Producer,
+        topic: str,
+        pipeline: str,
+        participant: str,
+        on_sent: Callable[[str], None] = lambda reason: None,
+    ) -> None:
+        self.on_sent = on_sent
         self.producer = producer
         self.topic = topic
         self.pipeline = pipeline
@@ -116,6 +126,8 @@ class DeadLetters:
             on_delivery=self._on_delivery,
         )
         self.producer.poll(0)
+        self.on_sent(reason)
+        log.warning("txn=%s dead-lettered %s[%s]@%s: %s", txn, topic, partition, offset, reason)
 
     def _on_delivery(self, err: KafkaError | None, _msg: Message) -> None:
         if err is not None:

@@ -46,7 +46,7 @@ from participants.machine import (
     Written,
 )
 from participants.registry import build_sinks
-from participants.runtime.deadletter import DeadLetters, decode_batch
+from participants.runtime.deadletter import DeadLetters, decode_batch, message_key
 from participants.sdk import (
     BackpressureError,
     FatalSinkError,
@@ -97,11 +97,6 @@ LAG_REFRESH_S = 5.0
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def _key(msg: Message) -> bytes | None:
-    key = msg.key()
-    return key if isinstance(key, bytes) else None
 
 
 def _crash_point(name: str) -> None:
@@ -171,7 +166,15 @@ class ParticipantRuntime:
             )
         )
         self.control = ControlWriter(cfg, f"participant:{self.me}", self.producer)
-        self.dlq = DeadLetters(self.producer, cfg.dead_letter_topic, cfg.pipeline, self.me)
+        self.dlq = DeadLetters(
+            self.producer,
+            cfg.dead_letter_topic,
+            cfg.pipeline,
+            self.me,
+            on_sent=lambda reason: self.metrics.dead_lettered.labels(
+                cfg.pipeline, reason.split(":")[0][:40]
+            ).inc(),
+        )
         # The client.id names the participant, so others can tell live owners from dead ones.
         self._client_id_prefix = f"twophase-{cfg.pipeline}-participant-"
         self.admin = AdminClient(client_settings(cfg, "admin"))
@@ -580,14 +583,14 @@ class ParticipantRuntime:
         records, bad = decode_batch(msgs, self.cfg.participant.max_record_bytes)
         dead: dict[tuple[str, int], int] = {}
         for u in bad:
-            self._dead_letter(
-                u.msg.topic() or "",
-                u.msg.partition() or 0,
-                u.msg.offset() or 0,
-                _key(u.msg),
-                u.msg.value(),
-                u.reason,
-                part_txn,
+            self.dlq.send(
+                topic=u.msg.topic() or "",
+                partition=u.msg.partition() or 0,
+                offset=u.msg.offset() or 0,
+                key=message_key(u.msg),
+                value=u.msg.value(),
+                reason=u.reason,
+                txn=part_txn,
             )
             tp = (u.msg.topic() or "", u.msg.partition() or 0)
             dead[tp] = dead.get(tp, 0) + 1
@@ -603,14 +606,14 @@ class ParticipantRuntime:
                     for r in rejected:
                         rec = r.record
                         ids.add(rec.record_id)
-                        self._dead_letter(
-                            rec.topic,
-                            rec.partition,
-                            rec.offset,
-                            rec.key,
-                            raw.get(rec.record_id),
-                            f"rejected by sink {sink.name}: {r.reason}",
-                            part_txn,
+                        self.dlq.send(
+                            topic=rec.topic,
+                            partition=rec.partition,
+                            offset=rec.offset,
+                            key=rec.key,
+                            value=raw.get(rec.record_id),
+                            reason=f"rejected by sink {sink.name}: {r.reason}",
+                            txn=part_txn,
                             sink=sink.name,
                         )
                         tp = (rec.topic, rec.partition)
@@ -639,31 +642,6 @@ class ParticipantRuntime:
             last = max(batch.get(tp, (-1, 0, 0))[0], m.offset() or 0)
             batch[tp] = (last, written.get(tp, 0), dead.get(tp, 0))
         self._run(self._feed(Written(part_txn, batch)), Thread.DATA)
-
-    def _dead_letter(
-        self,
-        topic: str,
-        partition: int,
-        offset: int,
-        key: bytes | None,
-        value: bytes | None,
-        reason: str,
-        txn: int,
-        *,
-        sink: str = "",
-    ) -> None:
-        self.dlq.send(
-            topic=topic,
-            partition=partition,
-            offset=offset,
-            key=key,
-            value=value,
-            reason=reason,
-            txn=txn,
-            sink=sink,
-        )
-        self.metrics.dead_lettered.labels(self.cfg.pipeline, reason.split(":")[0][:40]).inc()
-        log.warning("txn=%s dead-lettered %s[%s]@%s: %s", txn, topic, partition, offset, reason)
 
     # -- consumer positions --------------------------------------------------------------------
 
