@@ -27,6 +27,11 @@ Life of a part:
   directory. Every step can be repeated, by any process, after a crash at any point.
 * ``abort``: the open or prepared directory disappears by one rename into ``trash/``.
 
+Housekeeping: the manifests also hold each part's source positions, so
+:meth:`FileSink.committed_positions` is the highest offset per partition over them, and
+:meth:`FileSink.forget` deletes old manifests but the best one of each partition, which keeps
+``manifests/`` bounded.
+
 What readers see: no file appears in ``{path}/{topic}`` before ``commit``, and every file that
 appears is complete (it was fsynced before it was linked). While a part commits, a reader that
 lists the directories may see some of its files before others; the manifest is the atomic view:
@@ -79,6 +84,7 @@ from participants.sdk import (
     SinkConfig,
     SinkContext,
     SinkError,
+    TopicPartition,
     UnknownPartError,
 )
 from participants.sdk.staging import (
@@ -717,6 +723,28 @@ def _sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+@dataclass(frozen=True, slots=True)
+class _ManifestInfo:
+    """What housekeeping needs of one manifest: its part and its positions (immutable once
+    written, so cached per file name and inode)."""
+
+    inode: int
+    txn: int
+    participant: str
+    positions: dict[TopicPartition, int]
+
+
+def _manifest_positions(raw: Any) -> dict[TopicPartition, int]:
+    """The ``positions`` of a manifest document (see :func:`_positions_json`)."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("positions"), list):
+        raise ValueError("not a manifest document")
+    out: dict[TopicPartition, int] = {}
+    for item in raw["positions"]:
+        tp = (str(item["topic"]), int(item["partition"]))
+        out[tp] = max(out.get(tp, 0), int(item["offset"]))
+    return out
+
+
 class FileSink(Sink):
     """Exactly-once Parquet / JSON Lines files: staged, fsynced, published by atomic rename."""
 
@@ -740,6 +768,10 @@ class FileSink(Sink):
         self._decide_lock = threading.Lock()
         self._hardlinks = True
         self._dates: dict[int, str] = {}
+        # Manifests read so far, by file name: listing the directory is cheap, parsing thousands
+        # of JSON documents on every call is not. Guarded by its own lock.
+        self._manifests_lock = threading.Lock()
+        self._manifest_cache: dict[str, _ManifestInfo] = {}
 
     # -- directories --
 
@@ -1278,6 +1310,111 @@ class FileSink(Sink):
                     if fd >= 0:
                         os.close(fd)
         return sorted(stale)
+
+    # -- housekeeping --
+
+    def committed_positions(self) -> dict[TopicPartition, int]:
+        """Next offset per source partition: the highest in the manifests of this pipeline.
+
+        A manifest is written at the commit point of its part, so prepared and aborted parts
+        never count, and the ``max`` per partition keeps decisions applied out of order from
+        moving a position back. The manifests of this dataset and pipeline are the sink's identity
+        (as for ``commit`` and ``in_doubt``), whatever the sink's name.
+
+        Cost: one listing of ``manifests/`` per call, plus parsing the manifests this instance has
+        not seen yet (they never change, so they are cached by name and inode): the first call of
+        a process reads all of them, later ones only the new ones. :meth:`forget` keeps their
+        number bounded.
+        """
+        positions: dict[TopicPartition, int] = {}
+        with self._fs("committed_positions", None, RetriableSinkError):
+            for info in self._scan_manifests().values():
+                for tp, offset in info.positions.items():
+                    if offset > positions.get(tp, -1):
+                        positions[tp] = offset
+        return positions
+
+    def forget(self, before_txn: int) -> int:
+        """Delete the manifests of parts with ``txn < before_txn``; returns how many went.
+
+        Only committed parts have a manifest (an aborted part leaves nothing, a prepared one has
+        only its staged directory), so prepared parts and the data files are never touched. What
+        :meth:`committed_positions` needs is kept: per source partition, the manifest holding its
+        highest offset (ties: the newest part), whatever its txn. Concurrent calls from several
+        processes are safe: a manifest is deleted only by a call that saw a better one for each
+        of its partitions, so the best one of each partition stays. Staged leftovers of a
+        forgotten part (a commit interrupted before its clean-up) go first, so the part can never
+        look prepared again.
+
+        After this the sink no longer knows a forgotten part: ``commit`` of it raises
+        :class:`UnknownPartError`, ``abort`` of it is a no-op, and ``begin`` of its id is
+        accepted. Callers pass a ``before_txn`` whose decisions nobody repeats any more (the
+        decision log is past it), which is what the SDK asks of them.
+        """
+        forgotten = 0
+        manifests = self._dir("manifests")
+        with self._decide_lock, self._fs("forget", None, RetriableSinkError):
+            index = self._scan_manifests()
+            best: dict[TopicPartition, tuple[int, int, str]] = {}
+            keep: dict[TopicPartition, str] = {}
+            for name, info in index.items():
+                for tp, offset in info.positions.items():
+                    rank = (offset, info.txn, info.participant)
+                    if tp not in best or rank > best[tp]:
+                        best[tp], keep[tp] = rank, name
+            needed = set(keep.values())
+            for name, info in sorted(index.items()):
+                if info.txn >= before_txn or name in needed:
+                    continue
+                try:
+                    forgotten_part = PartId(self.context.pipeline, info.txn, info.participant)
+                except ValueError:
+                    pass  # not a participant name: no part of ours was staged under it
+                else:
+                    self._discard(self._prepared_dir(forgotten_part))
+                try:
+                    (manifests / name).unlink()
+                except FileNotFoundError:
+                    continue  # another process forgot it first
+                forgotten += 1
+            if forgotten:
+                fsync_dir(manifests)
+        if forgotten:
+            self.log.info("forgot %d manifests of parts before txn %d", forgotten, before_txn)
+        return forgotten
+
+    def _scan_manifests(self) -> dict[str, _ManifestInfo]:
+        """Every manifest of this pipeline by file name, parsing only those not cached yet."""
+        directory = self._dir("manifests")
+        with self._manifests_lock:
+            cache = self._manifest_cache
+            found: dict[str, _ManifestInfo] = {}
+            with os.scandir(directory) as listing:
+                for entry in listing:
+                    name = entry.name
+                    inode = entry.inode()
+                    info = cache.get(name)
+                    if info is None or info.inode != inode:
+                        if name.startswith(".") or not name.endswith(".json"):
+                            continue  # write_json_atomic's temporary files
+                        txn_text, dash, participant = name[: -len(".json")].partition("-")
+                        if not (dash and participant and txn_text.isdigit()):
+                            continue
+                        path = directory / name
+                        try:
+                            document = orjson.loads(path.read_bytes())
+                        except FileNotFoundError:
+                            continue  # forgotten by another process meanwhile
+                        try:
+                            positions = _manifest_positions(document)
+                        except (orjson.JSONDecodeError, ValueError, KeyError, TypeError) as exc:
+                            raise FatalSinkError(
+                                f"manifest {path} is unreadable: {exc}", sink=self.name
+                            ) from exc
+                        info = _ManifestInfo(inode, int(txn_text), participant, positions)
+                    found[name] = info
+            self._manifest_cache = found
+        return found
 
     def close(self) -> None:
         """Discard the open part, if any (it can never be prepared now); prepared parts stay."""

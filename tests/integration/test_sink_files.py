@@ -393,6 +393,190 @@ def test_in_doubt_is_per_pipeline(tmp_path: Path) -> None:
     assert b.in_doubt() == [] and a.in_doubt() == []
 
 
+# -- housekeeping: committed positions and forget ---------------------------------------------
+
+
+def commit_part(
+    sink: FileSink, p: PartId, positions: dict[tuple[str, int], int], *, commit: bool = True
+) -> None:
+    sink.begin(p)
+    sink.write(p, [rec(p.txn)])
+    sink.prepare(p, positions)
+    if commit:
+        sink.commit(p)
+
+
+def manifest_names(base: Path, pipeline: str = PIPELINE) -> list[str]:
+    return [n for n in entries(state_dir(base, pipeline) / "manifests") if not n.startswith(".")]
+
+
+def test_positions_are_the_best_committed_and_forget_keeps_the_best_manifest_per_partition(
+    tmp_path: Path,
+) -> None:
+    base = tmp_path / "out"
+    sink = make_sink(base)
+    o0, o1, pay = ("orders", 0), ("orders", 1), ("payments", 3)
+    commit_part(sink, part(1), {o0: 10})
+    commit_part(sink, part(2), {o0: 100, o1: 5})
+    commit_part(sink, part(3, "p1"), {o1: 7})
+    commit_part(sink, part(4), {o0: 200}, commit=False)  # prepared, older than before_txn
+    commit_part(sink, part(5), {pay: 1})
+    commit_part(sink, part(6), {pay: 9}, commit=False)
+    sink.abort(part(6))
+    # Another pipeline on the same path: neither counted nor forgotten.
+    other = make_sink(base, pipeline="other", participant="q0")
+    commit_part(other, part(1, "q0", pipeline="other"), {o0: 999})
+    assert sink.committed_positions() == {o0: 100, o1: 7, pay: 1}
+
+    assert sink.forget(5) == 1  # part 1; part 2 holds o0's best, part 3 o1's
+    assert manifest_names(base) == [
+        "000000000002-p0.json",
+        "000000000003-p1.json",
+        "000000000005-p0.json",
+    ]
+    assert sink.forget(5) == 0
+    assert sink.in_doubt() == [part(4)]
+    assert make_sink(base, participant="p9").committed_positions() == {o0: 100, o1: 7, pay: 1}
+
+    sink.commit(part(4))  # now part 4 holds o0's best and part 2 holds nothing needed
+    assert sink.committed_positions() == {o0: 200, o1: 7, pay: 1}
+    assert sink.forget(10) == 1
+    assert manifest_names(base) == [
+        "000000000003-p1.json",
+        "000000000004-p0.json",
+        "000000000005-p0.json",
+    ]
+    assert sink.committed_positions() == {o0: 200, o1: 7, pay: 1}
+    assert other.committed_positions() == {o0: 999}
+    assert manifest_names(base, "other") == ["000000000001-q0.json"]
+
+    # A forgotten part is unknown now: callers only forget long-decided transactions.
+    with pytest.raises(UnknownPartError):
+        sink.commit(part(1))
+    sink.abort(part(2))  # no-op, no longer "already committed"
+    assert len(parquet_rows(base)) == 6  # data is never touched (parts 1-5 and other's)
+
+
+def test_forget_decides_by_offset_not_by_txn(tmp_path: Path) -> None:
+    """Decisions applied out of order: the best manifest of a partition may be the older part."""
+    base = tmp_path / "out"
+    sink = make_sink(base)
+    o0 = ("orders", 0)
+    commit_part(sink, part(2), {o0: 50}, commit=False)
+    commit_part(sink, part(1), {o0: 80})
+    sink.commit(part(2))
+    assert sink.committed_positions() == {o0: 80}
+    assert sink.forget(3) == 1
+    assert manifest_names(base) == ["000000000001-p0.json"]
+    assert sink.committed_positions() == {o0: 80}
+
+
+def test_forget_removes_staged_leftovers_so_a_forgotten_part_never_looks_prepared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = tmp_path / "out"
+    sink = make_sink(base)
+    commit_part(sink, part(1), {("orders", 0): 1}, commit=False)
+
+    def crash(path: Path, trash: Path) -> bool:
+        raise OSError(5, "simulated I/O error while cleaning up")
+
+    monkeypatch.setattr(files_module, "discard_tree", crash)
+    with pytest.raises(RetriableSinkError):
+        sink.commit(part(1))  # the manifest is written, the staged directory is left
+    monkeypatch.undo()
+    commit_part(sink, part(2), {("orders", 0): 2})
+    assert entries(state_dir(base) / "prepared") == [part(1).token]
+    assert sink.forget(2) == 1
+    assert entries(state_dir(base) / "prepared") == []
+    assert sink.in_doubt() == []
+    assert len(parquet_rows(base)) == 2
+
+
+def test_positions_follow_manifests_written_and_forgotten_by_other_processes(
+    tmp_path: Path,
+) -> None:
+    base = tmp_path / "out"
+    reader, writer = make_sink(base), make_sink(base, participant="p1")
+    o0, o1 = ("orders", 0), ("orders", 1)
+    assert reader.committed_positions() == {}
+    commit_part(writer, part(1, "p1"), {o0: 10, o1: 3})
+    assert reader.committed_positions() == {o0: 10, o1: 3}  # cached from now on
+    commit_part(writer, part(2, "p1"), {o0: 20})
+    assert reader.committed_positions() == {o0: 20, o1: 3}
+    commit_part(writer, part(3, "p1"), {o0: 30, o1: 9})
+    assert writer.forget(4) == 2
+    assert reader.committed_positions() == {o0: 30, o1: 9}
+    assert reader.forget(4) == 0  # nothing left to forget, whatever it had cached
+
+
+def test_forget_from_several_processes_at_once_keeps_the_positions(tmp_path: Path) -> None:
+    base = tmp_path / "out"
+    sink = make_sink(base)
+    mdir = state_dir(base) / "manifests"
+    template = json.loads(_a_manifest(sink).read_text())  # part 1: ("orders", 0) at 1
+    expected: dict[tuple[str, int], int] = {("orders", 0): 1}
+    for txn in range(2, 600):
+        # Offsets not monotonic in txn, so every process has to compare.
+        positions = [{"topic": "orders", "partition": txn % 5, "offset": (txn * 7919) % 1000}]
+        tp = ("orders", txn % 5)
+        expected[tp] = max(expected.get(tp, 0), positions[0]["offset"])
+        (mdir / f"{txn:012d}-p{txn % 3}.json").write_text(
+            json.dumps({**template, "txn": txn, "positions": positions})
+        )
+    instances = [make_sink(base, participant=f"p{i}") for i in range(4)]
+    results: list[int] = []
+    threads = [
+        threading.Thread(target=lambda s=s: results.append(s.forget(10_000))) for s in instances
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(results) == 599 - 5  # each manifest forgotten once; one per partition stays
+    assert len(manifest_names(base)) == 5
+    assert make_sink(base, participant="p8").committed_positions() == expected
+
+
+def _a_manifest(sink: FileSink) -> Path:
+    commit_part(sink, part(1), {("orders", 0): 1})
+    return state_dir(sink.base, sink.context.pipeline) / "manifests" / "000000000001-p0.json"
+
+
+def test_positions_and_forget_with_thousands_of_manifests_timed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Timings are printed, never asserted (the first call parses every manifest, later calls
+    only list the directory)."""
+    base = tmp_path / "out"
+    sink = make_sink(base)
+    mdir = state_dir(base) / "manifests"
+    template = json.loads(_a_manifest(sink).read_text())
+    n = 5_000
+    for txn in range(2, n + 1):
+        positions = [{"topic": "orders", "partition": k, "offset": txn * 4 + k} for k in range(4)]
+        document = {**template, "txn": txn, "positions": positions}
+        (mdir / f"{txn:012d}-p0.json").write_text(json.dumps(document, indent=2))
+    expected = {("orders", k): n * 4 + k for k in range(4)}
+    fresh = make_sink(base, participant="p1")
+    started = time.perf_counter()
+    assert fresh.committed_positions() == expected
+    cold = time.perf_counter()
+    assert fresh.committed_positions() == expected
+    warm = time.perf_counter()
+    assert fresh.forget(n + 1) == n - 1
+    forgot = time.perf_counter()
+    assert make_sink(base, participant="p2").committed_positions() == expected
+    after = time.perf_counter()
+    assert manifest_names(base) == [f"{n:012d}-p0.json"]
+    with capsys.disabled():
+        print(
+            f"\n[files sink] {n} manifests: committed_positions cold {cold - started:.3f}s, "
+            f"warm {warm - cold:.3f}s; forget {forgot - warm:.3f}s; "
+            f"then cold {after - forgot:.4f}s"
+        )
+
+
 # -- concurrency -----------------------------------------------------------------------------
 
 

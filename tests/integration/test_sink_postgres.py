@@ -445,6 +445,154 @@ def test_two_instances_commit_the_same_part_at_once(env: PgEnv, make_sink: MakeS
     assert env.prepared_gids() == []
 
 
+# -- housekeeping: committed positions and forget ---------------------------------------------
+
+
+def run_positions(
+    sink: PostgresSink, pid: PartId, positions: dict[tuple[str, int], int], *, commit: bool = True
+) -> None:
+    sink.begin(pid)
+    sink.write(pid, [rec(pid.txn, {"id": pid.txn})])
+    sink.prepare(pid, positions)
+    if commit:
+        sink.commit(pid)
+
+
+def marker_txns(env: PgEnv, sink: PostgresSink, pipeline: str | None = None) -> list[int]:
+    rows = env.rows(
+        "SELECT txn FROM twophase_parts WHERE pipeline = %s AND sink = %s ORDER BY txn",
+        (pipeline or env.pipeline, sink.name),
+    )
+    return [txn for (txn,) in rows]
+
+
+def test_positions_are_the_best_committed_and_forget_keeps_the_best_marker_per_partition(
+    env: PgEnv, make_sink: MakeSink
+) -> None:
+    table = env.table("orders", "id bigint, name text")
+    sink = make_sink(table)
+    o0, o1, pay = (TOPIC, 0), (TOPIC, 1), ("payments", 3)
+    run_positions(sink, part(env, 1), {o0: 10})
+    run_positions(sink, part(env, 2), {o0: 100, o1: 5})
+    run_positions(make_sink(table, participant="w2"), part(env, 3, "w2"), {o1: 7})
+    run_positions(sink, part(env, 4), {o0: 200}, commit=False)  # prepared, older than before
+    run_positions(sink, part(env, 5), {pay: 1})
+    run_positions(sink, part(env, 6), {pay: 9}, commit=False)
+    sink.abort(part(env, 6))
+    # Another pipeline and another sink of this pipeline share the marker table: neither is
+    # counted nor forgotten.
+    other_pipeline = f"{env.pipeline}-x"
+    other = make_sink(table, pipeline=other_pipeline)
+    run_positions(other, part(env, 1, pipeline=other_pipeline), {o0: 999})
+    sibling = make_sink(table, name=f"z{env.base}"[:40])
+    run_positions(sibling, part(env, 1), {o0: 998})
+    assert sink.committed_positions() == {o0: 100, o1: 7, pay: 1}
+
+    assert sink.forget(5) == 1  # part 1; part 2 holds o0's best, part 3 o1's
+    assert marker_txns(env, sink) == [2, 3, 5]
+    assert sink.forget(5) == 0
+    assert sink.in_doubt() == [part(env, 4)]
+    assert make_sink(table, participant="w9").committed_positions() == {o0: 100, o1: 7, pay: 1}
+
+    sink.commit(part(env, 4))  # now part 4 holds o0's best and part 2 nothing needed
+    assert sink.committed_positions() == {o0: 200, o1: 7, pay: 1}
+    assert sink.forget(10) == 1
+    assert marker_txns(env, sink) == [3, 4, 5]
+    assert sink.committed_positions() == {o0: 200, o1: 7, pay: 1}
+    assert other.committed_positions() == {o0: 999}
+    assert sibling.committed_positions() == {o0: 998}
+    assert marker_txns(env, other, other_pipeline) == [1]
+    assert marker_txns(env, sibling) == [1]
+
+    # A forgotten part is unknown now: callers only forget long-decided transactions.
+    with pytest.raises(UnknownPartError):
+        sink.commit(part(env, 1))
+    sink.abort(part(env, 2))  # no-op, no longer "already committed"
+    assert sorted(env.rows(f'SELECT id FROM "{table}"')) == [
+        (1,),
+        (1,),
+        (1,),
+        (2,),
+        (3,),
+        (4,),
+        (5,),
+    ]
+
+
+def test_forget_decides_by_offset_not_by_txn(env: PgEnv, make_sink: MakeSink) -> None:
+    """Decisions applied out of order: the best marker of a partition may be the older part."""
+    sink = make_sink(env.table("orders", "id bigint, name text"))
+    run_positions(sink, part(env, 2), {(TOPIC, 0): 50}, commit=False)
+    run_positions(sink, part(env, 1), {(TOPIC, 0): 80})
+    sink.commit(part(env, 2))
+    assert sink.committed_positions() == {(TOPIC, 0): 80}
+    assert sink.forget(3) == 1
+    assert marker_txns(env, sink) == [1]
+    assert sink.committed_positions() == {(TOPIC, 0): 80}
+
+
+def test_forget_from_several_processes_while_parts_commit_keeps_the_positions(
+    env: PgEnv, make_sink: MakeSink
+) -> None:
+    table = env.table("orders", "id bigint, name text")
+    writer = make_sink(table)
+    forgetters = [make_sink(table, participant=f"f{i}") for i in range(3)]
+    expected: dict[tuple[str, int], int] = {}
+    stop = threading.Event()
+
+    def forget_repeatedly(sink: PostgresSink) -> int:
+        total = 0
+        while not stop.is_set():
+            total += sink.forget(10**6)
+        return total
+
+    with ThreadPoolExecutor(len(forgetters)) as pool:
+        futures = [pool.submit(forget_repeatedly, s) for s in forgetters]
+        try:
+            for txn in range(1, 121):
+                # Offsets not monotonic in txn, so every forget has to compare.
+                tp, offset = (TOPIC, txn % 4), (txn * 7919) % 1000 + 1
+                expected[tp] = max(expected.get(tp, 0), offset)
+                run_positions(writer, part(env, txn), {tp: offset})
+                assert writer.committed_positions() == expected
+        finally:
+            stop.set()
+        forgotten = sum(f.result(timeout=30) for f in futures)
+    forgotten += writer.forget(10**6)
+    assert forgotten == 120 - 4  # each marker forgotten once; the best of each partition stays
+    assert len(marker_txns(env, writer)) == 4
+    assert make_sink(table, participant="w9").committed_positions() == expected
+
+
+def test_positions_and_forget_with_thousands_of_markers_timed(
+    env: PgEnv, make_sink: MakeSink
+) -> None:
+    """Timings are printed, never asserted."""
+    sink = make_sink(env.table("orders", "id bigint, name text"))
+    n = 5_000
+    for pipeline in (env.pipeline, f"{env.pipeline}-x"):  # the other pipeline: noise
+        env.pipelines.add(pipeline)
+        env.reader.execute(
+            "INSERT INTO twophase_parts (pipeline, sink, txn, participant, positions, records,"
+            " target) SELECT %s, %s, t, 'w' || (t %% 3), jsonb_build_object(%s::text,"
+            " jsonb_build_object('0', t * 4, '1', t * 4 + 1, '2', t * 4 + 2, '3', t * 4 + 3)),"
+            " 1, 'x' FROM generate_series(1, %s) t",
+            (pipeline, sink.name, TOPIC, n),
+        )
+    expected = {(TOPIC, k): n * 4 + k for k in range(4)}
+    started = time.perf_counter()
+    assert sink.committed_positions() == expected
+    read = time.perf_counter()
+    assert sink.forget(n + 1) == n - 1
+    forgot = time.perf_counter()
+    assert sink.committed_positions() == expected
+    after = time.perf_counter()
+    print(
+        f"\npostgres sink: {n} markers: committed_positions {read - started:.3f}s, "
+        f"forget {forgot - read:.3f}s, then committed_positions {after - forgot:.4f}s"
+    )
+
+
 # -- pipelining: T prepared while T+1 fills ---------------------------------------------------
 
 
