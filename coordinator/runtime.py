@@ -38,6 +38,7 @@ from coordinator.machine import (
 )
 from twophase.config import PipelineConfig
 from twophase.errors import FatalError, FencedError, RetriableError
+from twophase.faults import crash_point
 from twophase.kafka import CALL_TIMEOUT_S, client_settings, raise_fatal
 from twophase.observability import HealthServer, Metrics
 from twophase.protocol.codec import DecodeError, decode, encode, new_envelope
@@ -317,6 +318,8 @@ class CoordinatorRuntime:
                     CALL_TIMEOUT_S,
                 )
             producer.flush(CALL_TIMEOUT_S)
+            if isinstance(payload, Decision):
+                crash_point("mid_decision")
             self._commit(producer)
         except KafkaException as exc:
             err: KafkaError = exc.args[0]
@@ -331,6 +334,8 @@ class CoordinatorRuntime:
         except RetriableError as exc:
             self._abort(producer)
             return self.machine.handle(PublishFailed(payload, now(), str(exc)))
+        if isinstance(payload, (Prepare, Decision)):
+            crash_point("after_decision" if isinstance(payload, Decision) else "after_prepare_sent")
         self._observe(payload, time.monotonic() - started)
         if isinstance(payload, Checkpoint) and offset:
             # Readers start at the latest checkpoint: the coordinator group's offset points at it.

@@ -6,7 +6,6 @@ import logging
 import os
 import queue
 import random
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -59,6 +58,7 @@ from participants.sdk import (
 )
 from twophase.config import PipelineConfig
 from twophase.errors import FatalError, RetriableError
+from twophase.faults import crash_point as _crash_point
 from twophase.kafka import (
     CALL_TIMEOUT_S,
     ControlReader,
@@ -97,19 +97,6 @@ LAG_REFRESH_S = 5.0
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def _crash_point(name: str) -> None:
-    """Fault injection for the chaos and end-to-end tests: ``TWOPHASE_CRASH_AT=name:n`` kills the
-    process (SIGKILL, no clean-up) the n-th time it passes ``name``."""
-    spec = os.environ.get("TWOPHASE_CRASH_AT", "")
-    if not spec.startswith(name + ":"):
-        return
-    count = int(os.environ.get("_TWOPHASE_CRASH_COUNT", "0")) + 1
-    os.environ["_TWOPHASE_CRASH_COUNT"] = str(count)
-    if count >= int(spec.split(":", 1)[1]):
-        logging.getLogger("twophase.crash").warning("crash point %s reached: SIGKILL", name)
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _delay_point(name: str) -> None:
