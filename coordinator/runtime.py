@@ -393,8 +393,12 @@ class CoordinatorRuntime:
                     f"source topic {topic} does not exist (run `twophase topics create`)"
                 )
             tps.update((topic, p) for p in t.partitions)
-        committed = self.group_handle.committed(
-            [TopicPartition(t, p) for t, p in sorted(tps)], timeout=CALL_TIMEOUT_S
-        )
+        try:
+            committed = self.group_handle.committed(
+                [TopicPartition(t, p) for t, p in sorted(tps)], timeout=CALL_TIMEOUT_S
+            )
+        except KafkaException as exc:  # e.g. NOT_COORDINATOR while the group coordinator moves
+            log.warning("cannot read the source group's offsets: %s", exc.args[0].str())
+            return
         offsets = {(c.topic, c.partition): c.offset for c in committed if c.offset >= 0}
         self._execute(self.machine.handle(SourcePartitions(frozenset(tps), offsets)))

@@ -219,7 +219,7 @@ class ParticipantRuntime:
         self.health.start(self.cfg.metrics.host, self.cfg.metrics.port)
         try:
             for sink in self.sinks:
-                sink.setup()
+                self._retry(sink.setup, f"setup {sink.name}")
             reader = ControlReader(self.cfg, on_skip=self._count_skip)
             for env in reader.replay():
                 self._feed(Received(env, replay=True))
