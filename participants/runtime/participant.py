@@ -675,6 +675,10 @@ class ParticipantRuntime:
                 start = dict(a.offsets)
         self._assignment = [TopicPartition(t, p, start[(t, p)]) for t, p in sorted(start)]
         consumer.assign(self._assignment)
+        if self._assignment:
+            # librdkafka keeps a partition's pause flag across unassign/assign: one paused before
+            # the rebalance would otherwise never be fetched again while _paused says False.
+            consumer.resume(self._assignment)
         self._paused = self._poisoned = False
         self._run([a for a in actions if not isinstance(a, Seek)], Thread.DATA)
 
