@@ -1,9 +1,13 @@
-"""Fault injection for the chaos run and the end-to-end tests (no effect unless armed by env).
+"""Fault injection for the chaos run and the end-to-end tests (no effect unless armed).
 
 ``TWOPHASE_CRASH_AT=<name>:<n>`` kills the process (SIGKILL, no clean-up) the n-th time it passes
-``crash_point(name)``. Participant points: before_vote, after_vote, after_prepare, before_commit,
-mid_commit (after each sink of a commit). Coordinator points: after_prepare_sent, mid_decision
-(DECISION produced, its Kafka transaction not committed), after_decision (committed).
+``crash_point(name)``. ``TWOPHASE_CRASH_FILE=<path>`` arms a *running* process: whenever the file
+holds ``<name>:<n>[:<tag>]``, the n-th pass of ``name`` after that content first appeared kills
+it (the chaos run writes a fresh tag per arming, so the same point can be armed twice).
+
+Participant points: before_vote, after_vote, after_prepare, before_commit, mid_commit (after
+each sink of a commit). Coordinator points: after_prepare_sent, mid_decision (DECISION produced,
+its Kafka transaction not yet committed), after_decision (committed).
 """
 
 from __future__ import annotations
@@ -11,18 +15,47 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 
 __all__ = ["crash_point"]
+
+_lock = threading.Lock()
+_armed: dict[str, int] = {}  # file content -> passes seen since it appeared
 
 
 def crash_point(name: str) -> None:
     """Fault injection for the chaos and end-to-end tests: ``TWOPHASE_CRASH_AT=name:n`` kills the
     process (SIGKILL, no clean-up) the n-th time it passes ``name``."""
     spec = os.environ.get("TWOPHASE_CRASH_AT", "")
+    if spec.startswith(name + ":"):
+        count = int(os.environ.get("_TWOPHASE_CRASH_COUNT", "0")) + 1
+        os.environ["_TWOPHASE_CRASH_COUNT"] = str(count)
+        if count >= int(spec.split(":")[1]):
+            _die(name)
+    path = os.environ.get("TWOPHASE_CRASH_FILE")
+    if path:
+        _file_point(name, path)
+
+
+def _file_point(name: str, path: str) -> None:
+    try:
+        with open(path) as f:
+            spec = f.read().strip()
+    except OSError:
+        return
     if not spec.startswith(name + ":"):
         return
-    count = int(os.environ.get("_TWOPHASE_CRASH_COUNT", "0")) + 1
-    os.environ["_TWOPHASE_CRASH_COUNT"] = str(count)
-    if count >= int(spec.split(":", 1)[1]):
-        logging.getLogger("twophase.crash").warning("crash point %s reached: SIGKILL", name)
-        os.kill(os.getpid(), signal.SIGKILL)
+    with _lock:
+        count = _armed.get(spec, 0) + 1
+        _armed[spec] = count
+    try:
+        due = int(spec.split(":")[1])
+    except (IndexError, ValueError):
+        return
+    if count >= due:
+        _die(name)
+
+
+def _die(name: str) -> None:
+    logging.getLogger("twophase.crash").warning("crash point %s reached: SIGKILL", name)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,692 @@
+"""``make chaos``: kill -9 faults on a live pipeline, then an independent check of every sink.
+
+One pipeline (PostgreSQL + MongoDB + Parquet files), two coordinators (leader + standby) and three
+participants run as real processes on the local stack (``$TWOPHASE_STACK_DIR/stack.env``), while
+records are produced over the whole fault phase. Faults come in *episodes* of 1-4 at once:
+
+* a participant dies by SIGKILL at a random moment, or kills itself at a named crash point
+  armed while it runs (``TWOPHASE_CRASH_FILE``, see ``twophase/faults.py``): after_prepare,
+  before_vote, after_vote, before_commit, mid_commit (between sinks / after the last one);
+* the leading coordinator dies at a random moment or at a crash point (after_prepare_sent,
+  mid_decision, after_decision), or the standby is killed;
+* once each (not in ``--short``): the Kafka broker and PostgreSQL crash and restart
+  (``stack.sh restart-kafka --kill``, ``restart-pg --kill``).
+
+Every dead process is restarted after a short delay, as a supervisor would. The next episode
+starts once the pipeline has recovered (commits again; bounded), so faults land on a working
+pipeline rather than on one still stalled by the previous fault. At the end the run waits for
+quiescence (committed group offsets == end offsets, every sink settled), reads the source topic
+and every sink directly (``twophase.harness.verify``: ids per sink, never the product's own
+bookkeeping) and writes ``chaos/results/latest.json``. Exit status 0 only when no sink lost,
+duplicated or left anything behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+
+from twophase.config import load_config
+from twophase.harness import (
+    Cluster,
+    Scenario,
+    SinkReport,
+    control_summary,
+    end_offsets,
+    group_offsets,
+    record,
+    verify,
+)
+from twophase.kafka import create_topics
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "chaos" / "results"
+
+PARTICIPANT_POINTS = ("after_prepare", "mid_commit", "after_vote", "before_commit", "before_vote")
+COORDINATOR_POINTS = ("after_decision", "mid_decision", "after_prepare_sent")
+#: Passes before an armed point fires. mid_commit is passed after each sink of a commit (pg,
+#: mongo, files): 1-2 die between sinks, 3 after the last one, before APPLIED.
+POINT_COUNTS = {"mid_commit": (1, 3)}
+#: An armed point not reached within this long is disarmed and replaced by a plain SIGKILL.
+POINT_TIMEOUT_S = 40.0
+#: Random kills land this long after the episode starts.
+KILL_OFFSET_S = (0.0, 6.0)
+#: A dead process comes back after this long (a supervisor's restart delay).
+RESTART_DELAY_S = (0.3, 3.0)
+#: Between episodes: at least this long, and until this many commits since the last restart
+#: (the pipeline works again), but never longer than the bound.
+GAP_MIN_S = 8.0
+RECOVERY_COMMITS = 3
+RECOVERY_MAX_S = 75.0
+STACK_RECOVERY_MAX_S = 120.0
+#: Rough length of one episode, to spread production over the fault phase.
+EPISODE_EST_S = 32.0
+
+
+def log(msg: str) -> None:
+    print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# -- the plan ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Fault:
+    role: str  # participant | leader | standby
+    point: str = ""  # empty: a SIGKILL KILL_OFFSET_S into the episode
+    count: int = 1
+
+
+@dataclass
+class Episode:
+    faults: list[Fault] = field(default_factory=list)
+    stack: str = ""  # kafka | pg: a crash-restart of that service instead
+
+
+def make_plan(faults: int, seed: int, short: bool) -> list[Episode]:
+    rng = random.Random(seed)
+    if short:
+        # Every path once: a participant at a crash point, one at a random time, the leader.
+        return [
+            Episode([Fault("participant", "after_vote"), Fault("leader")]),
+            Episode([Fault("participant", "mid_commit", 2), Fault("participant")]),
+        ]
+    episodes: list[Episode] = []
+    left = faults
+    pi = ci = 0
+    while left > 0:
+        n = min(left, rng.choice([2, 3, 3, 4]))
+        ep = Episode()
+        # About one fault in five hits a coordinator: the leader mostly, sometimes the standby.
+        if rng.random() < 0.55 and n >= 2:
+            kind = rng.random()
+            if kind < 0.45:
+                ep.faults.append(Fault("leader", COORDINATOR_POINTS[ci % len(COORDINATOR_POINTS)]))
+                ci += 1
+            elif kind < 0.8:
+                ep.faults.append(Fault("leader"))
+            else:
+                ep.faults.append(Fault("standby"))
+        while len(ep.faults) < n:
+            if rng.random() < 0.55:
+                point = PARTICIPANT_POINTS[pi % len(PARTICIPANT_POINTS)]
+                pi += 1
+                lo, hi = POINT_COUNTS.get(point, (1, 1))
+                ep.faults.append(Fault("participant", point, rng.randint(lo, hi)))
+            else:
+                ep.faults.append(Fault("participant"))
+        left -= n
+        episodes.append(ep)
+    # The broker and the database crash once each, at about 40% and 70% of the run.
+    episodes.insert(round(len(episodes) * 0.4), Episode(stack="kafka"))
+    episodes.insert(round(len(episodes) * 0.7), Episode(stack="pg"))
+    return episodes
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Member:
+    name: str
+    role: str  # coordinator | participant
+    log_path: Path
+    pos: int = 0
+    partial: bytes = b""
+    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=30))
+    leader: bool = False
+    crash_hit: str = ""
+    armed: str = ""  # the point armed now
+    arm_deadline: float = 0.0
+    kill_at: float | None = None
+    restart_at: float | None = None
+    killed_by_us: str = ""
+    started: float = 0.0
+
+
+class Chaos:
+    def __init__(self, s: Scenario, rng: random.Random) -> None:
+        self.s = s
+        self.rng = rng
+        self.cluster = Cluster(s)
+        self.arm_dir = s.workdir / "arm"
+        self.arm_dir.mkdir(parents=True, exist_ok=True)
+        self.members: dict[str, Member] = {}
+        self.faults: list[dict[str, Any]] = []
+        self.unexpected: list[dict[str, Any]] = []
+        self.episodes: list[dict[str, Any]] = []
+        self.commit_times: list[float] = []
+        self.t0 = time.monotonic()
+        self._arm_seq = 0
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    # process control
+
+    def start(self, name: str, role: str) -> None:
+        path = self.cluster.logs / f"{name}.log"
+        m = self.members.setdefault(name, Member(name, role, path))
+        self._read(m)  # whatever the last incarnation wrote
+        m.leader = False
+        m.crash_hit = m.armed = m.killed_by_us = ""
+        m.kill_at = m.restart_at = None
+        m.started = self.now()
+        self._arm_file(name).unlink(missing_ok=True)
+        self.cluster.start(role, name, {"TWOPHASE_CRASH_FILE": str(self._arm_file(name))})
+
+    def _arm_file(self, name: str) -> Path:
+        return self.arm_dir / name
+
+    def arm(self, name: str, point: str, count: int) -> None:
+        m = self.members[name]
+        self._arm_seq += 1
+        tmp = self._arm_file(name).with_suffix(".tmp")
+        tmp.write_text(f"{point}:{count}:{self._arm_seq}\n")
+        tmp.rename(self._arm_file(name))
+        m.armed = point
+        m.arm_deadline = self.now() + POINT_TIMEOUT_S
+        log(f"armed {name} at {point}:{count}")
+
+    def disarm(self, name: str) -> None:
+        self._arm_file(name).unlink(missing_ok=True)
+        self.members[name].armed = ""
+
+    def alive(self, name: str) -> bool:
+        return name in self.cluster.procs and self.cluster.alive(name)
+
+    def all_alive(self) -> bool:
+        return all(self.alive(n) for n in self.members)
+
+    def sigkill(self, name: str, why: str) -> bool:
+        m = self.members[name]
+        if not self.alive(name):
+            return False
+        m.killed_by_us = why
+        was_leader = m.leader
+        self.cluster.kill(name, signal.SIGKILL)
+        self.faults.append(
+            {
+                "t": round(self.now(), 1),
+                "target": name,
+                "role": m.role,
+                "how": "sigkill",
+                "why": why,
+                **({"leader": was_leader} if m.role == "coordinator" else {}),
+            }
+        )
+        log(f"SIGKILL {name}{' (leader)' if was_leader else ''}: {why}")
+        return True
+
+    def _read(self, m: Member) -> None:
+        """New log lines of ``m``: leadership, crash points, commits."""
+        try:
+            with m.log_path.open("rb") as f:
+                f.seek(m.pos)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        m.pos += len(data)
+        lines = (m.partial + data).split(b"\n")
+        m.partial = lines.pop()
+        for raw in lines:
+            line = raw.decode(errors="replace")
+            m.tail.append(line)
+            if "crash point " in line and " reached" in line:
+                m.crash_hit = line.split("crash point ", 1)[1].split()[0]
+            if m.role != "coordinator":
+                continue
+            if "is now the leader" in line:
+                m.leader = True
+            elif "stepping down" in line or "fenced" in line:
+                m.leader = False
+            elif " committed (" in line:
+                self.commit_times.append(self.now())
+
+    def leader(self) -> str | None:
+        return next(
+            (n for n, m in self.members.items() if m.leader and self.alive(n)),
+            None,
+        )
+
+    def commits_since(self, t: float) -> int:
+        return sum(1 for c in self.commit_times if c >= t)
+
+    def last_start(self) -> float:
+        return max(m.started for m in self.members.values())
+
+    # the loop
+
+    def tick(self) -> None:
+        now = self.now()
+        for m in self.members.values():
+            self._read(m)
+            proc = self.cluster.procs.get(m.name)
+            if proc is None:
+                continue
+            if proc.poll() is not None and m.restart_at is None:
+                self._died(m, proc.returncode)
+            if m.restart_at is not None:
+                if now >= m.restart_at:
+                    self.start(m.name, m.role)
+                continue
+            if m.armed and now >= m.arm_deadline:
+                point = m.armed
+                self.disarm(m.name)
+                self.sigkill(m.name, f"{point} not reached in {POINT_TIMEOUT_S:.0f}s")
+            elif m.kill_at is not None and now >= m.kill_at:
+                m.kill_at = None
+                self.sigkill(m.name, "random time")
+
+    def _died(self, m: Member, rc: int) -> None:
+        self._read(m)
+        m.leader = False
+        m.kill_at = None
+        m.restart_at = self.now() + self.rng.uniform(*RESTART_DELAY_S)
+        armed, m.armed = m.armed, ""
+        self._arm_file(m.name).unlink(missing_ok=True)
+        if m.killed_by_us:
+            return
+        if rc == -signal.SIGKILL and m.crash_hit:
+            self.faults.append(
+                {
+                    "t": round(self.now(), 1),
+                    "target": m.name,
+                    "role": m.role,
+                    "how": "crash_point",
+                    "point": m.crash_hit,
+                }
+            )
+            log(f"{m.name} died at crash point {m.crash_hit}")
+            return
+        tail = "\n".join(list(m.tail)[-15:])
+        self.unexpected.append(
+            {"t": round(self.now(), 1), "target": m.name, "rc": rc, "armed": armed, "tail": tail}
+        )
+        log(f"UNEXPECTED exit of {m.name} rc={rc}\n{tail}")
+
+    def idle(self, seconds: float, until: Callable[[], bool] | None = None) -> bool:
+        """Keep supervising for ``seconds`` or until ``until()``; True if ``until`` came true."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.tick()
+            if until is not None and until():
+                return True
+            time.sleep(0.1)
+        return False
+
+    # episodes
+
+    def run_episode(self, i: int, ep: Episode) -> None:
+        started = self.now()
+        rec: dict[str, Any] = {"i": i, "t": round(started, 1)}
+        before = len(self.faults)
+        if ep.stack:
+            rec["stack"] = self._stack_restart(ep.stack)
+            bound = STACK_RECOVERY_MAX_S
+        else:
+            # A coordinator fault needs a leader: wait for the last failover to finish (bounded).
+            if any(f.role in ("leader", "standby") for f in ep.faults):
+                self.idle(60, lambda: self.leader() is not None)
+            coords = [n for n, m in self.members.items() if m.role == "coordinator"]
+            parts = [n for n, m in self.members.items() if m.role == "participant"]
+            self.rng.shuffle(parts)
+            lead = self.leader()
+            for f in ep.faults:
+                if f.role == "participant":
+                    target = next((p for p in parts if self.alive(p)), None)
+                    if target is not None:
+                        parts.remove(target)
+                elif f.role == "leader":
+                    target = lead
+                else:
+                    target = next((c for c in coords if c != lead and self.alive(c)), None)
+                if target is None:
+                    log(f"episode {i}: no live {f.role} for {f.point or 'a kill'}; skipped")
+                    continue
+                if f.point:
+                    self.arm(target, f.point, f.count)
+                else:
+                    self.members[target].kill_at = self.now() + self.rng.uniform(*KILL_OFFSET_S)
+            # Until every planned fault has happened (armed points are bounded by their timeout).
+            self.idle(
+                POINT_TIMEOUT_S + 10,
+                lambda: not any(m.armed or m.kill_at is not None for m in self.members.values()),
+            )
+            bound = RECOVERY_MAX_S
+        rec["faults"] = [
+            f"{f['target']}:{f.get('point') or f['why']}" for f in self.faults[before:]
+        ]
+        # Recovered: everyone is back and the pipeline has committed a few times since.
+        hit = self.idle(
+            bound,
+            lambda: (
+                self.now() - started >= GAP_MIN_S
+                and self.all_alive()
+                and self.commits_since(self.last_start()) >= RECOVERY_COMMITS
+            ),
+        )
+        rec["recovery_s"] = round(self.now() - started, 1)
+        if not hit:
+            rec["not_recovered"] = True
+            log(f"episode {i}: no {RECOVERY_COMMITS} commits within {bound:.0f}s; going on")
+        self.episodes.append(rec)
+
+    def _stack_restart(self, service: str) -> dict[str, Any]:
+        log(f"crash-restarting {service}: stack.sh restart-{service} --kill")
+        t = self.now()
+        with (self.cluster.logs / f"stack-restart-{service}.log").open("ab") as out:
+            proc = subprocess.Popen(
+                ["bash", str(REPO / "stack" / "stack.sh"), f"restart-{service}", "--kill"],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=os.environ.copy(),
+            )
+            self.idle(300, lambda: proc.poll() is not None)
+        if proc.poll() is None:
+            proc.kill()
+        rc = proc.wait()
+        rec = {"service": service, "mode": "--kill", "t": round(t, 1), "rc": rc}
+        rec["seconds"] = round(self.now() - t, 1)
+        log(f"{service} restarted in {rec['seconds']}s (rc {rc})")
+        if rc != 0:
+            raise RuntimeError(f"stack.sh restart-{service} --kill failed (rc {rc})")
+        return rec
+
+
+# -- source side -------------------------------------------------------------------------------
+
+
+class Feeder(threading.Thread):
+    """Produces ``count`` records evenly over ``seconds``, surviving a broker restart."""
+
+    def __init__(self, s: Scenario, count: int, seconds: float, seed: int) -> None:
+        super().__init__(name="feeder", daemon=True)
+        self.s, self.count, self.seconds, self.seed = s, count, seconds, seed
+        self.failed: list[str] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 -- handed to the main thread
+            self.error = exc
+
+    def _run(self) -> None:
+        rng = random.Random(self.seed)
+        p = Producer(
+            {
+                "bootstrap.servers": self.s.bootstrap,
+                "enable.idempotence": True,
+                "acks": "all",
+                "linger.ms": 20,
+                # Outlive a broker restart rather than give up on a record.
+                "message.timeout.ms": 600_000,
+            }
+        )
+
+        def done(err: KafkaError | None, _msg: Any) -> None:
+            if err is not None:
+                self.failed.append(err.str())
+
+        started = time.monotonic()
+        i = 0
+        while i < self.count:
+            elapsed = time.monotonic() - started
+            due = max(i + 1, min(self.count, math.ceil(self.count * elapsed / self.seconds)))
+            while i < due:
+                try:
+                    p.produce(
+                        self.s.topic, key=str(i).encode(), value=record(i, rng), on_delivery=done
+                    )
+                    i += 1
+                except BufferError:
+                    p.poll(0.1)
+            p.poll(0.25)
+        if p.flush(600) > 0:
+            self.failed.append("records still undelivered after 600 s")
+
+
+def source_ids(s: Scenario) -> tuple[set[int], int]:
+    """Every id in the source topic (read_committed), and how many records repeat an id."""
+    c = Consumer(
+        {
+            "bootstrap.servers": s.bootstrap,
+            "group.id": f"chaos-source-{uuid.uuid4().hex[:6]}",
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+        }
+    )
+    ends = end_offsets(s.bootstrap, s.topic, s.partitions)
+    todo = {p for p in range(s.partitions) if ends[p] > 0}
+    c.assign([TopicPartition(s.topic, p, 0) for p in sorted(todo)])
+    ids: set[int] = set()
+    dup = 0
+    last = time.monotonic()
+    while todo and time.monotonic() - last < 60:
+        for m in c.consume(10_000, 1.0):
+            last = time.monotonic()
+            err = m.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    todo.discard(m.partition() or 0)
+                continue
+            i = orjson.loads(m.value() or b"{}")["id"]
+            dup += i in ids
+            ids.add(i)
+    c.close()
+    if todo:
+        raise RuntimeError(f"could not read the source topic to its end (partitions {todo})")
+    return ids, dup
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+def _counts(r: SinkReport) -> dict[str, int]:
+    return {
+        "lost": r.missing,
+        "duplicated": r.duplicated,
+        "orphaned_prepared": r.orphaned_prepared,
+        "staging_leftovers": r.staging_leftovers,
+    }
+
+
+def _mix(faults: list[dict[str, Any]]) -> dict[str, int]:
+    mix: dict[str, int] = collections.Counter()
+    for f in faults:
+        if f["how"] == "crash_point":
+            key = f"{f['role']}:crash_point:{f['point']}"
+        elif f["role"] == "coordinator":
+            key = f"coordinator:sigkill:{'leader' if f.get('leader') else 'standby'}"
+        elif "not reached" in f["why"]:
+            key = "participant:sigkill:point_not_reached"
+        else:
+            key = "participant:sigkill:random"
+        mix[key] += 1
+    return dict(sorted(mix.items()))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    started = time.monotonic()
+    plan = make_plan(args.faults, args.seed, args.short)
+    name = f"chaos-{uuid.uuid4().hex[:6]}"
+    workdir = Path(args.workdir) if args.workdir else RESULTS / name
+    s = Scenario.on_stack(name, workdir, partitions=6, interval_ms=1000, vote_timeout_ms=15_000)
+    s.write()
+    s.prepare_stores()
+    create_topics(load_config(s.config_path))
+    n_faults = sum(len(e.faults) for e in plan)
+    est = sum(EPISODE_EST_S * (1.5 if e.stack else 1) for e in plan)
+    log(
+        f"pipeline {name}: {args.records} records, {len(plan)} episodes, {n_faults} planned "
+        f"kills; logs in {workdir / 'logs'}"
+    )
+    chaos = Chaos(s, random.Random(args.seed + 1))
+    for c in ("coord-0", "coord-1"):
+        chaos.start(c, "coordinator")
+    for i in range(3):
+        chaos.start(f"p-{i}", "participant")
+    feeder = Feeder(s, args.records, max(20.0, est * 0.85), args.seed)
+    phases: dict[str, float] = {}
+    caught_up = settled = False
+    source_dups = 0
+    expected: set[int] = set()
+    reports: dict[str, SinkReport] = {}
+    try:
+        # Faults land on a working pipeline: wait for the first commits.
+        chaos.idle(120, lambda: len(chaos.commit_times) >= 2)
+        feeder.start()
+        for i, ep in enumerate(plan):
+            chaos.run_episode(i, ep)
+        phases["faults_done_s"] = round(time.monotonic() - started, 1)
+        log(f"fault phase over: {len(chaos.faults)} kills; waiting for the producer")
+        chaos.idle(900, lambda: not feeder.is_alive())
+        if feeder.error is not None or feeder.failed:
+            raise RuntimeError(f"producer failed: {feeder.error or feeder.failed[:3]}")
+        phases["produced_s"] = round(time.monotonic() - started, 1)
+        ends = end_offsets(s.bootstrap, s.topic, s.partitions)
+        group = f"twophase.{s.name}"
+
+        def at_end() -> bool:
+            try:
+                return group_offsets(s.bootstrap, group, s.topic, s.partitions) == ends
+            except Exception as exc:  # noqa: BLE001 -- a failing probe is no answer
+                log(f"probe failed: {exc}")
+                return False
+
+        next_probe = [0.0]
+
+        def probe_every(seconds: float, fn: Callable[[], bool]) -> Callable[[], bool]:
+            def check() -> bool:
+                if time.monotonic() < next_probe[0]:
+                    return False
+                next_probe[0] = time.monotonic() + seconds
+                return fn()
+
+            return check
+
+        log("waiting for the group's committed offsets to reach the end offsets")
+        caught_up = chaos.idle(args.settle, probe_every(3.0, at_end))
+        phases["caught_up_s"] = round(time.monotonic() - started, 1)
+        expected, source_dups = source_ids(s)
+
+        def sinks_ok() -> bool:
+            reports.update(verify(s, expected))
+            return all(r.ok for r in reports.values())
+
+        log("waiting for every sink to settle")
+        next_probe[0] = 0.0
+        settled = caught_up and chaos.idle(300, probe_every(10.0, sinks_ok))
+        reports = verify(s, expected)
+        settled = settled and all(r.ok for r in reports.values())
+        phases["settled_s"] = round(time.monotonic() - started, 1)
+    finally:
+        chaos.cluster.stop_all()
+    after_stop = verify(s, expected)
+    control = control_summary(s)
+    sinks = {k: {**_counts(r), "rows": r.rows, "distinct": r.distinct} for k, r in reports.items()}
+    failures = [
+        f"{k}: {what} = {n}"
+        for k, v in sinks.items()
+        for what, n in v.items()
+        if what not in ("rows", "distinct") and n
+    ]
+    if not caught_up:
+        failures.append("the group's committed offsets never reached the end offsets")
+    elif not settled:
+        failures.append("the sinks never settled")
+    if source_dups:
+        failures.append(f"{source_dups} source records repeat an id (producer problem)")
+    recov = [e["recovery_s"] for e in chaos.episodes if not e.get("stack")]
+    return {
+        "ok": not failures,
+        "faults": len(chaos.faults),
+        "records": len(expected),
+        "sinks": sinks,
+        "failures": failures,
+        "fault_mix": _mix(chaos.faults),
+        "stack_restarts": [e["stack"] for e in chaos.episodes if e.get("stack")],
+        "unexpected_exits": chaos.unexpected,
+        "episodes": len(chaos.episodes),
+        "episode_recovery_s": {
+            "median": statistics.median(recov) if recov else None,
+            "max": max(recov) if recov else None,
+            "not_recovered_in_bound": sum(1 for e in chaos.episodes if e.get("not_recovered")),
+        },
+        "offsets_caught_up": caught_up,
+        "after_stop": {k: _counts(r) for k, r in after_stop.items()},
+        "control": control,
+        "mode": "short" if args.short else "full",
+        "seed": args.seed,
+        "pipeline": s.name,
+        "participants": 3,
+        "coordinators": 2,
+        "partitions": s.partitions,
+        "phases_s": phases,
+        "wall_time_s": round(time.monotonic() - started, 1),
+        "workdir": str(workdir),
+        "episode_log": chaos.episodes,
+        "fault_log": chaos.faults,
+    }
+
+
+def _interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m chaos.run", description=__doc__.split("\n")[0])
+    ap.add_argument("--records", type=int, help="default 200000 (20000 with --short)")
+    ap.add_argument("--faults", type=int, default=60, help="kill -9 faults (default 60)")
+    ap.add_argument("--seed", type=int, help="fault plan seed (default: random)")
+    ap.add_argument("--short", action="store_true", help="4 faults on 20k records (make test)")
+    ap.add_argument("--settle", type=float, help="bound on the final catch-up, seconds")
+    ap.add_argument("--workdir", default="", help="default chaos/results/<pipeline>")
+    ap.add_argument("--out", default=str(RESULTS / "latest.json"))
+    args = ap.parse_args(argv)
+    if args.records is None:
+        args.records = 20_000 if args.short else 200_000
+    if args.settle is None:
+        args.settle = 240.0 if args.short else 600.0
+    if args.seed is None:
+        args.seed = random.randrange(1_000_000)
+    # Processes are cleaned up on SIGTERM too (and on SIGINT when it is not ignored).
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
+    try:
+        summary = run(args)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+    text = json.dumps(summary, indent=2)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
+    print(text)
+    log(f"{'OK' if summary['ok'] else 'FAILED'}: {summary['faults']} kills, summary in {out}")
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
