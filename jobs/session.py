@@ -1,0 +1,46 @@
+"""A local SparkSession for the jobs, the demo and the benchmark (tests use their own fixture)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING
+
+from twophase.harness import load_stack_env
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+__all__ = ["connector_jars", "local_session"]
+
+
+def connector_jars() -> list[str]:
+    """The Kafka connector jars: ``$TWOPHASE_SPARK_JARS``, else the local stack's ``stack.env``."""
+    jars = os.environ.get("TWOPHASE_SPARK_JARS") or load_stack_env().get("TWOPHASE_SPARK_JARS", "")
+    return [j for j in jars.split(",") if j]
+
+
+def local_session(app_name: str, *, cores: int = 2) -> SparkSession:
+    """``local[cores]`` with the Kafka connector, no UI, and small shuffles.
+
+    The machine this runs on is small and shared: two shuffle partitions keep a stateful
+    aggregation to two state stores, and the UI and the console progress bar are off.
+    """
+    from pyspark.sql import SparkSession
+
+    # Executors' Python workers must import twophase: run them on this interpreter (PySpark reads
+    # only the environment variable, when the context is created).
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    session = (
+        SparkSession.builder.master(f"local[{cores}]")
+        .appName(app_name)
+        .config("spark.jars", ",".join(connector_jars()))
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("WARN")
+    return session
