@@ -57,8 +57,11 @@ test: venv stack-up helm
 test-fast: venv
 	$(PY) -m pytest tests/unit tests/sim tests/contract $(PYTEST_ARGS)
 
+# The main pipeline (generated orders, a participant killed mid-transaction), then the PySpark
+# order-totals job feeding a pipeline and the coordinated foreachBatch writer with a driver kill.
 demo: venv stack-up
 	$(PY) -m twophase.demo
+	$(PY) -m jobs.demo
 
 bench: venv stack-up
 	$(PY) -m bench.run

@@ -11,6 +11,7 @@ import contextlib
 import os
 import shlex
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -164,6 +165,9 @@ def spark(spark_jars: list[str]) -> Iterator[Any]:
     ``getOrCreate()`` would silently get this one, without its own ``spark.jars``.
     """
     from pyspark.sql import SparkSession  # Imported late: ~2 s, and only Spark tests pay it.
+
+    # Executors' Python workers must import twophase: run them on this interpreter (the venv).
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
     session = (
         SparkSession.builder.master("local[2]")
