@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
+from datetime import UTC, datetime
+from types import TracebackType
 from typing import Any
 
 import click
 
+from participants.sdk import SinkError
 from twophase.config import PipelineConfig, load_config
 from twophase.errors import ConfigError, FatalError, TwophaseError
 
@@ -22,6 +27,16 @@ def _load(path: str) -> PipelineConfig:
         return load_config(path)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def _operator_logs() -> None:
+    """Operator commands print results; their logs say only what went wrong, unless asked."""
+    if "TWOPHASE_LOG_LEVEL" not in os.environ:
+        logging.getLogger().setLevel(logging.WARNING)
+
+
+#: Exit status of a command that refused to act (``txn resolve`` against the decision log).
+EXIT_REFUSED = 3
 
 
 def _run_until_signal(runtime: Any) -> None:
@@ -51,7 +66,70 @@ def _table(rows: dict[str, Any]) -> None:
         click.echo(f"{k:{width}}{v}")
 
 
-@click.group()
+def _columns(headers: list[str], rows: list[list[Any]]) -> None:
+    """Rows under headers, each column as wide as its widest cell."""
+    cells = [headers] + [["-" if c is None or c == "" else str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for row in cells:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _when(ts_ms: int | None) -> str:
+    if not ts_ms:
+        return "-"
+    return datetime.fromtimestamp(ts_ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
+class _Spinner:
+    """A status line on stderr while a long operation runs: ``spinner(note)`` updates it.
+
+    Silent when stderr is not a terminal, so scripts and logs get only the result.
+    """
+
+    FRAMES = "|/-\\"
+    #: Redraw often enough to look alive, rarely enough to cost nothing.
+    TICK_S = 0.1
+
+    def __init__(self) -> None:
+        self.enabled = sys.stderr.isatty()
+        self.note = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __call__(self, note: str) -> None:
+        self.note = note
+
+    def _draw(self) -> None:
+        i = 0
+        while not self._stop.wait(self.TICK_S):
+            if not self.note:
+                continue
+            sys.stderr.write(f"\r\033[K{self.FRAMES[i % len(self.FRAMES)]} {self.note}")
+            sys.stderr.flush()
+            i += 1
+
+    def __enter__(self) -> _Spinner:
+        if self.enabled:
+            self._thread = threading.Thread(target=self._draw, daemon=True, name="spinner")
+            self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        _type: type[BaseException] | None,
+        _exc: BaseException | None,
+        _tb: TracebackType | None,
+    ) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+@click.group(
+    epilog="Example: twophase status pipeline.yaml --json   (every command has --help)",
+)
 @click.version_option(package_name="twophase")
 def main() -> None:
     """twophase: exactly-once, all-or-nothing delivery from Kafka into several stores at once."""
@@ -62,7 +140,11 @@ def main() -> None:
 
 @main.group()
 def coordinator() -> None:
-    """The coordinator: runs the commit cycles of one pipeline."""
+    """The coordinator: runs the commit cycles of one pipeline.
+
+    \b
+    Example: twophase coordinator run pipeline.yaml
+    """
 
 
 @coordinator.command("run")
@@ -70,6 +152,7 @@ def coordinator() -> None:
 def coordinator_run(config: str) -> None:
     """Run a coordinator (one leads per pipeline; others stand by).
 
+    \b
     Example: twophase coordinator run pipeline.yaml
     """
     from coordinator.runtime import CoordinatorRuntime
@@ -79,7 +162,11 @@ def coordinator_run(config: str) -> None:
 
 @main.group()
 def participant() -> None:
-    """A participant: consumes the source topics and writes the sinks."""
+    """A participant: consumes the source topics and writes the sinks.
+
+    \b
+    Example: TWOPHASE_PARTICIPANT_ID=worker-0 twophase participant run pipeline.yaml
+    """
 
 
 @participant.command("run")
@@ -93,6 +180,7 @@ def participant() -> None:
 def participant_run(config: str, participant_id: str) -> None:
     """Run a participant worker.
 
+    \b
     Example: TWOPHASE_PARTICIPANT_ID=worker-0 twophase participant run pipeline.yaml
     """
     from participants.runtime import ParticipantRuntime
@@ -107,7 +195,11 @@ def participant_run(config: str, participant_id: str) -> None:
 
 @main.group()
 def topics() -> None:
-    """Create or inspect the pipeline's topics."""
+    """Create or inspect the pipeline's topics.
+
+    \b
+    Example: twophase topics describe pipeline.yaml
+    """
 
 
 @topics.command("create")
@@ -116,10 +208,15 @@ def topics() -> None:
 def topics_create(config: str, as_json: bool) -> None:
     """Create the control, dead-letter and source topics if missing.
 
+    Settings come from control-topic/topics.yaml and the config; replication and
+    min.insync.replicas are clamped to the broker count.
+
+    \b
     Example: twophase topics create pipeline.yaml
     """
     from twophase.kafka import create_topics
 
+    _operator_logs()
     try:
         result = create_topics(_load(config))
     except TwophaseError as exc:
@@ -127,11 +224,65 @@ def topics_create(config: str, as_json: bool) -> None:
     _emit(result, as_json, _table)
 
 
+@topics.command("describe")
+@click.argument("config", type=click.Path(exists=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def topics_describe(config: str, as_json: bool) -> None:
+    """Each topic of the pipeline: partitions, replication, key settings, offsets.
+
+    Shows cleanup.policy, retention.ms, min.insync.replicas, max.message.bytes and
+    unclean.leader.election.enable next to what control-topic/topics.yaml (clamped like
+    `topics create`) asks for. Exit 1 when a topic is missing, the control topic is not one
+    partition, or its settings differ from the expected ones.
+
+    \b
+    Example: twophase topics describe pipeline.yaml --json
+    """
+    from twophase.status import describe_topics
+
+    _operator_logs()
+    cfg = _load(config)
+    try:
+        with _Spinner() as spinner:
+            result = describe_topics(cfg, progress=spinner)
+    except TwophaseError as exc:
+        raise click.ClickException(str(exc)) from None
+
+    def human(d: dict[str, Any]) -> None:
+        click.echo(f"pipeline {d['pipeline']}  ({d['brokers']} brokers)")
+        for t in d["topics"]:
+            if not t["exists"]:
+                click.echo(f"{t['topic']}  ({t['role']})  MISSING")
+                continue
+            click.echo(
+                f"{t['topic']}  ({t['role']})  partitions {t['partitions']}  "
+                f"replication {t['replication_factor']}"
+            )
+            for k, v in sorted(t["config"].items()):
+                click.echo(f"    {k} = {v}")
+            for k, d_ in sorted(t["drift"].items()):
+                click.echo(f"    differs: {k} is {d_['actual']}, expected {d_['expected']}")
+            for o in t["offsets"]:
+                click.echo(
+                    f"    [{o['partition']}] leader {o['leader']}  isr {o['isr']}  "
+                    f"offsets {o['start']}..{o['end']}"
+                )
+        for problem in d["problems"]:
+            click.echo(f"problem: {problem}")
+
+    _emit(result, as_json, human)
+    sys.exit(1 if result["problems"] else 0)
+
+
 @main.command()
 @click.argument("config", type=click.Path(exists=True, dir_okay=False))
 def validate(config: str) -> None:
     """Validate a pipeline config, including every sink section.
 
+    Connects to nothing. Errors name the field and the file, e.g.
+    "config field 'commit.interval_ms' in pipeline.yaml: ...".
+
+    \b
     Example: twophase validate pipeline.yaml
     """
     from participants.registry import build_sinks
@@ -153,24 +304,44 @@ def validate(config: str) -> None:
     default=0.0,
     help="Unhealthy when the last commit is older than this many seconds (default: 10 intervals).",
 )
-def status(config: str, as_json: bool, max_commit_age: float) -> None:
-    """Pipeline status from the control log and Kafka; exit 1 when unhealthy.
+@click.option(
+    "--sinks/--no-sinks",
+    "read_sinks",
+    default=True,
+    show_default=True,
+    help="Connect to the sinks and show their committed positions.",
+)
+def status(config: str, as_json: bool, max_commit_age: float, read_sinks: bool) -> None:
+    """Pipeline status from the control log, Kafka and the sinks; exit 1 when unhealthy.
 
+    Shows the leader, the last transaction and commit, lag per partition and per participant,
+    and each sink's committed positions. Health is judged from the control log and Kafka only;
+    a sink that cannot be read is a warning.
+
+    \b
     Example: twophase status pipeline.yaml --json
     """
     from twophase.status import pipeline_status
 
+    _operator_logs()
     cfg = _load(config)
     try:
-        st = pipeline_status(
-            cfg, max_commit_age_s=max_commit_age or 10 * cfg.commit.interval_ms / 1000
-        )
-    except TwophaseError as exc:
+        with _Spinner() as spinner:
+            st = pipeline_status(
+                cfg,
+                max_commit_age_s=max_commit_age or 10 * cfg.commit.interval_ms / 1000,
+                sinks=read_sinks,
+                progress=spinner,
+            )
+    except (TwophaseError, SinkError) as exc:
         raise click.ClickException(str(exc)) from None
 
     def human(d: dict[str, Any]) -> None:
         click.echo(f"pipeline      {d['pipeline']}  ({'healthy' if d['healthy'] else 'UNHEALTHY'})")
-        click.echo(f"leader        {d['leader'] or '-'}")
+        leader = d["leader"]
+        if leader:
+            leader = f"{leader} on {d['leader_host']} (last writer {d['last_coordinator'] or '-'})"
+        click.echo(f"leader        {leader or '-'}")
         click.echo(f"last txn      {d['last_txn']}  (in flight: {d['in_flight'] or '-'})")
         age = d["last_commit_age_s"]
         click.echo(
@@ -180,18 +351,296 @@ def status(config: str, as_json: bool, max_commit_age: float) -> None:
         click.echo(f"lag           {d['total_lag']} records")
         for p in d["partitions"]:
             click.echo(
-                f"  {p['topic']}[{p['partition']}]  committed {p['committed']}  end {p['end']}  lag {p['lag']}  owner {p['owner'] or '-'}"
+                f"  {p['topic']}[{p['partition']}]  committed "
+                f"{p['committed'] if p['committed'] >= 0 else '-'}  end {p['end']}  "
+                f"lag {p['lag']}  owner {p['owner'] or '-'}"
             )
+        click.echo(f"participants  {len(d['participants'])}")
+        for m in d["participants"]:
+            tps = ", ".join(f"{p['topic']}[{p['partition']}]" for p in m["partitions"]) or "-"
+            click.echo(f"  {m['id']}  on {m['host']}  lag {m['lag']}  partitions {tps}")
+        if d["sinks"] is not None:
+            click.echo("sinks         committed positions (no last-txn call in the sink SDK)")
+            for sk in d["sinks"]:
+                if "error" in sk:
+                    click.echo(f"  {sk['name']}  ERROR {sk['error']}")
+                    continue
+                pos = ", ".join(
+                    f"{p['topic']}[{p['partition']}]={p['offset']}"
+                    for p in sk["committed_positions"]
+                )
+                behind = (
+                    f"  (behind the log on {len(sk['behind_log'])})" if sk["behind_log"] else ""
+                )
+                click.echo(f"  {sk['name']} ({sk['type']})  {pos or '-'}{behind}")
         for problem in d["problems"]:
             click.echo(f"problem       {problem}")
+        for warning in d["warnings"]:
+            click.echo(f"warning       {warning}")
 
     _emit(st, as_json, human)
     sys.exit(0 if st["healthy"] else 1)
 
 
 @main.group()
+def txn() -> None:
+    """Inspect and resolve transactions: the decision log next to every sink.
+
+    \b
+    Example: twophase txn list pipeline.yaml
+    """
+
+
+@txn.command("list")
+@click.argument("config", type=click.Path(exists=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def txn_list(config: str, as_json: bool) -> None:
+    """In-doubt parts: prepared in a sink and undecided there, or committed and not acknowledged.
+
+    For each part: the transaction, the participant, the sinks it is prepared in, the outcome
+    the decision log gives it (commit / abort / none-yet, as recovery computes it), its age
+    (from the PREPARE, when in the log tail), whether its owner is a live member of the group,
+    and what happens next. Exit 1 when a sink could not be read.
+
+    \b
+    Example: twophase txn list pipeline.yaml --json
+    """
+    from twophase.txn import list_txns
+
+    _operator_logs()
+    cfg = _load(config)
+    try:
+        with _Spinner() as spinner:
+            result = list_txns(cfg, progress=spinner)
+    except (TwophaseError, SinkError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+    def human(d: dict[str, Any]) -> None:
+        click.echo(
+            f"pipeline {d['pipeline']}: last txn {d['last_txn']}, last decided "
+            f"{d['last_decided']}, in flight {d['undecided'] or '-'}"
+        )
+        if not d["parts"]:
+            click.echo("no in-doubt parts")
+        else:
+            _columns(
+                ["TXN", "PARTICIPANT", "PREPARED IN", "OUTCOME", "AGE", "OWNER", "NEXT"],
+                [
+                    [
+                        r["txn"],
+                        r["participant"],
+                        ",".join(r["prepared_in"]),
+                        r["outcome"],
+                        f"{r['age_s']}s" if r["age_s"] is not None else None,
+                        r["owner"],
+                        r["next"],
+                    ]
+                    for r in d["parts"]
+                ],
+            )
+        for name, error in sorted(d["sink_errors"].items()):
+            click.echo(f"sink {name}: ERROR {error}")
+
+    _emit(result, as_json, human)
+    sys.exit(1 if result["sink_errors"] else 0)
+
+
+@txn.command("show")
+@click.argument("config", type=click.Path(exists=True, dir_okay=False))
+@click.argument("txn_id", metavar="TXN", type=click.IntRange(min=0))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option(
+    "--from-beginning",
+    is_flag=True,
+    help="Read every retained control message, not only the tail from the last checkpoint.",
+)
+def txn_show(config: str, txn_id: int, as_json: bool, from_beginning: bool) -> None:
+    """One transaction: what the decision log saw of it and its state in each sink.
+
+    The log part lists the PREPARE, every VOTE, the DECISION (parts, positions), APPLIED
+    acknowledgements and COMPLETE, as far as the tail since the last checkpoint reaches
+    (--from-beginning for older ones). Per part: the outcome recovery gives it and its state in
+    every sink ("prepared", or for sinks on the SDK's BatchingSink the marker's state).
+
+    \b
+    Example: twophase txn show pipeline.yaml 42
+    """
+    from twophase.txn import show_txn
+
+    _operator_logs()
+    cfg = _load(config)
+    try:
+        with _Spinner() as spinner:
+            result = show_txn(cfg, txn_id, from_beginning=from_beginning, progress=spinner)
+    except (TwophaseError, SinkError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+    def human(d: dict[str, Any]) -> None:
+        click.echo(f"txn {d['txn']} of {d['pipeline']}: {d['state']} (outcome: {d['outcome']})")
+        lg = d["log"]
+        click.echo(f"log (read from the {d['read_from']}; last decided {d['last_decided']}):")
+        seen = False
+        if lg["prepare"]:
+            seen = True
+            p = lg["prepare"]
+            click.echo(
+                f"  {_when(p['ts_ms'])}  PREPARE   by {p['sender']}, deadline {_when(p['deadline_ms'])}"
+            )
+        for v in lg["votes"]:
+            seen = True
+            ranges = ", ".join(
+                f"{r['topic']}[{r['partition']}] {r['start']}..{r['end']} ({r['records']} rec)"
+                for r in v["partitions"]
+            )
+            reason = f"  reason: {v['reason']}" if v["reason"] else ""
+            click.echo(
+                f"  {_when(v['ts_ms'])}  VOTE      {v['participant']} {v['vote']} gen "
+                f"{v['generation']} sinks {','.join(v['sinks']) or '-'}  {ranges or 'no partitions'}{reason}"
+            )
+        if lg["decision"]:
+            seen = True
+            dd = lg["decision"]
+            parts = ", ".join(f"{p['participant']}[{','.join(p['sinks'])}]" for p in dd["parts"])
+            positions = ", ".join(
+                f"{p['topic']}[{p['partition']}]={p['offset']}" for p in dd["positions"]
+            )
+            reason = f"  reason: {dd['reason']}" if dd.get("reason") else ""
+            click.echo(
+                f"  {_when(dd['ts_ms'])}  DECISION  {dd['outcome']} by {dd['sender']}  parts "
+                f"{parts or '-'}  positions {positions or '-'}{reason}"
+            )
+        for a in lg["applied"]:
+            seen = True
+            click.echo(f"  {_when(a['ts_ms'])}  APPLIED   {a['part']} by {a['applied_by']}")
+        if lg["complete"]:
+            seen = True
+            click.echo(f"  {_when(lg['complete']['ts_ms'])}  COMPLETE")
+        if lg["pending"]:
+            pend = lg["pending"]
+            click.echo(f"  pending commit: parts {pend['parts']}, acknowledged {pend['acked']}")
+        if not seen and d["read_from"] == "checkpoint":
+            click.echo("  nothing in the tail since the last checkpoint (try --from-beginning)")
+        click.echo("parts:")
+        if not d["parts"]:
+            click.echo("  none known")
+        for p in d["parts"]:
+            states = "  ".join(f"{k}: {v}" for k, v in sorted(p["sinks"].items()))
+            click.echo(f"  {p['participant']}  {p['outcome']} ({p['basis']})")
+            click.echo(f"      {states or 'no sinks'}")
+
+    _emit(result, as_json, human)
+    sys.exit(1 if result["sink_errors"] else 0)
+
+
+@txn.command("resolve")
+@click.argument("config", type=click.Path(exists=True, dir_okay=False))
+@click.argument("txn_id", metavar="TXN", type=click.IntRange(min=0))
+@click.option("--participant", "-p", required=True, help="Whose part of TXN to resolve.")
+@click.option("--commit", "outcome", flag_value="commit", help="Commit the part.")
+@click.option("--abort", "outcome", flag_value="abort", help="Abort the part.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Abort a part the log has not decided yet (risky: see above).",
+)
+@click.option(
+    "--retry-for",
+    type=click.FloatRange(min=0),
+    default=60.0,
+    show_default=True,
+    help="Seconds to keep retrying a sink's retriable errors.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def txn_resolve(
+    config: str,
+    txn_id: int,
+    participant: str,
+    outcome: str | None,
+    force: bool,
+    retry_for: float,
+    as_json: bool,
+) -> None:
+    """Apply an outcome to one part in every sink -- never against the decision log.
+
+    \b
+    --commit   only when the log has a commit decision naming the part (only the
+               coordinator decides commits).
+    --abort    when the log says abort: an abort decision, a commit that does not name
+               the part, or presumed abort (TXN <= last decided, never committed).
+    --abort --force
+               also for a part the log has not decided. Risk: if the coordinator then
+               decides commit, the part is gone from these sinks and cannot be committed.
+    A logged outcome is never contradicted, with or without --force.
+
+    Exit status: 0 applied, 1 a sink failed, 3 refused (the log does not allow it).
+    A participant's next sweep acknowledges a resolved commit to the coordinator.
+
+    \b
+    Example: twophase txn resolve pipeline.yaml 42 --participant worker-1 --abort
+    """
+    from twophase.protocol.messages import Outcome
+    from twophase.txn import ResolveRefused, resolve_part
+
+    _operator_logs()
+    if outcome is None:
+        raise click.UsageError("say --commit or --abort")
+    if force and outcome == "commit":
+        raise click.UsageError("--force only applies to --abort: commits are the coordinator's")
+    cfg = _load(config)
+    try:
+        with _Spinner() as spinner:
+            result = resolve_part(
+                cfg,
+                txn_id,
+                participant,
+                Outcome(outcome),
+                force=force,
+                retry_s=retry_for,
+                progress=spinner,
+            )
+    except ResolveRefused as exc:
+        if as_json:
+            click.echo(
+                json.dumps(
+                    {
+                        "refused": True,
+                        "txn": txn_id,
+                        "participant": participant,
+                        "asked": outcome,
+                        "logged": exc.check.logged.value if exc.check.logged else "none-yet",
+                        "basis": exc.check.basis,
+                        "message": str(exc),
+                    },
+                    indent=2,
+                    sort_keys=True,
+                )
+            )
+        else:
+            click.echo(f"Error: {exc}", err=True)
+        sys.exit(EXIT_REFUSED)
+    except (TwophaseError, SinkError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+    def human(d: dict[str, Any]) -> None:
+        if d["warning"]:
+            click.echo(f"warning: {d['warning']}", err=True)
+        click.echo(f"txn {d['txn']} part {d['participant']}: {d['outcome']} ({d['basis']})")
+        for name, state in sorted(d["sinks"].items()):
+            click.echo(f"  {name}: {state}")
+        if d["note"]:
+            click.echo(d["note"])
+
+    _emit(result, as_json, human)
+    sys.exit(0 if result["ok"] else 1)
+
+
+@main.group()
 def sinks() -> None:
-    """Sink types: built-in and installed plugins."""
+    """Sink types: built-in and installed plugins.
+
+    \b
+    Example: twophase sinks list
+    """
 
 
 @sinks.command("list")
@@ -199,6 +648,7 @@ def sinks() -> None:
 def sinks_list(as_json: bool) -> None:
     """List every sink type usable in a pipeline's sinks[].type.
 
+    \b
     Example: twophase sinks list
     """
     from participants.registry import available_sinks
