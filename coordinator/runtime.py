@@ -87,6 +87,7 @@ class CoordinatorRuntime:
         self.stop_event = threading.Event()
         self._assigned: bool | None = None  # set by the rebalance callbacks, read by the loop
         self._replaying = False
+        self._replay_end = 0
         self._fenced = False
         self.producer: Producer | None = None
         self.admin = AdminClient(client_settings(cfg, "admin"))
@@ -227,8 +228,20 @@ class CoordinatorRuntime:
         self.metrics.leader.labels(self.cfg.pipeline).set(1)
         log.info("coordinator %s is now the leader of %s", self.instance, self.cfg.pipeline)
         self._replaying = True
+        # Recovery reads up to the end as of now (or an end-of-partition event, if sooner): on
+        # a busy control topic the reader may never sit exactly at the moving end.
+        tp = TopicPartition(self.cfg.control_topic, 0)
+        self._replay_end = self.consumer.get_watermark_offsets(tp, timeout=CALL_TIMEOUT_S)[1]
         self._execute(self.machine.handle(LeadershipAcquired(_now_ms())))
         self._refresh_partitions()
+
+    def _replayed_to_end(self) -> bool:
+        tp = TopicPartition(self.cfg.control_topic, 0)
+        return self.consumer.position([tp])[0].offset >= self._replay_end
+
+    def _caught_up(self) -> None:
+        self._replaying = False
+        self._execute(self.machine.handle(CaughtUp(_now_ms())))
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -237,8 +250,7 @@ class CoordinatorRuntime:
         if err is not None:
             if err.code() == KafkaError._PARTITION_EOF:
                 if self._replaying:
-                    self._replaying = False
-                    self._execute(self.machine.handle(CaughtUp(_now_ms())))
+                    self._caught_up()
                 return
             raise_fatal(err)
             return
@@ -255,6 +267,8 @@ class CoordinatorRuntime:
             log.warning("skipping control message at offset %s: %s", msg.offset(), exc)
             return
         self._execute(self.machine.handle(Received(env, _now_ms())))
+        if self._replaying and self._replayed_to_end():
+            self._caught_up()
 
     # -- actions -------------------------------------------------------------------------------
 

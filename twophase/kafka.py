@@ -200,11 +200,23 @@ class ControlReader:
             return None
 
     def replay(self) -> Iterator[Envelope]:
-        """Every message from the start point up to the current end (read_committed)."""
+        """Every message from the start point up to the end as of now (read_committed).
+
+        Stops at the end offset taken when the replay starts, or at an end-of-partition event,
+        whichever comes first: on a busy control topic the reader may never sit exactly at the
+        moving end, so waiting for the event alone could never finish.
+        """
+        _low, end = self.consumer.get_watermark_offsets(self.tp, timeout=CALL_TIMEOUT_S)
         while not self.at_end:
             env = self.poll(1.0)
             if env is not None:
                 yield env
+            if self._position() >= end:
+                break
+
+    def _position(self) -> int:
+        pos = self.consumer.position([self.tp])[0].offset
+        return pos if pos >= 0 else -1
 
     def close(self) -> None:
         self.consumer.close()
