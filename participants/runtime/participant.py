@@ -445,7 +445,7 @@ class ParticipantRuntime:
             desc = self.admin.describe_consumer_groups([self.cfg.group_id])[
                 self.cfg.group_id
             ].result(timeout=CALL_TIMEOUT_S)
-        except KafkaException as exc:
+        except (KafkaException, TimeoutError) as exc:  # the future times out: broker restarting
             log.warning("cannot describe group %s: %s", self.cfg.group_id, exc)
             return None
         return frozenset(
