@@ -68,8 +68,8 @@ COORDINATOR_POINTS = ("after_decision", "mid_decision", "after_prepare_sent")
 POINT_COUNTS = {"mid_commit": (1, 3)}
 #: An armed point not reached within this long is disarmed and replaced by a plain SIGKILL.
 POINT_TIMEOUT_S = 40.0
-#: Random kills land this long after the episode starts.
-KILL_OFFSET_S = (0.0, 6.0)
+#: Random kills land this long after the episode's armed points have fired.
+KILL_OFFSET_S = (0.0, 4.0)
 #: A dead process comes back after this long (a supervisor's restart delay).
 RESTART_DELAY_S = (0.3, 3.0)
 #: Between episodes: at least this long, and until this many commits since the last restart
@@ -92,7 +92,7 @@ def log(msg: str) -> None:
 @dataclass
 class Fault:
     role: str  # participant | leader | standby
-    point: str = ""  # empty: a SIGKILL KILL_OFFSET_S into the episode
+    point: str = ""  # empty: a SIGKILL at a random moment of the episode
     count: int = 1
 
 
@@ -357,6 +357,7 @@ class Chaos:
             parts = [n for n, m in self.members.items() if m.role == "participant"]
             self.rng.shuffle(parts)
             lead = self.leader()
+            kills: list[str] = []
             for f in ep.faults:
                 if f.role == "participant":
                     target = next((p for p in parts if self.alive(p)), None)
@@ -372,8 +373,14 @@ class Chaos:
                 if f.point:
                     self.arm(target, f.point, f.count)
                 else:
+                    kills.append(target)
+            # Armed points first: a commit-phase point needs a commit, which a random kill of
+            # another process would hold up for a whole recovery. They fire within seconds on a
+            # working pipeline; the random kills follow right after.
+            self.idle(POINT_TIMEOUT_S + 5, lambda: not any(m.armed for m in self.members.values()))
+            for target in kills:
+                if self.alive(target):
                     self.members[target].kill_at = self.now() + self.rng.uniform(*KILL_OFFSET_S)
-            # Until every planned fault has happened (armed points are bounded by their timeout).
             self.idle(
                 POINT_TIMEOUT_S + 10,
                 lambda: not any(m.armed or m.kill_at is not None for m in self.members.values()),
