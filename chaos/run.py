@@ -389,13 +389,15 @@ class Chaos:
         rec["faults"] = [
             f"{f['target']}:{f.get('point') or f['why']}" for f in self.faults[before:]
         ]
-        # Recovered: everyone is back and the pipeline has committed a few times since.
+        # Recovered: everyone is back and the pipeline has committed a few times since the
+        # last restart of a process or of the stack.
+        faulted = self.now()
         hit = self.idle(
             bound,
             lambda: (
                 self.now() - started >= GAP_MIN_S
                 and self.all_alive()
-                and self.commits_since(self.last_start()) >= RECOVERY_COMMITS
+                and self.commits_since(max(self.last_start(), faulted)) >= RECOVERY_COMMITS
             ),
         )
         rec["recovery_s"] = round(self.now() - started, 1)
