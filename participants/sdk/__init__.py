@@ -23,7 +23,14 @@ from participants.sdk.errors import (
     SinkError,
     UnknownPartError,
 )
-from participants.sdk.records import PartId, Positions, Record, Rejected, TopicPartition
+from participants.sdk.records import (
+    CommittedInfo,
+    PartId,
+    Positions,
+    Record,
+    Rejected,
+    TopicPartition,
+)
 from participants.sdk.sink import Sink, SinkConfig, SinkContext
 from participants.sdk.staging import (
     discard_tree,
@@ -41,6 +48,7 @@ __all__ = [
     "AbortTransactionError",
     "BackpressureError",
     "BatchingSink",
+    "CommittedInfo",
     "FatalSinkError",
     "PartId",
     "PartMarker",

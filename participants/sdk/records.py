@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
-__all__ = ["PartId", "Positions", "Record", "Rejected", "TopicPartition"]
+__all__ = ["CommittedInfo", "PartId", "Positions", "Record", "Rejected", "TopicPartition"]
 
 TopicPartition = tuple[str, int]
 #: Next offset to consume, per source partition: what a committed part has fully handled.
@@ -78,3 +79,27 @@ class Rejected:
     record: Record
     reason: str
     extra: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class CommittedInfo:
+    """The newest committed part of a pipeline in one sink (:meth:`Sink.last_committed`).
+
+    ``part`` names the transaction and the participant whose part it is (a transaction has one
+    part per participant that wrote; any of them stands for it). ``committed_at`` is when the
+    store recorded the commit, timezone-aware and converted to UTC; None when the store does not
+    keep it.
+    """
+
+    part: PartId
+    committed_at: datetime | None = None
+
+    def __post_init__(self) -> None:
+        if self.committed_at is not None:
+            if self.committed_at.utcoffset() is None:
+                raise ValueError("committed_at must be timezone-aware (a naive time is ambiguous)")
+            object.__setattr__(self, "committed_at", self.committed_at.astimezone(UTC))
+
+    @property
+    def txn(self) -> int:
+        return self.part.txn

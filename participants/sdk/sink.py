@@ -77,6 +77,14 @@ against the real store; ``docs/write-a-sink.md`` walks through writing a sink th
   gone, older than ``before_txn``; the runtime aborts them. Never this process's own open part.
 * ``committed_positions()`` returns the source positions stored with committed data.
 * ``forget(before_txn)`` deletes the markers of *decided* parts older than ``before_txn``.
+* ``last_committed()`` returns the newest committed part of this pipeline in the store
+  (:class:`CommittedInfo`: the highest transaction number, whose part, and when the store
+  committed it if it records that), for operators (``twophase status``). Read from what the
+  store keeps with committed data -- the per-part markers -- never from this process's memory:
+  prepared, open and aborted parts never count, nor other pipelines', and it is the same from
+  any process and after a restart. ``forget`` keeps what it needs: it never deletes the
+  markers of the highest committed transaction. ``None`` means nothing is committed (or the
+  default: the sink cannot tell).
 """
 
 from __future__ import annotations
@@ -89,7 +97,14 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from participants.sdk.records import PartId, Positions, Record, Rejected, TopicPartition
+from participants.sdk.records import (
+    CommittedInfo,
+    PartId,
+    Positions,
+    Record,
+    Rejected,
+    TopicPartition,
+)
 
 __all__ = ["Sink", "SinkConfig", "SinkContext"]
 
@@ -217,6 +232,21 @@ class Sink(abc.ABC):
 
         Markers make decisions idempotent; once the decision log is past a transaction nobody
         repeats its decision, and without this they grow by one per part forever. Prepared parts,
-        data and :meth:`committed_positions` are untouched. Returns how many were deleted.
+        data, :meth:`committed_positions` and :meth:`last_committed` are untouched: the markers
+        of the highest committed transaction stay whatever ``before_txn`` is. Returns how many
+        were deleted.
         """
         return 0
+
+    def last_committed(self) -> CommittedInfo | None:
+        """The newest committed part of this pipeline in the store: highest ``txn``, whose part,
+        and ``committed_at`` (UTC) when the store records commit times.
+
+        From the store's own records of committed parts (never from this instance's memory), so
+        any process gets the same answer, also after a restart and after :meth:`forget`; parts
+        that are open, prepared or aborted never count. Applied out of order, an older part
+        committed last does not replace a newer one. None when nothing of this pipeline is
+        committed here -- and the default, for a sink that cannot tell (``twophase status``
+        tells the two apart by whether a sink overrides this method).
+        """
+        return None
