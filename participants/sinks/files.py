@@ -27,10 +27,11 @@ Life of a part:
   directory. Every step can be repeated, by any process, after a crash at any point.
 * ``abort``: the open or prepared directory disappears by one rename into ``trash/``.
 
-Housekeeping: the manifests also hold each part's source positions, so
-:meth:`FileSink.committed_positions` is the highest offset per partition over them, and
-:meth:`FileSink.forget` deletes old manifests but the best one of each partition, which keeps
-``manifests/`` bounded.
+Housekeeping: the manifests also hold each part's source positions and commit time, so
+:meth:`FileSink.committed_positions` is the highest offset per partition over them,
+:meth:`FileSink.last_committed` the manifest with the highest txn, and :meth:`FileSink.forget`
+deletes old manifests but the best one of each partition and those of the highest txn, which
+keeps ``manifests/`` bounded.
 
 What readers see: no file appears in ``{path}/{topic}`` before ``commit``, and every file that
 appears is complete (it was fsynced before it was linked). While a part commits, a reader that
@@ -74,6 +75,7 @@ from pydantic import Field, model_validator
 from participants.sdk import (
     AbortTransactionError,
     BackpressureError,
+    CommittedInfo,
     FatalSinkError,
     PartId,
     Positions,
@@ -725,13 +727,23 @@ def _sha256_of(path: Path) -> str:
 
 @dataclass(frozen=True, slots=True)
 class _ManifestInfo:
-    """What housekeeping needs of one manifest: its part and its positions (immutable once
-    written, so cached per file name and inode)."""
+    """What housekeeping needs of one manifest: its part, its positions and when it was
+    committed (immutable once written, so cached per file name and inode)."""
 
     inode: int
     txn: int
     participant: str
     positions: dict[TopicPartition, int]
+    committed_at: datetime | None
+
+
+def _manifest_time(raw: Mapping[str, Any]) -> datetime | None:
+    """The ``committed_at`` of a manifest document (see :func:`_now`); None when absent."""
+    text = raw.get("committed_at")
+    if not isinstance(text, str):
+        return None
+    moment = datetime.fromisoformat(text)
+    return moment if moment.utcoffset() is not None else moment.replace(tzinfo=UTC)
 
 
 def _manifest_positions(raw: Any) -> dict[TopicPartition, int]:
@@ -1334,15 +1346,32 @@ class FileSink(Sink):
                         positions[tp] = offset
         return positions
 
+    def last_committed(self) -> CommittedInfo | None:
+        """The manifest of this pipeline with the highest txn (of that txn's parts, the one
+        committed last), with the ``committed_at`` it records (the committer's clock).
+
+        Same cost as :meth:`committed_positions`: one listing, new manifests parsed once.
+        """
+        with self._fs("last_committed", None, RetriableSinkError):
+            index = self._scan_manifests()
+        if not index:
+            return None
+        epoch = datetime.min.replace(tzinfo=UTC)
+        newest = max(index.values(), key=lambda i: (i.txn, i.committed_at or epoch, i.participant))
+        part = PartId(self.context.pipeline, newest.txn, newest.participant)
+        return CommittedInfo(part, newest.committed_at)
+
     def forget(self, before_txn: int) -> int:
         """Delete the manifests of parts with ``txn < before_txn``; returns how many went.
 
         Only committed parts have a manifest (an aborted part leaves nothing, a prepared one has
         only its staged directory), so prepared parts and the data files are never touched. What
         :meth:`committed_positions` needs is kept: per source partition, the manifest holding its
-        highest offset (ties: the newest part), whatever its txn. Concurrent calls from several
-        processes are safe: a manifest is deleted only by a call that saw a better one for each
-        of its partitions, so the best one of each partition stays. Staged leftovers of a
+        highest offset (ties: the newest part), whatever its txn; and what
+        :meth:`last_committed` needs: the manifests of the highest txn. Concurrent calls from
+        several processes are safe: a manifest is deleted only by a call that saw a better one
+        for each of its partitions and a higher txn, so the best one of each partition and the
+        newest stay. Staged leftovers of a
         forgotten part (a commit interrupted before its clean-up) go first, so the part can never
         look prepared again.
 
@@ -1363,8 +1392,9 @@ class FileSink(Sink):
                     if tp not in best or rank > best[tp]:
                         best[tp], keep[tp] = rank, name
             needed = set(keep.values())
+            newest = max((info.txn for info in index.values()), default=-1)
             for name, info in sorted(index.items()):
-                if info.txn >= before_txn or name in needed:
+                if info.txn >= min(before_txn, newest) or name in needed:
                     continue
                 try:
                     forgotten_part = PartId(self.context.pipeline, info.txn, info.participant)
@@ -1407,11 +1437,14 @@ class FileSink(Sink):
                             continue  # forgotten by another process meanwhile
                         try:
                             positions = _manifest_positions(document)
+                            committed_at = _manifest_time(document)
                         except (orjson.JSONDecodeError, ValueError, KeyError, TypeError) as exc:
                             raise FatalSinkError(
                                 f"manifest {path} is unreadable: {exc}", sink=self.name
                             ) from exc
-                        info = _ManifestInfo(inode, int(txn_text), participant, positions)
+                        info = _ManifestInfo(
+                            inode, int(txn_text), participant, positions, committed_at
+                        )
                     found[name] = info
             self._manifest_cache = found
         return found

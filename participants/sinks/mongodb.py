@@ -72,7 +72,9 @@ again (a rewind re-reads the same transaction under the same id); a part aborted
 process while this one still writes it can no longer be prepared. ``lease_owner``/``lease_until``
 exist only while a ``prepared`` part is being committed. Committed positions per source
 partition live in the same collection (``kind: "positions"``) and are readable with
-:meth:`MongoSink.committed_positions`.
+:meth:`MongoSink.committed_positions`. The last chunk's transaction also stamps the marker's
+``committed_at`` (the committer's clock), which :meth:`MongoSink.last_committed` reports for the
+committed marker with the highest txn -- a marker :meth:`MongoSink.forget` always keeps.
 
 Stale parts: a process that dies while writing leaves staged documents behind an ``open``
 marker. They never show in :meth:`MongoSink.in_doubt` (not prepared). The runtime finds them with
@@ -124,6 +126,7 @@ from pymongo.write_concern import WriteConcern
 from participants.sdk import (
     AbortTransactionError,
     BackpressureError,
+    CommittedInfo,
     FatalSinkError,
     PartId,
     Positions,
@@ -140,6 +143,8 @@ from participants.sdk import (
 __all__ = ["MongoSink", "MongoSinkConfig"]
 
 Doc = dict[str, Any]
+#: Orders markers without a ``committed_at`` before any that has one.
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 # Marker states.
 OPEN = "open"
@@ -705,18 +710,42 @@ class MongoSink(Sink):
             )
             return {(d["topic"], int(d["partition"])): int(d["offset"]) for d in docs}
 
+    def last_committed(self) -> CommittedInfo | None:
+        """The committed marker of this pipeline and sink with the highest txn (of that txn's
+        parts, the one committed last), with its ``committed_at``. One index range scan
+        (``pipeline_sink_state_txn``) over the parts of that txn."""
+        with self._errors("last_committed", "-", RetriableSinkError):
+            newest = self._newest_committed()
+            if newest is None:
+                return None
+            found = self._markers.find(
+                {**self._committed_filter(), "txn": newest},
+                {"txn": 1, "participant": 1, "committed_at": 1},
+            )
+            marker = max(found, key=lambda m: (m.get("committed_at") or _EPOCH, m["participant"]))
+        at = marker.get("committed_at")
+        return CommittedInfo(
+            PartId(self.context.pipeline, int(marker["txn"]), str(marker["participant"])),
+            at if isinstance(at, datetime) else None,
+        )
+
     def forget(self, before_txn: int) -> int:
         """The SDK's retention hook; see :meth:`forget_decided`."""
         return self.forget_decided(before_txn)
 
     def forget_decided(self, before_txn: int) -> int:
-        """Delete committed and aborted markers of this pipeline older than ``before_txn``.
+        """Delete committed and aborted markers of this pipeline older than ``before_txn``,
+        but the committed ones of the highest txn (:meth:`last_committed` reads them).
 
         Markers make ``commit``/``abort`` idempotent; once the decision log has moved past a
         transaction nobody repeats it, and without this the collection grows by one marker per
-        part forever. Returns how many were deleted.
+        part forever. Returns how many were deleted. Concurrent calls are safe: the highest
+        committed txn only grows, so a call that read an older one deletes less.
         """
         with self._errors("forget_decided", "-", RetriableSinkError):
+            newest = self._newest_committed()
+            if newest is not None:
+                before_txn = min(before_txn, newest)
             return self._markers.delete_many(
                 {
                     "pipeline": self.context.pipeline,
@@ -726,6 +755,19 @@ class MongoSink(Sink):
                     "txn": {"$lt": before_txn},
                 }
             ).deleted_count
+
+    def _committed_filter(self) -> Doc:
+        return {
+            "pipeline": self.context.pipeline,
+            "sink": self.name,
+            "state": COMMITTED,
+            "kind": "part",
+        }
+
+    def _newest_committed(self) -> int | None:
+        """The highest txn among this pipeline's committed markers in this sink."""
+        marker = self._markers.find_one(self._committed_filter(), {"txn": 1}, sort=[("txn", -1)])
+        return None if marker is None else int(marker["txn"])
 
     # -- internals -------------------------------------------------------------------------
 

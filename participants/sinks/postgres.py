@@ -16,8 +16,12 @@ no                        no                   unknown / aborted
 
 The marker row also carries the part's source positions (jsonb ``{topic: {partition: offset}}``),
 committed atomically with the data: :meth:`PostgresSink.committed_positions` is the highest
-offset per partition over the visible rows, and :meth:`PostgresSink.forget` deletes old rows but
-the best one of each partition, which keeps the table bounded.
+offset per partition over the visible rows, :meth:`PostgresSink.last_committed` the visible row
+with the highest txn, and :meth:`PostgresSink.forget` deletes old rows but the best one of each
+partition and those of the highest txn, which keeps the table bounded. ``COMMIT PREPARED`` cannot
+write anything, so the commit time comes from the server's commit timestamps
+(``pg_xact_commit_timestamp`` of the row's ``xmin``) when ``track_commit_timestamp = on``, and is
+unknown otherwise.
 
 Connections: one for the open part, one per prepared part still waiting for its decision (up to
 :data:`_MAX_HELD_PREPARED`; older ones are closed, which leaves their prepared transaction intact),
@@ -68,6 +72,7 @@ from pydantic import Field, SecretStr, ValidationInfo, field_validator
 
 from participants.sdk import (
     AbortTransactionError,
+    CommittedInfo,
     FatalSinkError,
     PartId,
     Positions,
@@ -1290,6 +1295,44 @@ class PostgresSink(Sink):
                 raise self._housekeeping_error("committed_positions", exc) from exc
         return {(str(topic), int(partition)): int(offset) for topic, partition, offset in rows}
 
+    def last_committed(self) -> CommittedInfo | None:
+        """The visible marker row of this pipeline and sink with the highest txn (of its parts,
+        the one committed last when the server tells, else the highest participant name).
+
+        ``committed_at`` is the commit timestamp of the row's transaction -- the ``COMMIT
+        PREPARED`` -- which the server keeps only with ``track_commit_timestamp = on`` (off by
+        default; it costs a few bytes per transaction); otherwise it is None. The row's
+        ``prepared_at`` is not offered in its place: a part can wait long for its decision.
+        Two index lookups on the primary key's prefix.
+        """
+        self._require_ready()
+        with self._admin_conn() as conn:
+            try:
+                setting = conn.execute("SELECT current_setting('track_commit_timestamp')")
+                row = setting.fetchone()
+                tracked = row is not None and row[0] == "on"
+                when = sql.SQL(
+                    "pg_xact_commit_timestamp(m.xmin)" if tracked else "NULL::timestamptz"
+                )
+                row = conn.execute(
+                    sql.SQL(
+                        "SELECT m.txn, m.participant, {when} AS at FROM {marker} m"
+                        " WHERE m.pipeline = %(pipeline)s AND m.sink = %(sink)s AND m.txn = ("
+                        "   SELECT max(txn) FROM {marker}"
+                        "    WHERE pipeline = %(pipeline)s AND sink = %(sink)s)"
+                        " ORDER BY at DESC NULLS LAST, m.participant DESC LIMIT 1"
+                    ).format(when=when, marker=self._marker),
+                    {"pipeline": self.context.pipeline, "sink": self.name},
+                ).fetchone()
+            except psycopg.Error as exc:
+                if _is_lost(conn, exc):
+                    raise  # the admin connection's handler makes it retriable
+                raise self._housekeeping_error("last_committed", exc) from exc
+        if row is None:
+            return None
+        txn, participant, committed_at = row
+        return CommittedInfo(PartId(self.context.pipeline, int(txn), participant), committed_at)
+
     def forget(self, before_txn: int) -> int:
         """Delete the marker rows of this pipeline and sink with ``txn < before_txn``; returns
         how many went.
@@ -1298,8 +1341,10 @@ class PostgresSink(Sink):
         ``COMMIT PREPARED``, an aborted part's was rolled back with it), so prepared parts and the
         data are never touched. What :meth:`committed_positions` needs is kept: per source
         partition, the marker holding its highest offset (ties: the newest part), whatever its
-        txn. Concurrent calls are safe: a marker is deleted only by a statement whose snapshot
-        sees a better one for each of its partitions, so the best one of each partition stays.
+        txn; and so is what :meth:`last_committed` needs: the markers of the highest txn.
+        Concurrent calls are safe: a marker is deleted only by a statement whose snapshot
+        sees a better one for each of its partitions and a higher txn, so the best one of each
+        partition and the newest stay.
 
         After this, the store no longer knows a forgotten part: ``commit`` of it raises
         :class:`UnknownPartError`, ``abort`` of it is a no-op, and ``begin`` of its id is
@@ -1326,6 +1371,9 @@ class PostgresSink(Sink):
                             DELETE FROM {marker} m
                              WHERE m.pipeline = %(pipeline)s AND m.sink = %(sink)s
                                AND m.txn < %(before)s
+                               AND m.txn < (
+                                   SELECT max(n.txn) FROM {marker} n
+                                    WHERE n.pipeline = %(pipeline)s AND n.sink = %(sink)s)
                                AND NOT EXISTS (
                                    SELECT 1 FROM best b
                                     WHERE b.txn = m.txn AND b.participant = m.participant)"""

@@ -458,17 +458,21 @@ def test_positions_are_the_best_committed_and_forget_keeps_the_best_manifest_per
 
 
 def test_forget_decides_by_offset_not_by_txn(tmp_path: Path) -> None:
-    """Decisions applied out of order: the best manifest of a partition may be the older part."""
+    """Decisions applied out of order: the best manifest of a partition may be the older part.
+    The newest part's manifest stays too, whatever its positions (``last_committed``)."""
     base = tmp_path / "out"
     sink = make_sink(base)
     o0 = ("orders", 0)
     commit_part(sink, part(2), {o0: 50}, commit=False)
     commit_part(sink, part(1), {o0: 80})
     sink.commit(part(2))
+    commit_part(sink, part(3), {o0: 60})  # newest, no partition's best
     assert sink.committed_positions() == {o0: 80}
-    assert sink.forget(3) == 1
-    assert manifest_names(base) == ["000000000001-p0.json"]
+    assert sink.forget(4) == 1
+    assert manifest_names(base) == ["000000000001-p0.json", "000000000003-p0.json"]
     assert sink.committed_positions() == {o0: 80}
+    last = make_sink(base, participant="p9").last_committed()
+    assert last is not None and last.part == part(3) and last.committed_at is not None
 
 
 def test_forget_removes_staged_leftovers_so_a_forgotten_part_never_looks_prepared(
@@ -533,8 +537,10 @@ def test_forget_from_several_processes_at_once_keeps_the_positions(tmp_path: Pat
         t.start()
     for t in threads:
         t.join()
-    assert sum(results) == 599 - 5  # each manifest forgotten once; one per partition stays
-    assert len(manifest_names(base)) == 5
+    # Each manifest forgotten once; the best one per partition stays, and so does the newest
+    # (txn 599, not its partition's best).
+    assert sum(results) == 599 - 6
+    assert len(manifest_names(base)) == 6 and "000000000599-p2.json" in manifest_names(base)
     assert make_sink(base, participant="p8").committed_positions() == expected
 
 

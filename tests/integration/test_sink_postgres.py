@@ -520,15 +520,19 @@ def test_positions_are_the_best_committed_and_forget_keeps_the_best_marker_per_p
 
 
 def test_forget_decides_by_offset_not_by_txn(env: PgEnv, make_sink: MakeSink) -> None:
-    """Decisions applied out of order: the best marker of a partition may be the older part."""
+    """Decisions applied out of order: the best marker of a partition may be the older part.
+    The newest part's marker stays too, whatever its positions (``last_committed``)."""
     sink = make_sink(env.table("orders", "id bigint, name text"))
     run_positions(sink, part(env, 2), {(TOPIC, 0): 50}, commit=False)
     run_positions(sink, part(env, 1), {(TOPIC, 0): 80})
     sink.commit(part(env, 2))
+    run_positions(sink, part(env, 3), {(TOPIC, 0): 60})  # newest, no partition's best
     assert sink.committed_positions() == {(TOPIC, 0): 80}
-    assert sink.forget(3) == 1
-    assert marker_txns(env, sink) == [1]
+    assert sink.forget(4) == 1
+    assert marker_txns(env, sink) == [1, 3]
     assert sink.committed_positions() == {(TOPIC, 0): 80}
+    last = sink.last_committed()
+    assert last is not None and last.part == part(env, 3)
 
 
 def test_forget_from_several_processes_while_parts_commit_keeps_the_positions(
@@ -559,8 +563,10 @@ def test_forget_from_several_processes_while_parts_commit_keeps_the_positions(
             stop.set()
         forgotten = sum(f.result(timeout=30) for f in futures)
     forgotten += writer.forget(10**6)
-    assert forgotten == 120 - 4  # each marker forgotten once; the best of each partition stays
-    assert len(marker_txns(env, writer)) == 4
+    # Each marker forgotten once; the best of each partition stays, and so does the newest
+    # (txn 120, not its partition's best).
+    assert forgotten == 120 - 5
+    assert len(marker_txns(env, writer)) == 5 and 120 in marker_txns(env, writer)
     assert make_sink(table, participant="w9").committed_positions() == expected
 
 

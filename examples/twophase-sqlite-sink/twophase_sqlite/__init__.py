@@ -2,7 +2,8 @@
 
 One database file holds the target table, a staging table of the same shape (same types and
 CHECKs, so a bad row is refused at write time, not at commit) and the markers. A commit is one
-SQLite transaction: staged rows move to the target, the marker flips, the positions are stored.
+SQLite transaction: staged rows move to the target, the marker flips and records the commit time,
+the positions are stored.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sqlite3
 import threading
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,7 +26,7 @@ BUSY_TIMEOUT_S = 30.0
 _PART = "sink = ? AND token = ?"
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS twophase_parts (sink, token, pipeline, txn, participant, state,
-    positions, records, PRIMARY KEY (sink, token));
+    positions, records, committed_at, PRIMARY KEY (sink, token));
 CREATE TABLE IF NOT EXISTS twophase_positions (sink, pipeline, topic, partition, next,
     PRIMARY KEY (sink, pipeline, topic, partition));
 CREATE TABLE IF NOT EXISTS "{t}" ({columns}) STRICT;
@@ -63,6 +65,10 @@ class SqliteSink(sdk.BatchingSink):
         with self._tx("setup", sdk.FatalSinkError):
             for ddl in _SCHEMA.format(t=self.cfg.table, columns=columns).split(";"):
                 db.execute(ddl)
+            if "committed_at" not in {
+                c[1] for c in db.execute("PRAGMA table_info(twophase_parts)")
+            }:
+                db.execute("ALTER TABLE twophase_parts ADD COLUMN committed_at")  # older file
 
     def close(self) -> None:
         with self._lock:
@@ -120,7 +126,11 @@ class SqliteSink(sdk.BatchingSink):
                 (part.token,),
             )
             db.execute(f"DELETE FROM {self._stage} WHERE _part = ?", (part.token,))
-            db.execute(f"UPDATE twophase_parts SET state = 'committed' WHERE {_PART}", key)
+            db.execute(
+                "UPDATE twophase_parts SET state = 'committed',"
+                f" committed_at = strftime('%Y-%m-%dT%H:%M:%fZ') WHERE {_PART}",  # UTC
+                key,
+            )
             db.executemany(
                 "INSERT INTO twophase_positions VALUES (?, ?, ?, ?, ?)"
                 " ON CONFLICT DO UPDATE SET next = max(next, excluded.next)",
@@ -141,7 +151,11 @@ class SqliteSink(sdk.BatchingSink):
             if (row or (None,))[0] not in expect:
                 return False
             row = (*key, p.pipeline, p.txn, p.participant, marker.state, positions, marker.records)
-            db.execute("INSERT OR REPLACE INTO twophase_parts VALUES (?, ?, ?, ?, ?, ?, ?, ?)", row)
+            db.execute(
+                "INSERT OR REPLACE INTO twophase_parts (sink, token, pipeline, txn, participant,"
+                " state, positions, records) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                row,
+            )
         return True
 
     def load_marker(self, part: sdk.PartId) -> sdk.PartMarker | None:
@@ -162,8 +176,21 @@ class SqliteSink(sdk.BatchingSink):
         sql = "SELECT topic, partition, next FROM twophase_positions WHERE sink=? AND pipeline=?"
         return {(t, n): o for t, n, o in self._query(sql, self.name, self.context.pipeline)}
 
+    def last_committed(self) -> sdk.CommittedInfo | None:
+        sql = (
+            "SELECT txn, participant, committed_at FROM twophase_parts WHERE sink = ?"
+            " AND pipeline = ? AND state = 'committed' ORDER BY txn DESC, committed_at DESC LIMIT 1"
+        )
+        for txn, participant, at in self._query(sql, self.name, self.context.pipeline):
+            when = datetime.fromisoformat(at).replace(tzinfo=UTC) if at else None
+            return sdk.CommittedInfo(sdk.PartId(self.context.pipeline, txn, participant), when)
+        return None
+
     def forget(self, before_txn: int) -> int:
+        """Decided markers older than ``before_txn``, but those of the newest committed txn."""
+        newest = "SELECT max(txn) FROM twophase_parts WHERE sink = ?1 AND pipeline = ?2"
+        newest += " AND state = 'committed'"
+        sql = "DELETE FROM twophase_parts WHERE sink = ?1 AND pipeline = ?2"
+        sql += f" AND state IN ('committed', 'aborted') AND txn < min(?3, coalesce(({newest}), ?3))"
         with self._tx("forget", sdk.RetriableSinkError) as db:
-            sql = "DELETE FROM twophase_parts WHERE sink = ? AND pipeline = ? AND txn < ?"
-            sql += " AND state IN ('committed', 'aborted')"
             return db.execute(sql, (self.name, self.context.pipeline, before_txn)).rowcount
