@@ -31,7 +31,7 @@ Everything else -- ``begin``/``write``/``prepare``/``commit``/``abort``/``in_dou
   prepare, and from then on any process can ``publish``.
 * Markers are keyed by sink name and part (two sinks may share one marker table).
 
-Example: ``examples/twophase-sqlite-sink`` (about 170 lines); guide: ``docs/write-a-sink.md``.
+Example: ``examples/twophase-sqlite-sink`` (about 200 lines); guide: ``docs/write-a-sink.md``.
 """
 
 from __future__ import annotations

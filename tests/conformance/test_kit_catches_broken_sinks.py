@@ -18,6 +18,7 @@ import pytest
 
 from participants.sdk import (
     AbortTransactionError,
+    CommittedInfo,
     FatalSinkError,
     PartId,
     PartMarker,
@@ -272,6 +273,60 @@ class ForgetsPreparedParts(SqliteSink):
             ).rowcount
 
 
+class LastCommittedIsTheLastApplied(SqliteSink):
+    """Reports the part committed most recently, not the highest transaction."""
+
+    def last_committed(self) -> CommittedInfo | None:
+        rows = self._query(
+            "SELECT token FROM twophase_parts WHERE sink = ? AND pipeline = ?"
+            " AND state = 'committed' ORDER BY committed_at DESC, rowid DESC LIMIT 1",
+            self.name,
+            self.context.pipeline,
+        )
+        return CommittedInfo(PartId.parse(rows[0][0])) if rows else None
+
+
+class LastCommittedCountsEveryMarker(SqliteSink):
+    """Takes the highest marker whatever its state: prepared and aborted parts count."""
+
+    def last_committed(self) -> CommittedInfo | None:
+        rows = self._query(
+            "SELECT token FROM twophase_parts WHERE sink = ? AND pipeline = ?"
+            " ORDER BY txn DESC LIMIT 1",
+            self.name,
+            self.context.pipeline,
+        )
+        return CommittedInfo(PartId.parse(rows[0][0])) if rows else None
+
+
+class LastCommittedFromMemory(SqliteSink):
+    """Remembers what this instance committed: a restarted process knows nothing."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._newest: CommittedInfo | None = None
+
+    def commit(self, part: PartId) -> None:
+        super().commit(part)
+        if self._newest is None or part.txn > self._newest.txn:
+            self._newest = CommittedInfo(part)
+
+    def last_committed(self) -> CommittedInfo | None:
+        return self._newest
+
+
+class ForgetDropsTheLastCommitted(SqliteSink):
+    """forget() deletes every decided marker below before_txn, the newest committed one too."""
+
+    def forget(self, before_txn: int) -> int:
+        with self._tx("forget", RetriableSinkError) as db:
+            return db.execute(
+                "DELETE FROM twophase_parts WHERE sink = ? AND pipeline = ? AND txn < ?"
+                " AND state IN ('committed', 'aborted')",
+                (self.name, self.context.pipeline, before_txn),
+            ).rowcount
+
+
 class SaveMarkerIgnoresExpect(SqliteSink):
     """save_marker() without the compare-and-set: a part aborted by another process as stale
     is prepared anyway, with its staged rows gone."""
@@ -328,6 +383,10 @@ MUTANTS: dict[type[SqliteSink], set[str]] = {
     StaleListsLiveParts: {"test_stale_parts_never_lists_a_live_part"},
     PositionsMoveBack: {"test_committed_positions"},
     ForgetsPreparedParts: {"test_forget_keeps_what_is_still_needed"},
+    LastCommittedIsTheLastApplied: {"test_last_committed"},
+    LastCommittedCountsEveryMarker: {"test_last_committed"},
+    LastCommittedFromMemory: {"test_last_committed"},
+    ForgetDropsTheLastCommitted: {"test_last_committed"},
 }
 
 

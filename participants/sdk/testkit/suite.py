@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime, timedelta
 from typing import ClassVar
 
 import pytest
@@ -20,6 +21,10 @@ __all__ = ["CASES", "SinkConformance"]
 
 #: How long one thread of a concurrency case waits for the other; generous for slow stores.
 THREAD_WAIT_S = 120.0
+#: How far a store's commit time may be from the test's clock: the store may stamp it with its
+#: own clock (a database server's), which runs a little apart. A local time passed off as UTC is
+#: off by whole hours (unless the machine runs on UTC, where nothing can tell).
+CLOCK_SKEW = timedelta(minutes=5)
 
 
 def _overridden(sink: Sink, method: str) -> bool:
@@ -403,6 +408,50 @@ class SinkConformance:
         sink.commit(kit.part(3))
         sink.commit(kit.part(4))  # newer than before_txn: still idempotent
         assert kit.visible() == seen + ids(records(20, 10))
+
+    def test_last_committed(self, twophase_kit: Kit) -> None:
+        kit = twophase_kit
+        sink = kit.sink()
+        if not _overridden(sink, "last_committed"):
+            pytest.skip("the sink does not implement last_committed()")
+        assert sink.last_committed() is None, "a pipeline that committed nothing"
+        started = datetime.now(UTC)
+        kit.run(sink, kit.part(1), records(0, 10), commit=True)
+        first = sink.last_committed()
+        assert first is not None and first.part == kit.part(1)
+        w2 = kit.sink("w2")
+        kit.run(sink, kit.part(2), records(10, 10))
+        # No positions: forget() must keep its marker for being the newest commit, not for
+        # holding some partition's highest offset.
+        kit.run(w2, kit.part(3, "w2"), records(0, 10, partition=1), positions={})
+        w2.commit(kit.part(3, "w2"))
+        sink.commit(kit.part(2))  # decisions applied out of order: the highest txn still wins
+        kit.run(sink, kit.part(4), records(20, 10))  # stays prepared
+        kit.run(sink, kit.part(5), records(30, 10))
+        sink.abort(kit.part(5))  # aborted after its prepare
+        kit.run(sink, kit.part(6), records(40, 10), prepare=False)  # stays open
+        other = kit.pipeline + "-x"  # another pipeline's newer commit never counts
+        kit.run(kit.sink(pipeline=other), kit.part(9, pipeline=other), records(0, 5), commit=True)
+        last = sink.last_committed()
+        assert last is not None and last.part == kit.part(3, "w2"), (
+            f"newest committed part is {kit.part(3, 'w2')}, the sink says {last}"
+        )
+        for info in (first, last):
+            if info.committed_at is not None:
+                at = info.committed_at
+                assert at.utcoffset() is not None
+                assert started - CLOCK_SKEW <= at <= datetime.now(UTC) + CLOCK_SKEW, (
+                    f"committed_at {at.isoformat()} is not the time of the commit"
+                )
+        if first.committed_at is not None and last.committed_at is not None:
+            assert first.committed_at <= last.committed_at
+        assert kit.sink("w9").last_committed() == last, "a restarted process reads it back"
+        if _overridden(sink, "forget"):
+            sink.forget(10**9)
+            assert kit.sink("w9").last_committed() == last, "forget() dropped the newest commit"
+            sink.commit(kit.part(4))
+            after = sink.last_committed()
+            assert after is not None and after.part == kit.part(4)
 
 
 #: Every case's name, for ``known_failures`` checks.
