@@ -13,7 +13,7 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 # Public, but re-exported there without __all__, which mypy --strict treats as private.
 from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType  # type: ignore[attr-defined]
 
-from participants.sdk import SinkError
+from participants.sdk import Sink, SinkError
 from twophase.config import PipelineConfig
 from twophase.errors import RetriableError
 from twophase.kafka import CALL_TIMEOUT_S, client_settings
@@ -31,11 +31,8 @@ KEY_TOPIC_CONFIGS = (
     "unclean.leader.election.enable",
 )
 
-#: What ``status`` says about a sink's last committed transaction: the SDK cannot tell it.
-NO_LAST_TXN = (
-    "the sink SDK has no call for a sink's last committed transaction; "
-    "committed_positions (stored with the data) are shown instead"
-)
+#: What ``status`` says of a sink (a plugin) that does not implement ``Sink.last_committed``.
+NO_LAST_COMMITTED = "this sink type does not report its last committed transaction"
 
 
 def _quiet(_note: str) -> None:
@@ -72,14 +69,23 @@ def _sinks_status(cfg: PipelineConfig, log_positions: dict[tuple[str, int], int]
     try:
         for sink in sinks:
             entry: dict[str, Any] = {"name": sink.name, "type": sink.config.type}
+            reports = type(sink).last_committed is not Sink.last_committed
             try:
                 positions = sink.committed_positions()
+                last = sink.last_committed() if reports else None
             except SinkError as exc:
                 entry["error"] = str(exc)
                 out.append(entry)
                 continue
-            entry["last_committed_txn"] = None
-            entry["note"] = NO_LAST_TXN
+            # The newest committed part in the store, from its own markers: equal to the log's
+            # last commit decision naming this sink once that decision is applied.
+            at = last.committed_at if last is not None else None
+            entry["last_committed_txn"] = last.txn if last is not None else None
+            entry["last_committed_by"] = last.part.participant if last is not None else None
+            entry["committed_at"] = at.isoformat(timespec="milliseconds") if at else None
+            entry["committed_age_s"] = round(time.time() - at.timestamp(), 1) if at else None
+            if not reports:
+                entry["note"] = NO_LAST_COMMITTED
             entry["committed_positions"] = [
                 {"topic": t, "partition": p, "offset": o} for (t, p), o in sorted(positions.items())
             ]
@@ -89,11 +95,6 @@ def _sinks_status(cfg: PipelineConfig, log_positions: dict[tuple[str, int], int]
                 for (t, p), o in sorted(positions.items())
                 if o < log_positions.get((t, p), -1)
             ]
-            if not positions:
-                entry["note"] = NO_LAST_TXN.replace(
-                    "are shown instead",
-                    "are shown instead; none yet, or the sink does not store them",
-                )
             out.append(entry)
     finally:
         for sink in sinks:
@@ -111,7 +112,8 @@ def pipeline_status(
     sinks: bool = True,
     progress: Progress = _quiet,
 ) -> dict[str, Any]:
-    """Health from the control log and Kafka; sinks' committed positions when ``sinks``.
+    """Health from the control log and Kafka; each sink's last committed transaction and
+    committed positions when ``sinks``.
 
     Health depends on the log and Kafka only: a sink that cannot be read is a warning (the
     reader may lack the participants' volumes or network, e.g. a ``helm test`` pod).
@@ -180,7 +182,7 @@ def pipeline_status(
         )
     sink_entries: list[dict[str, Any]] | None = None
     if sinks:
-        progress("reading the sinks' committed positions")
+        progress("reading the sinks' last commits and positions")
         sink_entries = _sinks_status(cfg, view.positions)
         warnings += [f"sink {e['name']}: {e['error']}" for e in sink_entries if "error" in e]
     return {

@@ -8,13 +8,19 @@ read directly.
 
 from __future__ import annotations
 
+import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import yaml
+from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from tests.cli.conftest import LivePipeline, pg_gids, prepare_pg_part, run_cli, run_json
-from twophase.harness import end_offsets, group_offsets
+from twophase.harness import Scenario, end_offsets, group_offsets
+from twophase.protocol.codec import DecodeError, decode
+from twophase.protocol.messages import Decision, Outcome
 
 TOPICS_YAML = Path(__file__).resolve().parents[2] / "control-topic" / "topics.yaml"
 
@@ -43,6 +49,57 @@ def _positions(entries: list[dict[str, Any]]) -> dict[int, int]:
     return {e["partition"]: e["offset"] for e in entries}
 
 
+def _last_commits_by_sink(s: Scenario) -> dict[str, tuple[int, str, int]]:
+    """Per sink: (txn, participant, decision time in ms) of the last commit DECISION in the
+    control log up to its current end with a part prepared in that sink -- read with a plain
+    consumer, not with the code under test. Idle cycles commit too, but their parts name no
+    sink, so the cycles the live pipeline runs while this reads change nothing."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": s.bootstrap,
+            "group.id": "twophase-test-last-commits",
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+            "enable.auto.commit": False,
+        }
+    )
+    control = TopicPartition(f"twophase.control.{s.name}", 0, 0)
+    consumer.assign([control])
+    # Everything below the end offset taken now; its last offset may be a transaction marker,
+    # never delivered, so the first message at or past it, or the end of the log, ends the read.
+    end = consumer.get_watermark_offsets(control, timeout=30)[1]
+    last: dict[str, tuple[int, str, int]] = {}
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            m = consumer.poll(1)
+            if m is None:
+                continue
+            if m.error() is not None:
+                if m.error().code() == KafkaError._PARTITION_EOF:
+                    return last
+                continue
+            if m.offset() >= end:
+                return last
+            raw = m.headers()
+            headers = [(k, v) for k, v in raw if isinstance(v, bytes)] if raw else []
+            try:
+                env = decode(m.value(), headers, key=s.hmac_key.encode())
+            except DecodeError:
+                continue
+            d = env.payload
+            if isinstance(d, Decision) and d.outcome is Outcome.COMMIT:
+                for part in d.parts:
+                    for sink in part.sinks:
+                        if d.txn > last.get(sink, (-1, "", 0))[0]:
+                            last[sink] = (d.txn, part.participant, env.ts_ms)
+            if m.offset() == end - 1:
+                return last
+    finally:
+        consumer.close()
+    raise AssertionError("the control log was not read to its end in 60 s")
+
+
 def test_status_json_shape_and_values(live: LivePipeline) -> None:
     s = live.s
     st = run_json("status", live.config)
@@ -67,12 +124,30 @@ def test_status_json_shape_and_values(live: LivePipeline) -> None:
     # Each sink's committed positions: stored with its data, equal to the group's offsets.
     sinks = {e["name"]: e for e in st["sinks"]}
     assert set(sinks) == {"pg", "files"}
+    # Each sink's last committed transaction, from its markers: the pipeline is quiet (every
+    # record committed and applied), so it is the log's last commit decision naming the sink.
+    logged = _last_commits_by_sink(s)
+    with psycopg.connect(s.pg_dsn, autocommit=True) as conn:
+        row = conn.execute("SHOW track_commit_timestamp").fetchone()
+    pg_times = row is not None and row[0] == "on"
+    read_at = datetime.now(UTC)
     for name, entry in sinks.items():
         assert "error" not in entry, entry
         assert entry["type"] == {"pg": "postgres", "files": "files"}[name]
         assert _positions(entry["committed_positions"]) == committed, name
-        assert entry["last_committed_txn"] is None and "SDK" in entry["note"]
         assert entry["behind_log"] == []
+        assert "note" not in entry, entry  # both built-in sinks report their last commit
+        txn, participant, decided_ms = logged[name]
+        assert (entry["last_committed_txn"], entry["last_committed_by"]) == (txn, "p-0"), name
+        assert participant == "p-0"
+        if name == "pg" and not pg_times:  # COMMIT PREPARED leaves no time but the server's
+            assert entry["committed_at"] is None and entry["committed_age_s"] is None
+            continue
+        # Committed after the decision was written (same host's clock; ms rounding aside).
+        at = datetime.fromisoformat(entry["committed_at"])
+        decided = datetime.fromtimestamp(decided_ms / 1000, UTC)
+        assert decided - timedelta(seconds=1) <= at <= read_at, (name, at, decided)
+        assert 0 <= entry["committed_age_s"] <= (read_at - decided).total_seconds() + 2, name
 
     human = run_cli("status", live.config)
     assert human.exit_code == 0, human.output
