@@ -360,11 +360,17 @@ def status(config: str, as_json: bool, max_commit_age: float, read_sinks: bool) 
             tps = ", ".join(f"{p['topic']}[{p['partition']}]" for p in m["partitions"]) or "-"
             click.echo(f"  {m['id']}  on {m['host']}  lag {m['lag']}  partitions {tps}")
         if d["sinks"] is not None:
-            click.echo("sinks         committed positions (no last-txn call in the sink SDK)")
+            click.echo("sinks         last committed txn, committed positions")
             for sk in d["sinks"]:
                 if "error" in sk:
                     click.echo(f"  {sk['name']}  ERROR {sk['error']}")
                     continue
+                txn = sk["last_committed_txn"]
+                last = "not reported" if "note" in sk else f"txn {'-' if txn is None else txn}"
+                if sk["last_committed_by"]:
+                    last += f" by {sk['last_committed_by']}"
+                if sk["committed_age_s"] is not None:
+                    last += f", {sk['committed_age_s']}s ago"
                 pos = ", ".join(
                     f"{p['topic']}[{p['partition']}]={p['offset']}"
                     for p in sk["committed_positions"]
@@ -372,7 +378,7 @@ def status(config: str, as_json: bool, max_commit_age: float, read_sinks: bool) 
                 behind = (
                     f"  (behind the log on {len(sk['behind_log'])})" if sk["behind_log"] else ""
                 )
-                click.echo(f"  {sk['name']} ({sk['type']})  {pos or '-'}{behind}")
+                click.echo(f"  {sk['name']} ({sk['type']})  {last}  {pos or '-'}{behind}")
         for problem in d["problems"]:
             click.echo(f"problem       {problem}")
         for warning in d["warnings"]:
