@@ -298,6 +298,10 @@ class ParticipantMachine:
         #: Parts whose decision is being applied, and the sinks it is applied in.
         self.applying: dict[tuple[int, str], tuple[str, ...]] = {}
         self.pending_prepare: int = 0
+        #: A PREPARE still undecided when the start-up replay ended: sent before this process
+        #: could hear it. Voted on (with an empty part) at the first assignment, instead of
+        #: leaving the coordinator to wait out its vote timeout.
+        self.inflight_at_start: int = 0
         #: The last transaction cut: PREPAREs only grow, so one at or below it is a re-read.
         self.last_cut: int = 0
         self.next_sweep_ms = 0
@@ -321,6 +325,9 @@ class ParticipantMachine:
             return self._on_received(event)
         if isinstance(event, CaughtUp):
             self.caught_up = True
+            undecided = [t for t in self.log.undecided if t > self.log.last_decided]
+            if undecided:
+                self.inflight_at_start = max(undecided)
             return [Log("info", f"caught up: last decided txn {self.log.last_decided}")]
         if isinstance(event, InDoubt):
             return self._on_in_doubt(event)
@@ -458,6 +465,16 @@ class ParticipantMachine:
         actions.append(
             Log("info", f"assigned {len(self.base)} partitions in generation {self.generation}")
         )
+        inflight, self.inflight_at_start = self.inflight_at_start, 0
+        if (
+            inflight > self.log.last_decided
+            and not self.pending_prepare
+            and inflight > self.last_cut
+            and (inflight, self.me) not in self.in_doubt
+        ):
+            # Nothing written yet: the part is empty, from the committed positions.
+            self.pending_prepare = inflight
+            actions += self._on_cut(inflight)
         return actions
 
     def _on_revoked(self) -> list[Action]:
