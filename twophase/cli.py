@@ -183,11 +183,12 @@ def participant_run(config: str, participant_id: str) -> None:
     \b
     Example: TWOPHASE_PARTICIPANT_ID=worker-0 twophase participant run pipeline.yaml
     """
-    from participants.runtime import ParticipantRuntime
+    from participants.runtime import AtLeastOnceRuntime, ParticipantRuntime
 
     cfg = _load(config)
+    kind = AtLeastOnceRuntime if cfg.participant.mode == "at_least_once" else ParticipantRuntime
     try:
-        runtime = ParticipantRuntime(cfg, participant_id=participant_id)
+        runtime: AtLeastOnceRuntime | ParticipantRuntime = kind(cfg, participant_id=participant_id)
     except TwophaseError as exc:
         raise click.ClickException(str(exc)) from None
     _run_until_signal(runtime)

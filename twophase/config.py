@@ -80,6 +80,12 @@ class CommitConfig(_Strict):
 
 class ParticipantConfig(_Strict):
     id: str = ""
+    #: ``exactly_once`` (default): parts prepared on the coordinator's PREPARE, committed on its
+    #: decision. ``at_least_once``: no coordinator and no control topic -- each batch is written,
+    #: committed in every sink on its own, then its offsets are committed; a crash between the two
+    #: replays the batch (duplicates unless the sinks upsert). For comparison and for sinks that
+    #: dedupe by key; it keeps none of the all-or-nothing guarantees.
+    mode: Literal["exactly_once", "at_least_once"] = "exactly_once"
     max_batch_records: int = Field(default=5000, ge=1)
     max_record_bytes: int = Field(default=1_048_576, ge=1)
     sweep_interval_ms: int = Field(default=15_000, ge=100)

@@ -11,6 +11,7 @@ the configured sinks, on two threads.
 Both feed one machine under one lock. Actions for the other thread travel through a queue.
 """
 
+from participants.runtime.atleastonce import AtLeastOnceRuntime
 from participants.runtime.participant import ParticipantRuntime
 
-__all__ = ["ParticipantRuntime"]
+__all__ = ["AtLeastOnceRuntime", "ParticipantRuntime"]

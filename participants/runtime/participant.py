@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -45,13 +44,11 @@ from participants.machine import (
     Written,
 )
 from participants.registry import build_sinks
-from participants.runtime.deadletter import DeadLetters, decode_batch, message_key
+from participants.runtime.batch import retry_call, write_batch
+from participants.runtime.deadletter import DeadLetters
 from participants.sdk import (
-    BackpressureError,
     FatalSinkError,
     PartId,
-    Record,
-    RetriableSinkError,
     Sink,
     SinkError,
     UnknownPartError,
@@ -358,25 +355,7 @@ class ParticipantRuntime:
             )
 
     def _retry(self, fn: Callable[[], T], what: str, budget_s: float = SINK_RETRY_BUDGET_S) -> T:
-        """Retriable errors are retried here, with jittered back-off, within one budget; sinks
-        never retry by themselves. Jitter keeps two participants that conflicted once (a write
-        conflict in a shared store) from colliding again in lockstep."""
-        deadline = time.monotonic() + budget_s
-        delay = 0.05
-        while True:
-            try:
-                return fn()
-            except BackpressureError as exc:
-                wait = exc.retry_after_s
-                err: Exception = exc
-            except (RetriableSinkError, RetriableError) as exc:
-                wait = delay * random.uniform(0.5, 1.5)
-                delay = min(delay * 2, 2.0)
-                err = exc
-            if time.monotonic() + wait > deadline or self.stop_event.is_set():
-                raise RetriableError(f"{what}: gave up after {budget_s:.0f}s: {err}")
-            log.warning("%s failed, retrying in %.2fs: %s", what, wait, err)
-            time.sleep(wait)
+        return retry_call(fn, what, budget_s, self.stop_event)
 
     # -- decisions -----------------------------------------------------------------------------
 
@@ -567,49 +546,16 @@ class ParticipantRuntime:
         with self.lock:
             part_txn = self.machine.open.txn if self.machine.open else 0
         part = PartId(self.cfg.pipeline, part_txn, self.me)
-        records, bad = decode_batch(msgs, self.cfg.participant.max_record_bytes)
-        dead: dict[tuple[str, int], int] = {}
-        for u in bad:
-            self.dlq.send(
-                topic=u.msg.topic() or "",
-                partition=u.msg.partition() or 0,
-                offset=u.msg.offset() or 0,
-                key=message_key(u.msg),
-                value=u.msg.value(),
-                reason=u.reason,
-                txn=part_txn,
-            )
-            tp = (u.msg.topic() or "", u.msg.partition() or 0)
-            dead[tp] = dead.get(tp, 0) + 1
-        remaining: list[Record] = records
-        raw: dict[str, bytes | None] = {}
         try:
-            for sink in self.sinks:
-                rejected = self._retry(partial(sink.write, part, remaining), f"write {sink.name}")
-                if rejected:
-                    if not raw:
-                        raw = {f"{m.topic()}:{m.partition()}:{m.offset()}": m.value() for m in msgs}
-                    ids = set()
-                    for r in rejected:
-                        rec = r.record
-                        ids.add(rec.record_id)
-                        self.dlq.send(
-                            topic=rec.topic,
-                            partition=rec.partition,
-                            offset=rec.offset,
-                            key=rec.key,
-                            value=raw.get(rec.record_id),
-                            reason=f"rejected by sink {sink.name}: {r.reason}",
-                            txn=part_txn,
-                            sink=sink.name,
-                        )
-                        tp = (rec.topic, rec.partition)
-                        dead[tp] = dead.get(tp, 0) + 1
-                    remaining = [r for r in remaining if r.record_id not in ids]
-                self.metrics.records.labels(self.cfg.pipeline, sink.name).inc(len(remaining))
-                self.metrics.bytes.labels(self.cfg.pipeline, sink.name).inc(
-                    sum(r.size for r in remaining)
-                )
+            batch = write_batch(
+                msgs,
+                part,
+                self.sinks,
+                dlq=self.dlq,
+                metrics=self.metrics,
+                max_record_bytes=self.cfg.participant.max_record_bytes,
+                retry=self._retry,
+            )
         except FatalSinkError:
             raise
         except (SinkError, RetriableError) as exc:
@@ -620,14 +566,6 @@ class ParticipantRuntime:
             self._poisoned = True
             self._pause()
             return
-        written: dict[tuple[str, int], int] = {}
-        for rec in remaining:
-            written[(rec.topic, rec.partition)] = written.get((rec.topic, rec.partition), 0) + 1
-        batch: dict[tuple[str, int], tuple[int, int, int]] = {}
-        for m in msgs:
-            tp = (m.topic() or "", m.partition() or 0)
-            last = max(batch.get(tp, (-1, 0, 0))[0], m.offset() or 0)
-            batch[tp] = (last, written.get(tp, 0), dead.get(tp, 0))
         self._run(self._feed(Written(part_txn, batch)), Thread.DATA)
 
     # -- consumer positions --------------------------------------------------------------------

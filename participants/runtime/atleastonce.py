@@ -1,0 +1,209 @@
+"""``participant.mode: at_least_once``: the same sinks, decoding and dead-letter topic as the
+exactly-once participant, with no coordinator and no control topic.
+
+Each consumed batch is one local part: ``begin``, ``write``, ``prepare``, ``commit`` in every
+sink, one after the other, then the batch's offsets are committed to the source group. A crash
+between a sink's commit and the offset commit replays the batch: duplicates, unless the sinks
+upsert by key. Nothing is all-or-nothing across sinks either -- a crash between two sinks'
+commits leaves the batch in one and not (yet) the other. This mode exists to measure what the
+coordination costs (``make bench``) and for pipelines whose sinks absorb replays.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, TypeVar
+
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+
+from participants.registry import build_sinks
+from participants.runtime.batch import retry_call, write_batch
+from participants.runtime.deadletter import DeadLetters
+from participants.sdk import PartId, Sink, SinkError
+from twophase.config import PipelineConfig
+from twophase.errors import RetriableError
+from twophase.kafka import CALL_TIMEOUT_S, client_settings, raise_fatal
+from twophase.observability import HealthServer, Metrics
+
+__all__ = ["AtLeastOnceRuntime"]
+
+log = logging.getLogger("twophase.participant")
+T = TypeVar("T")
+
+CONSUME_TIMEOUT_S = 0.2
+#: A batch is what one consume() returns, up to participant.max_batch_records.
+RETRY_BUDGET_S = 60.0
+
+
+class AtLeastOnceRuntime:
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        *,
+        participant_id: str = "",
+        metrics: Metrics | None = None,
+        sinks: Sequence[Sink] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.me = participant_id or cfg.participant_id
+        self.metrics = metrics or Metrics(cfg.pipeline, "participant")
+        self.sinks = (
+            list(sinks)
+            if sinks is not None
+            else build_sinks(
+                cfg.sinks, pipeline=cfg.pipeline, participant=self.me, source=cfg.source_file
+            )
+        )
+        self.stop_event = threading.Event()
+        self.producer = Producer(
+            client_settings(
+                cfg,
+                "participant-producer",
+                **{"enable.idempotence": True, "acks": "all", "linger.ms": 5},
+            )
+        )
+        self.dlq = DeadLetters(
+            self.producer,
+            cfg.dead_letter_topic,
+            cfg.pipeline,
+            self.me,
+            on_sent=lambda reason: self.metrics.dead_lettered.labels(
+                cfg.pipeline, reason.split(":")[0][:40]
+            ).inc(),
+        )
+        self.consumer = Consumer(
+            client_settings(
+                cfg,
+                "source-consumer",
+                **{
+                    "client.id": f"twophase-{cfg.pipeline}-participant-{self.me}",
+                    "group.id": cfg.group_id,
+                    "enable.auto.commit": False,
+                    "auto.offset.reset": "earliest",
+                    "isolation.level": "read_committed",
+                    "partition.assignment.strategy": "range",
+                },
+            )
+        )
+        self._assigned = False
+        self.health = HealthServer(self.metrics, ready=lambda: self._assigned, status=self.status)
+        self._txn = 0
+        self.batches = 0
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "role": "participant",
+            "mode": "at_least_once",
+            "participant": self.me,
+            "pipeline": self.cfg.pipeline,
+            "ready": self._assigned,
+            "batches": self.batches,
+            "sinks": [s.name for s in self.sinks],
+        }
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def run(self) -> None:
+        self.health.start(self.cfg.metrics.host, self.cfg.metrics.port)
+        try:
+            for sink in self.sinks:
+                self._retry(sink.setup, f"setup {sink.name}")
+            self._txn = self._next_txn()
+            self._discard_leftovers()
+            self.consumer.subscribe(
+                self.cfg.source_topics, on_assign=self._on_assign, on_revoke=self._on_revoke
+            )
+            log.info(
+                "participant %s running at-least-once for pipeline %s", self.me, self.cfg.pipeline
+            )
+            while not self.stop_event.is_set():
+                self.health.beat()
+                msgs = self.consumer.consume(
+                    self.cfg.participant.max_batch_records, CONSUME_TIMEOUT_S
+                )
+                for m in msgs:
+                    err = m.error()
+                    if err is not None:
+                        raise_fatal(err)
+                if msgs:
+                    self._batch(msgs)
+        finally:
+            self.consumer.close()
+            self.producer.flush(5)
+            for sink in self.sinks:
+                sink.close()
+            self.health.stop()
+
+    def _next_txn(self) -> int:
+        """Part numbers only need to grow per participant, across restarts too: centiseconds
+        since the epoch (12 digits, as the sinks' part names are padded to)."""
+        self._txn = max(self._txn + 1, int(time.time() * 100))
+        return self._txn
+
+    def _discard_leftovers(self) -> None:
+        """A crashed run of this participant may have left a prepared or an open part: its
+        offsets were never committed, so the records come again -- abort it."""
+        for sink in self.sinks:
+            parts = self._retry(sink.in_doubt, f"in_doubt {sink.name}")
+            parts += self._retry(partial(sink.stale_parts, self._txn), f"stale {sink.name}")
+            for part in parts:
+                if part.pipeline == self.cfg.pipeline and part.participant == self.me:
+                    self._retry(partial(sink.abort, part), f"abort {part.token} {sink.name}")
+                    log.info("txn=%s aborted a leftover part in %s", part.txn, sink.name)
+
+    def _batch(self, msgs: list[Any]) -> None:
+        part = PartId(self.cfg.pipeline, self._next_txn(), self.me)
+        try:
+            for sink in self.sinks:
+                self._retry(partial(sink.begin, part), f"begin {sink.name}")
+            batch = write_batch(
+                msgs,
+                part,
+                self.sinks,
+                dlq=self.dlq,
+                metrics=self.metrics,
+                max_record_bytes=self.cfg.participant.max_record_bytes,
+                retry=self._retry,
+            )
+            positions = {tp: last + 1 for tp, (last, _w, _d) in batch.items()}
+            self.dlq.flush(CALL_TIMEOUT_S)
+            for sink in self.sinks:
+                self._retry(partial(sink.prepare, part, positions), f"prepare {sink.name}")
+            for sink in self.sinks:
+                self._retry(partial(sink.commit, part), f"commit {sink.name}")
+        except (SinkError, RetriableError) as exc:
+            # Nothing of the batch's offsets is committed: re-read it from the last commit.
+            log.error("txn=%s batch failed, re-reading it: %s", part.txn, exc)
+            for sink in self.sinks:
+                self._retry(partial(sink.abort, part), f"abort {sink.name}")
+            self._rewind()
+            return
+        self.consumer.commit(
+            offsets=[TopicPartition(t, p, o) for (t, p), o in sorted(positions.items())],
+            asynchronous=False,
+        )
+        self.batches += 1
+        self.metrics.cycles.labels(self.cfg.pipeline, "commit").inc()
+
+    def _rewind(self) -> None:
+        assignment = self.consumer.assignment()
+        if not assignment:
+            return
+        for c in self.consumer.committed(assignment, timeout=CALL_TIMEOUT_S):
+            if c.offset >= 0:
+                self.consumer.seek(c)
+
+    def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._assigned = True
+        log.info("assigned %s", ", ".join(f"{p.topic}[{p.partition}]" for p in partitions))
+
+    def _on_revoke(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        log.info("revoked %s", ", ".join(f"{p.topic}[{p.partition}]" for p in partitions))
+
+    def _retry(self, fn: Callable[[], T], what: str, budget_s: float = RETRY_BUDGET_S) -> T:
+        return retry_call(fn, what, budget_s, self.stop_event, (KafkaException,))

@@ -1,0 +1,124 @@
+"""Writing one consumed batch into every sink: shared by the exactly-once participant and the
+at-least-once runner, so both pay for exactly the same work per record."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, TypeVar
+
+from confluent_kafka import Message
+
+from participants.runtime.deadletter import DeadLetters, decode_batch, message_key
+from participants.sdk import BackpressureError, PartId, Record, RetriableSinkError, Sink
+from twophase.errors import RetriableError
+from twophase.observability import Metrics
+
+__all__ = ["BatchResult", "retry_call", "write_batch"]
+
+log = logging.getLogger("twophase.participant")
+
+T = TypeVar("T")
+#: Per source partition of the batch: (last offset read, records written, records dead-lettered).
+BatchResult = dict[tuple[str, int], tuple[int, int, int]]
+
+
+def write_batch(
+    msgs: Sequence[Message],
+    part: PartId,
+    sinks: Sequence[Sink],
+    *,
+    dlq: DeadLetters,
+    metrics: Metrics,
+    max_record_bytes: int,
+    retry: Callable[[Callable[[], Any], str], Any],
+) -> BatchResult:
+    """Decode ``msgs``, dead-letter what no sink can take, write the rest into every sink in
+    order (a record one sink refuses is dead-lettered and not offered to the next ones).
+
+    Raises what the sinks raise once ``retry`` gives up: the caller decides what a failed
+    write costs (a rewind of the open part, or a re-read of the batch)."""
+    txn = part.txn
+    records, bad = decode_batch(msgs, max_record_bytes)
+    dead: dict[tuple[str, int], int] = {}
+    for u in bad:
+        topic, partition = u.msg.topic() or "", u.msg.partition() or 0
+        dlq.send(
+            topic=topic,
+            partition=partition,
+            offset=u.msg.offset() or 0,
+            key=message_key(u.msg),
+            value=u.msg.value(),
+            reason=u.reason,
+            txn=txn,
+        )
+        dead[(topic, partition)] = dead.get((topic, partition), 0) + 1
+    remaining: list[Record] = records
+    raw: dict[str, bytes | None] = {}
+    for sink in sinks:
+        rejected = retry(partial(sink.write, part, remaining), f"txn={txn} write {sink.name}")
+        if rejected:
+            if not raw:
+                raw = {f"{m.topic()}:{m.partition()}:{m.offset()}": m.value() for m in msgs}
+            ids = set()
+            for r in rejected:
+                rec = r.record
+                ids.add(rec.record_id)
+                dlq.send(
+                    topic=rec.topic,
+                    partition=rec.partition,
+                    offset=rec.offset,
+                    key=rec.key,
+                    value=raw.get(rec.record_id),
+                    reason=f"rejected by sink {sink.name}: {r.reason}",
+                    txn=txn,
+                    sink=sink.name,
+                )
+                tp = (rec.topic, rec.partition)
+                dead[tp] = dead.get(tp, 0) + 1
+            remaining = [r for r in remaining if r.record_id not in ids]
+        metrics.records.labels(part.pipeline, sink.name).inc(len(remaining))
+        metrics.bytes.labels(part.pipeline, sink.name).inc(sum(r.size for r in remaining))
+    written: dict[tuple[str, int], int] = {}
+    for rec in remaining:
+        tp = (rec.topic, rec.partition)
+        written[tp] = written.get(tp, 0) + 1
+    batch: BatchResult = {}
+    for m in msgs:
+        tp = (m.topic() or "", m.partition() or 0)
+        last = max(batch.get(tp, (-1, 0, 0))[0], m.offset() or 0)
+        batch[tp] = (last, written.get(tp, 0), dead.get(tp, 0))
+    return batch
+
+
+def retry_call(
+    fn: Callable[[], T],
+    what: str,
+    budget_s: float,
+    stop: threading.Event,
+    retriable: tuple[type[BaseException], ...] = (),
+) -> T:
+    """Retriable errors are retried here, with jittered back-off, within one budget; sinks
+    never retry by themselves. Jitter keeps two participants that conflicted once (a write
+    conflict in a shared store) from colliding again in lockstep."""
+    deadline = time.monotonic() + budget_s
+    delay = 0.05
+    again: tuple[type[BaseException], ...] = (RetriableSinkError, RetriableError, *retriable)
+    while True:
+        try:
+            return fn()
+        except BackpressureError as exc:
+            wait = exc.retry_after_s
+            err: BaseException = exc
+        except again as exc:
+            wait = delay * random.uniform(0.5, 1.5)
+            delay = min(delay * 2, 2.0)
+            err = exc
+        if time.monotonic() + wait > deadline or stop.is_set():
+            raise RetriableError(f"{what}: gave up after {budget_s:.0f}s: {err}")
+        log.warning("%s failed, retrying in %.2fs: %s", what, wait, err)
+        time.sleep(wait)
