@@ -1,16 +1,346 @@
-"""``make bench``: the benchmark suite (pipeline throughput, the COPY ceiling, MongoDB, commit
-latency by participant count, Spark) is not built yet. Until it is, this says so and fails,
-rather than printing figures nobody measured. The Spark writer comparison exists already:
-``python -m bench.spark_writer``."""
+"""``make bench``: every comparison in one invocation on the local stack, each figure the median
+of ``--runs`` runs (at least three), written to ``bench/results/latest.json`` and drawn in
+``bench/results/latest.png``. The README's "Benchmarks" section documents every field.
+
+Sections (``--only`` picks some):
+
+* ``throughput`` -- 1,000,000 ~200-byte JSON records on a 4-partition topic into PostgreSQL +
+  Parquet files: exactly-once pipeline vs the same participants in ``at_least_once`` mode.
+* ``ceiling``    -- the same rows by psycopg ``COPY`` straight into PostgreSQL (no Kafka) vs a
+  PostgreSQL-only exactly-once pipeline.
+* ``mongo``      -- a MongoDB-only pipeline vs ``insert_many`` of the same documents on the same
+  server. The server here is SecantusDB (a test server, thousands of writes/s), not mongod.
+* ``latency``    -- PREPARE->DECISION per cycle at a 1 s interval with 1, 2, 4, 8, 16
+  participants.
+* ``spark``      -- the coordinated ``foreachBatch`` writer vs plain ``foreachPartition`` +
+  psycopg COPY of the same rows (:mod:`bench.spark_writer`, in its own process).
+
+Runs of the two sides of a comparison alternate, so a noisy neighbour hurts both alike.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench import latency as lat
+from bench import throughput as tp
+from twophase.harness import load_stack_env
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SECTIONS = ("throughput", "ceiling", "mongo", "latency", "spark")
+TARGETS = {
+    "eo_over_alo": (">=", 0.9),
+    "pg_pipeline_over_copy": (">=", 0.5),
+    "commit_latency_p99_ms_at_8": ("<=", 250),
+    "spark_ratio": (">=", 0.8),
+}
+MONGO_NOTE = (
+    "MongoDB figures are measured on SecantusDB 0.7.0b3 (a MongoDB-protocol test server on "
+    "WiredTiger, thousands of writes per second), not on mongod: only the ratio means anything"
+)
 
 
-def main() -> int:
-    print(__doc__, file=sys.stderr)
-    return 2
+def say(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def alternate(runs: int, sides: dict[str, Callable[[], float]]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {k: [] for k in sides}
+    for i in range(runs):
+        for name, fn in sides.items():
+            value = fn()
+            out[name].append(value)
+            say(f"  run {i + 1}/{runs} {name}: {value:,.0f}")
+    return out
+
+
+def throughput(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[str, Any]:
+    say(f"throughput: producing {args.records:,} records")
+    source = tp.Source.create(env["TWOPHASE_KAFKA_BOOTSTRAP"], args.records, "tput")
+    details: dict[str, list[dict[str, Any]]] = {"exactly_once": [], "at_least_once": []}
+
+    def side(mode: str) -> Callable[[], float]:
+        def run() -> float:
+            r = tp.pipeline_run(source, work, mode=mode, sinks={"pg", "files"})
+            details[mode].append(r.asdict())
+            return r.records_per_s
+
+        return run
+
+    try:
+        got = alternate(
+            args.runs,
+            {"exactly_once": side("exactly_once"), "at_least_once": side("at_least_once")},
+        )
+    finally:
+        source.delete()
+    eo, alo = median(got["exactly_once"]), median(got["at_least_once"])
+    return {
+        "eo_records_per_s": round(eo),
+        "alo_records_per_s": round(alo),
+        "eo_over_alo": round(eo / alo, 3),
+        "_runs": details,
+    }
+
+
+def ceiling(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[str, Any]:
+    say(f"ceiling: producing {args.records:,} records")
+    source = tp.Source.create(env["TWOPHASE_KAFKA_BOOTSTRAP"], args.records, "ceil")
+    details: list[dict[str, Any]] = []
+    try:
+        rows = tp.source_rows(source)
+
+        def pipeline() -> float:
+            r = tp.pipeline_run(source, work, mode="exactly_once", sinks={"pg"})
+            details.append(r.asdict())
+            return r.records_per_s
+
+        got = alternate(
+            args.runs,
+            {"copy": lambda: tp.pg_copy_run(env["TWOPHASE_PG_DSN"], rows), "pipeline": pipeline},
+        )
+    finally:
+        source.delete()
+    copy, pipe = median(got["copy"]), median(got["pipeline"])
+    return {
+        "pg_copy_records_per_s": round(copy),
+        "pg_pipeline_records_per_s": round(pipe),
+        "pg_pipeline_over_copy": round(pipe / copy, 3),
+        "_runs": {"copy": [round(x) for x in got["copy"]], "pipeline": details},
+    }
+
+
+def mongo(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[str, Any]:
+    say(f"mongo: producing {args.mongo_records:,} records")
+    source = tp.Source.create(env["TWOPHASE_KAFKA_BOOTSTRAP"], args.mongo_records, "mongo")
+    details: list[dict[str, Any]] = []
+    try:
+        rows = tp.source_rows(source)
+
+        def pipeline() -> float:
+            r = tp.pipeline_run(source, work, mode="exactly_once", sinks={"mongo"})
+            details.append(r.asdict())
+            return r.records_per_s
+
+        got = alternate(
+            args.runs,
+            {
+                "direct": lambda: tp.mongo_direct_run(env["TWOPHASE_MONGO_URI"], rows),
+                "pipeline": pipeline,
+            },
+        )
+    finally:
+        source.delete()
+    direct, pipe = median(got["direct"]), median(got["pipeline"])
+    return {
+        "mongo_direct_records_per_s": round(direct),
+        "mongo_pipeline_records_per_s": round(pipe),
+        "mongo_over_direct": round(pipe / direct, 3),
+        "mongo_note": MONGO_NOTE,
+        "_runs": {"direct": [round(x) for x in got["direct"]], "pipeline": details},
+    }
+
+
+def latency(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for n in args.participants:
+        runs = []
+        for i in range(args.runs):
+            r = lat.latency_run(
+                env["TWOPHASE_KAFKA_BOOTSTRAP"], work, n, cycles=args.latency_cycles
+            )
+            say(f"  latency {n} participants, run {i + 1}/{args.runs}: {r.asdict()}")
+            runs.append(r)
+        out[str(n)] = lat.summarize(runs)
+    return {"commit_latency_ms": out}
+
+
+def spark(args: argparse.Namespace, _env: dict[str, str], work: Path) -> dict[str, Any]:
+    result = work / "spark.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.spark_writer",
+        "--rows",
+        str(args.spark_rows),
+        "--rounds",
+        str(args.runs),
+        "--json",
+        str(result),
+    ]
+    say("spark: " + " ".join(cmd[1:]))
+    subprocess.run(cmd, check=True)
+    got = json.loads(result.read_text())
+    coordinated = got["rows_per_s"]["coordinated"]
+    plain = got["rows_per_s"]["plain-rows"]
+    return {
+        "spark_coordinated_rows_per_s": round(coordinated),
+        "spark_plain_rows_per_s": round(plain),
+        "spark_ratio": round(coordinated / plain, 3),
+        "_runs": got["runs"],
+    }
+
+
+def targets(res: dict[str, Any]) -> dict[str, Any]:
+    values = {
+        "eo_over_alo": res.get("eo_over_alo"),
+        "pg_pipeline_over_copy": res.get("pg_pipeline_over_copy"),
+        "commit_latency_p99_ms_at_8": res.get("commit_latency_ms", {}).get("8", {}).get("p99"),
+        "spark_ratio": res.get("spark_ratio"),
+    }
+    out = {}
+    for name, (op, bound) in TARGETS.items():
+        v = values[name]
+        met = None if v is None else (v >= bound if op == ">=" else v <= bound)
+        out[name] = {"value": v, "target": f"{op} {bound}", "met": met}
+    return out
+
+
+def chart(res: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    fig.suptitle(f"twophase benchmarks ({res['started']}, {res['machine']['cpus']} CPUs)")
+
+    ax = axes[0][0]
+    bars = {
+        "exactly-once\nPG+files": res.get("eo_records_per_s"),
+        "at-least-once\nPG+files": res.get("alo_records_per_s"),
+        "exactly-once\nPG only": res.get("pg_pipeline_records_per_s"),
+        "psycopg COPY\n(no Kafka)": res.get("pg_copy_records_per_s"),
+    }
+    shown = {k: v for k, v in bars.items() if v}
+    ax.bar(list(shown), list(shown.values()), color=["#2b6cb0", "#90cdf4", "#2f855a", "#9ae6b4"])
+    ax.set_title("Pipeline throughput (records/s, median)")
+    for i, v in enumerate(shown.values()):
+        ax.text(i, v, f"{v:,}", ha="center", va="bottom")
+
+    ax = axes[0][1]
+    ratios = {
+        "eo/alo": ("eo_over_alo", 0.9),
+        "pg pipeline/COPY": ("pg_pipeline_over_copy", 0.5),
+        "spark coord/plain": ("spark_ratio", 0.8),
+        "mongo pipeline/direct*": ("mongo_over_direct", None),
+    }
+    names = [k for k, (f, _) in ratios.items() if res.get(f) is not None]
+    vals = [res[ratios[k][0]] for k in names]
+    ax.bar(names, vals, color="#805ad5")
+    for i, k in enumerate(names):
+        bound = ratios[k][1]
+        if bound is not None:
+            ax.hlines(bound, i - 0.4, i + 0.4, colors="red", linestyles="dashed")
+        ax.text(i, vals[i], f"{vals[i]:.2f}", ha="center", va="bottom")
+    ax.set_title("Ratios (dashed: target; *SecantusDB test server)")
+
+    ax = axes[1][0]
+    cl = res.get("commit_latency_ms") or {}
+    if cl:
+        ns = sorted(cl, key=int)
+        ax.plot([int(n) for n in ns], [cl[n]["p50"] for n in ns], "o-", label="p50")
+        ax.plot([int(n) for n in ns], [cl[n]["p99"] for n in ns], "s-", label="p99")
+        ax.axhline(250, color="red", linestyle="dashed", label="p99 target @8")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([int(n) for n in ns], ns)
+        ax.legend()
+    ax.set_title("Commit latency PREPARE->DECISION (ms) by participants, 1 s interval")
+    ax.set_xlabel("participants")
+
+    ax = axes[1][1]
+    sp = {
+        "Spark coordinated": res.get("spark_coordinated_rows_per_s"),
+        "Spark plain COPY": res.get("spark_plain_rows_per_s"),
+        "Mongo pipeline*": res.get("mongo_pipeline_records_per_s"),
+        "Mongo insert_many*": res.get("mongo_direct_records_per_s"),
+    }
+    shown = {k: v for k, v in sp.items() if v}
+    ax.bar(list(shown), list(shown.values()), color="#dd6b20")
+    for i, v in enumerate(shown.values()):
+        ax.text(i, v, f"{v:,}", ha="center", va="bottom")
+    ax.set_title("Spark rows/s and MongoDB docs/s (*SecantusDB, slow test server)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
+    ap.add_argument("--runs", type=int, default=3, help="runs per figure (median; >= 3)")
+    ap.add_argument("--records", type=int, default=1_000_000)
+    ap.add_argument("--mongo-records", type=int, default=10_000)
+    ap.add_argument(
+        "--participants",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 2, 4, 8, 16],
+        help="participant counts for the latency section",
+    )
+    ap.add_argument("--latency-cycles", type=int, default=20, help="cycles measured per run")
+    ap.add_argument("--spark-rows", type=int, default=200_000)
+    ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
+    ap.add_argument("--out", default=str(RESULTS / "latest.json"))
+    args = ap.parse_args(argv)
+    if args.runs < 3:
+        ap.error("--runs must be at least 3: every figure is a median of three or more runs")
+    sections = [s for s in args.only.split(",") if s]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+
+    env = load_stack_env()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "args": {k: v for k, v in vars(args).items() if k != "out"},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
+        },
+    }
+    runs: dict[str, Any] = {}
+    started = time.monotonic()
+    fns = {
+        "throughput": throughput,
+        "ceiling": ceiling,
+        "mongo": mongo,
+        "latency": latency,
+        "spark": spark,
+    }
+    with tempfile.TemporaryDirectory(prefix="twophase-bench-") as tmp:
+        for name in sections:
+            t0 = time.monotonic()
+            got = fns[name](args, env, Path(tmp) / name)
+            runs[name] = got.pop("_runs", None)
+            res.update(got)
+            say(f"{name} done in {time.monotonic() - t0:.0f}s: {json.dumps(got)}")
+    res["targets"] = targets(res)
+    res["machine"]["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    res["seconds"] = round(time.monotonic() - started)
+    res["runs"] = runs
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    chart(res, out.with_suffix(".png"))
+    summary = {k: v for k, v in res.items() if k not in ("runs", "args")}
+    print(json.dumps(summary, indent=2))
+    say(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
 
 
 if __name__ == "__main__":

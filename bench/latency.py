@@ -1,0 +1,183 @@
+"""Commit latency per cycle, by participant count, at the default 1 s commit interval.
+
+For each count N: one coordinator and N ``twophase participant run`` processes on one pipeline
+(a 16-partition source topic, PostgreSQL + files sinks), with a steady trickle of records
+produced throughout so every cycle prepares real parts. Once a committed DECISION names all N
+participants (the group has settled), the next ``cycles`` cycles are measured:
+
+    latency = DECISION.ts_ms - PREPARE.ts_ms      (both stamped by the coordinator)
+
+i.e. from the coordinator asking to the commit point: every participant cut its part, prepared
+it durably in both sinks, and voted, and the coordinator wrote the decision in a Kafka
+transaction. Aborted cycles count too, as their time to the abort decision (there should be
+none once settled; the count is reported).
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+
+from bench.throughput import Source, _cleanup, running, scenario
+from twophase.config import load_config
+from twophase.harness import record
+from twophase.kafka import create_topics
+from twophase.protocol.codec import DecodeError, decode
+from twophase.protocol.messages import Decision, Outcome, Prepare
+
+PARTITIONS = 16
+#: Records per second produced while measuring: enough that every part holds data.
+TRICKLE_PER_S = 2000
+
+
+@dataclass
+class LatencyRun:
+    participants: int
+    cycles: list[int]
+    aborted: int
+    settle_s: float
+
+    def pct(self, q: float) -> int:
+        xs = sorted(self.cycles)
+        return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+    def asdict(self) -> dict[str, Any]:
+        return {
+            "participants": self.participants,
+            "cycles": len(self.cycles),
+            "aborted": self.aborted,
+            "p50": self.pct(0.5),
+            "p99": self.pct(0.99),
+            "max": max(self.cycles),
+            "settle_s": round(self.settle_s, 1),
+        }
+
+
+class Trickle(threading.Thread):
+    """Produces ~``rate`` records per second until stopped."""
+
+    def __init__(self, bootstrap: str, topic: str, rate: int) -> None:
+        super().__init__(daemon=True)
+        self.p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
+        self.topic, self.rate = topic, rate
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        import random
+
+        rng = random.Random(1)
+        i = 0
+        tick = 0.05
+        per_tick = max(1, int(self.rate * tick))
+        while not self.stop.is_set():
+            started = time.monotonic()
+            for _ in range(per_tick):
+                self.p.produce(self.topic, key=str(i).encode(), value=record(i, rng))
+                i += 1
+            self.p.poll(0)
+            time.sleep(max(0.0, tick - (time.monotonic() - started)))
+        self.p.flush(10)
+
+
+class ControlTail:
+    """Follows a pipeline's control topic and pairs each PREPARE with its DECISION."""
+
+    def __init__(self, bootstrap: str, topic: str, hmac_key: str) -> None:
+        self.c = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": f"bench-latency-{uuid.uuid4().hex[:6]}",
+                "isolation.level": "read_committed",
+                "enable.partition.eof": False,
+            }
+        )
+        self.c.assign([TopicPartition(topic, 0, 0)])
+        self.key = hmac_key.encode()
+        self.prepared_at: dict[int, int] = {}
+
+    def next_decision(self, timeout_s: float) -> tuple[Decision, int] | None:
+        """The next DECISION and its latency in ms, or None at the timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            m = self.c.poll(0.2)
+            if m is None:
+                continue
+            err = m.error()
+            if err is not None:
+                if err.code() != KafkaError._PARTITION_EOF:
+                    raise RuntimeError(f"control topic: {err}")
+                continue
+            raw = m.headers()
+            headers = (
+                [(k, v) for k, v in raw if isinstance(v, bytes)] if isinstance(raw, list) else []
+            )
+            try:
+                env = decode(m.value(), headers, key=self.key)
+            except DecodeError:
+                continue
+            p = env.payload
+            if isinstance(p, Prepare):
+                self.prepared_at[p.txn] = env.ts_ms
+            elif isinstance(p, Decision) and p.txn in self.prepared_at:
+                return p, env.ts_ms - self.prepared_at.pop(p.txn)
+        return None
+
+    def close(self) -> None:
+        self.c.close()
+
+
+def latency_run(
+    bootstrap: str, workdir: Path, participants: int, *, cycles: int = 20, settle_s: float = 120
+) -> LatencyRun:
+    source = Source.create(bootstrap, 0, f"lat{participants}", PARTITIONS)
+    name = f"bench-lat{participants}-{uuid.uuid4().hex[:6]}"
+    s = scenario(name, workdir / name, source, sinks={"pg", "files"}, mode="exactly_once")
+    create_topics(load_config(s.write()))
+    s.prepare_stores()
+    trickle = Trickle(bootstrap, source.topic, TRICKLE_PER_S)
+    tail = ControlTail(bootstrap, f"twophase.control.{name}", s.hmac_key)
+    started = time.monotonic()
+    try:
+        trickle.start()
+        with running(s, "exactly_once", participants) as cluster:
+            settled_at = 0.0
+            got: list[int] = []
+            aborted = 0
+            while len(got) < cycles:
+                left = started + settle_s - time.monotonic() if not settled_at else 30.0
+                nxt = tail.next_decision(max(1.0, left))
+                dead = [n for n in cluster.procs if not cluster.alive(n)]
+                if dead:
+                    raise RuntimeError(f"{dead[0]} exited:\n{cluster.log_tail(dead[0])}")
+                if nxt is None:
+                    phase = "measuring" if settled_at else "settling"
+                    raise TimeoutError(f"{name}: no decision while {phase}")
+                decision, ms = nxt
+                if not settled_at:
+                    if decision.outcome is Outcome.COMMIT and len(decision.parts) == participants:
+                        settled_at = time.monotonic()
+                    continue
+                got.append(ms)
+                aborted += decision.outcome is not Outcome.COMMIT
+    finally:
+        trickle.stop.set()
+        trickle.join(15)
+        tail.close()
+    _cleanup(s, {"pg", "files"})
+    source.delete()
+    return LatencyRun(participants, got, aborted, settled_at - started)
+
+
+def summarize(runs: list[LatencyRun]) -> dict[str, Any]:
+    return {
+        "p50": round(statistics.median(r.pct(0.5) for r in runs)),
+        "p99": round(statistics.median(r.pct(0.99) for r in runs)),
+        "runs": [r.asdict() for r in runs],
+    }
