@@ -340,6 +340,8 @@ unix_socket_directories = ''
 # Two-phase commit is the point of the PostgreSQL sink; every test worker may hold some.
 max_prepared_transactions = 100
 max_connections = 200
+# Lets the PostgreSQL sink tell when its last part was committed (twophase status).
+track_commit_timestamp = on
 fsync = on
 synchronous_commit = on
 log_line_prefix = '%m [%p] %q%u@%d '
