@@ -273,6 +273,56 @@ class _Mapped:
 _PlanStep = tuple[str, Callable[[dict[str, Any]], Any] | None, Converter, str | None, str | None]
 
 
+class _Irregular(Exception):
+    """A field is null or missing: the record takes the careful path, which knows the rule."""
+
+
+#: (records, the careful one-record path) -> a row or a rejection per record, in order.
+_BatchConverter = Callable[
+    [Sequence[Record], Callable[[Record], "_Row | Rejected"]], "list[_Row | Rejected]"
+]
+
+
+def _compile_plan(plan: list[_PlanStep]) -> _BatchConverter:
+    """The conversion loop for one table, as straight-line Python: per column one lookup, two
+    identity checks and the converter -- no per-column loop, tuple unpacking or mask updates.
+    A record with a null or missing field, or a value its converter refuses, goes to ``slow``
+    (the generic path), so every rule and every rejection reason stays in one place."""
+    n = len(plan)
+    lines = [
+        "def convert_batch(records, slow):",
+        "    out = []",
+        "    append = out.append",
+        "    for record in records:",
+        "        value = record.value",
+        "        try:",
+    ]
+    env: dict[str, Any] = {
+        "_Row": _Row,
+        "ABSENT": _ABSENT,
+        "Irregular": _Irregular,
+        "BadValue": BadValue,
+    }
+    for i, (field_name, get, convert, _absent, _null) in enumerate(plan):
+        env[f"c{i}"] = convert
+        if get is None:
+            lines.append(f"            r{i} = value.get({field_name!r}, ABSENT)")
+        else:
+            env[f"g{i}"] = get
+            lines.append(f"            r{i} = g{i}(value)")
+        lines.append(f"            if r{i} is None or r{i} is ABSENT: raise Irregular")
+    values = ", ".join(f"c{i}(r{i})" for i in range(n))
+    lines += [
+        f"            append(_Row({(1 << n) - 1}, [{values}], [record]))",
+        "        except (Irregular, BadValue, AttributeError):",
+        "            append(slow(record))",
+        "    return out",
+    ]
+    exec(compile("\n".join(lines), "<postgres sink conversion>", "exec"), env)
+    fn: _BatchConverter = env["convert_batch"]
+    return fn
+
+
 @dataclass(slots=True)
 class _Row:
     """A converted row: ``values`` spans every mapped column; ``mask`` bit i = column i present.
@@ -405,6 +455,7 @@ class PostgresSink(Sink):
         self._mapped: list[_Mapped] = []
         self._key_idx: list[int] = []
         self._plan: list[_PlanStep] = []
+        self._fast: _BatchConverter = _compile_plan([])
         self._binary_types: list[str] | None = None
         self._stage: sql.Composable | None = None
         self._stage_name: str | None = None
@@ -623,6 +674,7 @@ class PostgresSink(Sink):
         self._mapped = mapped
         self._key_idx = [i for i, m in enumerate(mapped) if m.is_key]
         self._plan = [self._plan_step(m) for m in mapped]
+        self._fast = _compile_plan(self._plan)
         binary = [binary_type(m.column.base_type) for m in mapped]
         # Binary COPY is ~40% faster to produce and parse, but only for types we convert
         # ourselves; one column the server must parse from text (enum, array, ...) makes it text.
@@ -856,58 +908,22 @@ class PostgresSink(Sink):
     # -- conversion ------------------------------------------------------------------------
 
     def _convert(self, records: Sequence[Record], rejected: list[Rejected]) -> list[_Row]:
-        """Client-side conversion: the hot loop of the sink, kept free of per-column calls."""
-        plan = self._plan
+        """Client-side conversion: the hot loop of the sink. Records with every mapped field
+        present, non-null and convertible go through the loop compiled for this table's plan
+        (:func:`_compile_plan`); the rest, through :meth:`_convert_one`, which gives the reason."""
         upsert = self.cfg.mode == "upsert"
         key_idx = self._key_idx
         rows: list[_Row] = []
         by_key: dict[tuple[Any, ...], _Row] = {}
-        for record in records:
-            value = record.value
-            if not isinstance(value, dict):
-                rejected.append(Rejected(record, "the record value is not a JSON object"))
+        for row in self._fast(records, self._convert_one):
+            if row.__class__ is Rejected:
+                rejected.append(row)
                 continue
-            values: list[Any] = []
-            append = values.append
-            mask = 0
-            bit = 1
-            reason: str | None = None
-            try:
-                for field_name, get, convert, absent_reason, null_reason in plan:
-                    raw = value.get(field_name, _ABSENT) if get is None else get(value)
-                    if raw is None:
-                        if null_reason is not None:
-                            reason = null_reason
-                            break
-                        append(None)
-                        mask |= bit
-                    elif raw is _ABSENT:
-                        if absent_reason is not None:
-                            reason = absent_reason
-                            break
-                        append(None)
-                    else:
-                        append(convert(raw))
-                        mask |= bit
-                    bit <<= 1
-            except BadValue as exc:
-                column = self._mapped[len(values)]  # the column being converted
-                reason = (
-                    f"column {column.column.name!r} ({column.column.sql_type}) "
-                    f"from field {column.field!r}: {exc}"
-                )
-            if reason is None and mask == 0:
-                reason = "none of the mapped fields is present: " + ", ".join(
-                    sorted({m.field for m in self._mapped})
-                )
-            if reason is not None:
-                rejected.append(Rejected(record, reason))
-                continue
-            row = _Row(mask, values, [record])
+            assert isinstance(row, _Row)
             if not upsert:
                 rows.append(row)
                 continue
-            key = tuple([values[i] for i in key_idx])
+            key = tuple([row.values[i] for i in key_idx])
             earlier = by_key.get(key)
             if earlier is None:
                 by_key[key] = row
@@ -915,6 +931,46 @@ class PostgresSink(Sink):
             else:
                 self._overlay(earlier, row)
         return rows
+
+    def _convert_one(self, record: Record) -> _Row | Rejected:
+        """One record, column by column: the row, or why the record cannot be stored."""
+        value = record.value
+        if not isinstance(value, dict):
+            return Rejected(record, "the record value is not a JSON object")
+        values: list[Any] = []
+        append = values.append
+        mask = 0
+        bit = 1
+        try:
+            for field_name, get, convert, absent_reason, null_reason in self._plan:
+                raw = value.get(field_name, _ABSENT) if get is None else get(value)
+                if raw is None:
+                    if null_reason is not None:
+                        return Rejected(record, null_reason)
+                    append(None)
+                    mask |= bit
+                elif raw is _ABSENT:
+                    if absent_reason is not None:
+                        return Rejected(record, absent_reason)
+                    append(None)
+                else:
+                    append(convert(raw))
+                    mask |= bit
+                bit <<= 1
+        except BadValue as exc:
+            column = self._mapped[len(values)]  # the column being converted
+            return Rejected(
+                record,
+                f"column {column.column.name!r} ({column.column.sql_type}) "
+                f"from field {column.field!r}: {exc}",
+            )
+        if mask == 0:
+            return Rejected(
+                record,
+                "none of the mapped fields is present: "
+                + ", ".join(sorted({m.field for m in self._mapped})),
+            )
+        return _Row(mask, values, [record])
 
     @staticmethod
     def _overlay(earlier: _Row, later: _Row) -> None:
