@@ -62,15 +62,18 @@ def decode_batch(
             )
             continue
         ts = m.timestamp()[1]
+        key = m.key()
         good.append(
+            # Positional: the hot path (keywords cost a named tuple ~0.5 us more per record).
             Record(
-                topic=m.topic() or "",
-                partition=m.partition() or 0,
-                offset=m.offset() or 0,
-                timestamp_ms=ts if ts and ts > 0 else 0,
-                key=message_key(m),
-                value=obj,
-                size=len(value),
+                m.topic() or "",
+                m.partition() or 0,
+                m.offset() or 0,
+                ts if ts and ts > 0 else 0,
+                key if isinstance(key, bytes) else None,
+                obj,
+                (),
+                len(value),
             )
         )
     return good, bad

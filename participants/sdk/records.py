@@ -6,7 +6,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["CommittedInfo", "PartId", "Positions", "Record", "Rejected", "TopicPartition"]
 
@@ -17,9 +17,13 @@ Positions = Mapping[TopicPartition, int]
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
-    """One source record, decoded. ``value`` is the JSON object from the record's value."""
+class Record(NamedTuple):
+    """One source record, decoded. ``value`` is the JSON object from the record's value.
+
+    Immutable. A named tuple rather than a frozen dataclass because one is built per source
+    record on the hot path, and a frozen dataclass costs ~1.4 us more to build (measured: a
+    fifth of the participant's per-record work before any sink runs).
+    """
 
     topic: str
     partition: int
