@@ -29,7 +29,9 @@ __all__ = [
     "PipelineConfig",
     "SourceConfig",
     "load_config",
+    "load_yaml",
     "parse_config",
+    "validation_error",
 ]
 
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$"
@@ -217,26 +219,82 @@ def parse_config(
     try:
         return PipelineConfig.model_validate({**resolved, "source_file": source})
     except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(
-            str(p) if not isinstance(p, int) else f"[{p}]" for p in err["loc"]
-        ).replace(".[", "[")
-        raise ConfigError(field or "(root)", err["msg"], source=source) from None
+        raise validation_error(exc, source=source) from None
 
 
-def load_config(path: str | Path) -> PipelineConfig:
+def _is_secret(key: object) -> bool:
+    return isinstance(key, str) and any(s in key.lower() for s in _SECRET_KEYS)
+
+
+def _secret_strings(value: Any, secret: bool) -> list[str]:
+    """Every string held under a secret-looking key (or anywhere in ``value`` if it is one)."""
+    if isinstance(value, str):
+        return [value] if secret and value else []
+    if isinstance(value, dict):
+        # A sink's ``key`` lists its upsert key fields: names, not secrets.
+        return [
+            s
+            for k, v in value.items()
+            for s in _secret_strings(v, secret or (_is_secret(k) and k != "key"))
+        ]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _secret_strings(v, secret)]
+    return [str(value)] if secret and value is not None else []
+
+
+def validation_error(exc: ValidationError, *, prefix: str = "", source: str = "") -> ConfigError:
+    """The first problem of a pydantic error as a :class:`ConfigError` that names the field.
+
+    Never the value: pydantic's ``str(exc)`` shows ``input_value``, and a custom validator's
+    message may quote it. Any value held under a secret-looking key (password, dsn, uri, ...)
+    that the message still quotes is masked.
+    """
+    err = exc.errors()[0]
+    loc = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in err["loc"])
+    field = (prefix + loc).replace(".[", "[").strip(".")
+    message = str(err["msg"])
+    secret_here = any(_is_secret(p) and p != "key" for p in err["loc"])
+    # Longest first, so a secret that contains another is masked whole.
+    for value in sorted(set(_secret_strings(err.get("input"), secret_here)), key=len, reverse=True):
+        message = message.replace(value, "***")
+    return ConfigError(field or "(root)", message, source=source)
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """What is wrong and where, never the text around it: PyYAML's own message quotes the
+    offending line, and that line may hold a secret (a DSN with its password)."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        # context/problem are PyYAML's own words (at most a character or a token name from the
+        # file); the marks' snippets are the file's text, so only their positions are used.
+        parts = [
+            f"{text} (line {mark.line + 1}, column {mark.column + 1})" if mark else text
+            for text, mark in ((exc.context, exc.context_mark), (exc.problem, exc.problem_mark))
+            if text
+        ]
+        return ": ".join(parts) or type(exc).__name__
+    if isinstance(exc, yaml.reader.ReaderError):
+        return f"unreadable character at position {exc.position}"
+    return type(exc).__name__
+
+
+def load_yaml(path: str | Path) -> Any:
+    """A config file's YAML, or a :class:`ConfigError` that names the file and the position
+    of the problem (never the file's text)."""
     p = Path(path)
     try:
-        raw = yaml.safe_load(p.read_text())
+        return yaml.safe_load(p.read_text())
     except OSError as exc:
         raise ConfigError("(file)", f"cannot read: {exc.strerror}", source=str(p)) from None
     except yaml.YAMLError as exc:
-        raise ConfigError("(file)", f"not valid YAML: {exc}", source=str(p)) from None
-    return parse_config(raw, source=str(p))
+        raise ConfigError(
+            "(file)", f"not valid YAML: {_yaml_problem(exc)}", source=str(p)
+        ) from None
+
+
+def load_config(path: str | Path) -> PipelineConfig:
+    return parse_config(load_yaml(path), source=str(path))
 
 
 def redact(settings: Mapping[str, Any]) -> dict[str, Any]:
     """A copy safe to log: values of secret-looking keys are masked."""
-    return {
-        k: "***" if any(s in k.lower() for s in _SECRET_KEYS) else v for k, v in settings.items()
-    }
+    return {k: "***" if _is_secret(k) else v for k, v in settings.items()}

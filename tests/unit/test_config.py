@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import BaseModel, ValidationError, field_validator, model_validator
 
 from participants.registry import build_sinks
-from twophase.config import load_config, parse_config, redact
+from twophase.config import load_config, parse_config, redact, validation_error
 from twophase.errors import ConfigError
 
 BASE = {
@@ -117,3 +118,50 @@ def test_redact_masks_secret_looking_settings(caplog: pytest.LogCaptureFixture) 
     assert shown["bootstrap.servers"] == "b:9092"
     logging.getLogger("t").warning("%s", shown)
     assert "hunter2" not in caplog.text
+
+
+def test_yaml_syntax_errors_give_the_position_never_the_text(tmp_path: Path) -> None:
+    p = tmp_path / "broken.yaml"
+    p.write_text('pipeline: p\nsinks:\n  - dsn: "postgresql://u:hunter2-secret@h\n    table: t\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(p)
+    text = str(err.value)
+    assert "broken.yaml" in text and "line 3, column 10" in text, text
+    assert "hunter2" not in text and "postgresql" not in text, text
+    p.write_text("a: b\n\tc: hunter2\n")  # a scanner error: PyYAML names the character only
+    with pytest.raises(ConfigError, match=r"line 2, column 1") as err:
+        load_config(p)
+    assert "hunter2" not in str(err.value)
+
+
+class _Sink(BaseModel):
+    dsn: str
+    key: list[str] = []
+    table: str = "t"
+
+    @field_validator("dsn")
+    @classmethod
+    def _dsn(cls, value: str) -> str:
+        if "@" not in value:
+            raise ValueError(f"{value!r} is not a URI")  # a careless message quotes its input
+        return value
+
+    @model_validator(mode="after")
+    def _key(self) -> _Sink:
+        if self.key and self.table in self.dsn:
+            raise ValueError(f"key {self.key} clashes with {self.dsn}")
+        return self
+
+
+def test_validation_errors_name_the_field_and_mask_secret_values() -> None:
+    with pytest.raises(ValidationError) as exc:
+        _Sink.model_validate({"dsn": "host=h password=hunter2"})
+    err = validation_error(exc.value, prefix="sinks[0].", source="pipeline.yaml")
+    assert err.field == "sinks[0].dsn" and "pipeline.yaml" in str(err)
+    assert "hunter2" not in str(err) and "***" in str(err), err
+    # A model-level message sees every field: secrets are masked, upsert key names are not.
+    with pytest.raises(ValidationError) as exc:
+        _Sink.model_validate({"dsn": "postgresql://u:hunter2@h/t", "key": ["order_id"]})
+    err = validation_error(exc.value, prefix="sinks[0].")
+    assert err.field == "sinks[0]" and "hunter2" not in str(err), err
+    assert "order_id" in str(err), err
