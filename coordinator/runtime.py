@@ -39,8 +39,14 @@ from coordinator.machine import (
 from twophase.config import PipelineConfig
 from twophase.errors import FatalError, FencedError, RetriableError
 from twophase.faults import crash_point
-from twophase.kafka import CALL_TIMEOUT_S, client_settings, raise_fatal
-from twophase.observability import HealthServer, Metrics
+from twophase.kafka import (
+    CALL_TIMEOUT_S,
+    await_broker,
+    client_settings,
+    note_broker_contact,
+    raise_fatal,
+)
+from twophase.observability import HealthServer, Metrics, log_context, txn_extra
 from twophase.protocol.codec import DecodeError, decode, encode, new_envelope
 from twophase.protocol.messages import Checkpoint, Decision, Outcome, Payload, Prepare
 
@@ -83,8 +89,11 @@ class CoordinatorRuntime:
                 checkpoint_every=cfg.commit.checkpoint_every,
             )
         )
-        self.health = HealthServer(self.metrics, ready=lambda: True, status=self.status)
+        self.health = HealthServer(self.metrics, ready=self._ready, status=self.status)
         self.stop_event = threading.Event()
+        # Ready only once Kafka answered: a coordinator that cannot reach (or authenticate to)
+        # the broker must not count as a healthy standby.
+        self._reached_kafka = False
         self._assigned: bool | None = None  # set by the rebalance callbacks, read by the loop
         self._replaying = False
         self._replay_end = 0
@@ -130,6 +139,7 @@ class CoordinatorRuntime:
             "role": "coordinator",
             "instance": self.instance,
             "pipeline": self.cfg.pipeline,
+            "reached_kafka": self._reached_kafka,
             "leader": m.is_leader,
             "phase": m.phase.value,
             "current_txn": m.current_txn,
@@ -148,8 +158,21 @@ class CoordinatorRuntime:
 
     # -- the loop ------------------------------------------------------------------------------
 
+    def _ready(self) -> bool:
+        return self._reached_kafka or self.machine.is_leader
+
+    def _reached(self) -> None:
+        self._reached_kafka = True
+        note_broker_contact()
+
     def run(self) -> None:
         self.health.start(self.cfg.metrics.host, self.cfg.metrics.port)
+        # Fails fast (BrokerAuthError) when the broker refuses our credentials; a broker that is
+        # merely down is waited for by the loop below, as before.
+        if await_broker(self.admin, CALL_TIMEOUT_S, self.stop_event):
+            self._reached()
+        else:
+            log.warning("Kafka at %s is not answering yet", self.cfg.kafka.bootstrap_servers)
         self.consumer.subscribe(
             [self.cfg.control_topic], on_assign=self._on_assign, on_revoke=self._on_revoke
         )
@@ -190,6 +213,7 @@ class CoordinatorRuntime:
 
     # Cooperative rebalancing: callbacks carry only what changed, so an empty list is no news.
     def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._reached()  # the group join succeeded, with or without the control partition
         if partitions:
             self._assigned = True
 
@@ -246,6 +270,7 @@ class CoordinatorRuntime:
     # -- messages ------------------------------------------------------------------------------
 
     def _on_message(self, msg: Message) -> None:
+        note_broker_contact()
         err = msg.error()
         if err is not None:
             if err.code() == KafkaError._PARTITION_EOF:
@@ -283,12 +308,12 @@ class CoordinatorRuntime:
                     "%s%s",
                     f"txn={action.txn} " if action.txn else "",
                     action.message,
-                    extra={"pipeline": self.cfg.pipeline, "txn": action.txn},
+                    extra=self._txn_extra(action.txn) if action.txn else self._extra,
                 )
             elif isinstance(action, Alarm):
                 self.metrics.alarm.labels(self.cfg.pipeline).set(1 if action.active else 0)
                 if action.active:
-                    log.error("ALARM %s", action.message, extra={"pipeline": self.cfg.pipeline})
+                    log.error("ALARM %s", action.message, extra=self._extra)
                 else:
                     log.info("alarm cleared: %s", action.message)
             elif isinstance(action, StepDown):
@@ -302,7 +327,27 @@ class CoordinatorRuntime:
     def _drop_producer(self) -> None:
         self.producer = None
 
+    @property
+    def _extra(self) -> dict[str, Any]:
+        return {"pipeline": self.cfg.pipeline}
+
+    def _txn_extra(self, txn: int) -> dict[str, Any]:
+        """Log fields of a line about ``txn``: a cycle covers every source partition (the
+        decision's positions name them once it is committed)."""
+        decision = self.machine.log.decisions.get(txn)
+        if decision is not None and decision.positions:
+            tps = [(p.topic, p.partition) for p in decision.positions]
+        else:
+            tps = list(self.machine.partitions)
+        return txn_extra(txn, tps, **self._extra)
+
     def _publish(self, payload: Payload) -> list[Action]:
+        if isinstance(payload, (Prepare, Decision)):
+            with log_context(self._txn_extra(payload.txn)):
+                return self._publish_now(payload)
+        return self._publish_now(payload)
+
+    def _publish_now(self, payload: Payload) -> list[Action]:
         now = _now_ms
         producer = self.producer
         if producer is None:
@@ -341,7 +386,12 @@ class CoordinatorRuntime:
             if fenced:
                 self._fenced = True
                 self.metrics.fenced.labels(self.cfg.pipeline).inc()
-                log.error("fenced while publishing %s: %s", type(payload).__name__, err.str())
+                log.error(
+                    "%sfenced while publishing %s: %s",
+                    f"txn={payload.txn} " if isinstance(payload, (Prepare, Decision)) else "",
+                    type(payload).__name__,
+                    err.str(),
+                )
             elif err.txn_requires_abort():
                 self._abort(producer)
             return self.machine.handle(PublishFailed(payload, now(), err.str(), fenced=fenced))
@@ -394,11 +444,15 @@ class CoordinatorRuntime:
     # -- source partitions ---------------------------------------------------------------------
 
     def _refresh_partitions(self) -> None:
+        # Clients the loop never polls: serve their error and log callbacks here.
+        self.admin.poll(0)
+        self.group_handle.poll(0)
         try:
             md = self.admin.list_topics(timeout=CALL_TIMEOUT_S)
         except KafkaException as exc:
             log.warning("cannot read source topic metadata: %s", exc.args[0].str())
             return
+        self._reached()
         tps: set[tuple[str, int]] = set()
         for topic in self.cfg.source_topics:
             t = md.topics.get(topic)

@@ -14,6 +14,7 @@ from types import TracebackType
 from typing import Any
 
 import click
+from confluent_kafka import KafkaError, KafkaException
 
 from participants.sdk import SinkError
 from twophase.config import PipelineConfig, load_config
@@ -33,6 +34,9 @@ def _operator_logs() -> None:
     """Operator commands print results; their logs say only what went wrong, unless asked."""
     if "TWOPHASE_LOG_LEVEL" not in os.environ:
         logging.getLogger().setLevel(logging.WARNING)
+        # librdkafka's own lines repeat what its error callback reports (as a warning, or as
+        # the command's error): one line per problem is enough for a person at a terminal.
+        logging.getLogger("twophase.librdkafka").setLevel(logging.CRITICAL)
 
 
 #: Exit status of a command that refused to act (``txn resolve`` against the decision log).
@@ -51,6 +55,14 @@ def _run_until_signal(runtime: Any) -> None:
     except FatalError as exc:
         log.error("fatal: %s", exc)
         sys.exit(2)
+    except KafkaException as exc:  # a Kafka call the runtime has no answer for: say which
+        log.error("fatal: Kafka: %s", _kafka_reason(exc), exc_info=log.isEnabledFor(logging.DEBUG))
+        sys.exit(2)
+
+
+def _kafka_reason(exc: KafkaException) -> str:
+    err = exc.args[0] if exc.args else None
+    return str(err.str()) if isinstance(err, KafkaError) else str(exc)
 
 
 def _emit(data: Any, as_json: bool, human: Callable[[Any], None]) -> None:
@@ -222,6 +234,8 @@ def topics_create(config: str, as_json: bool) -> None:
         result = create_topics(_load(config))
     except TwophaseError as exc:
         raise click.ClickException(str(exc)) from None
+    except KafkaException as exc:
+        raise click.ClickException(f"Kafka: {_kafka_reason(exc)}") from None
     _emit(result, as_json, _table)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,26 +30,151 @@ from twophase.protocol.codec import DecodeError, decode, encode, new_envelope
 from twophase.protocol.messages import Envelope, Payload
 
 __all__ = [
+    "BrokerAuthError",
     "ControlReader",
     "ControlWriter",
+    "await_broker",
     "client_settings",
     "create_topics",
     "group_generation",
+    "note_broker_contact",
     "raise_fatal",
 ]
 
 log = logging.getLogger(__name__)
+#: librdkafka's own log lines go through Python logging (so ``TWOPHASE_LOG_FORMAT=json`` stays
+#: JSON); confluent-kafka serves them from the client's poll calls.
+librdkafka_log = logging.getLogger("twophase.librdkafka")
 
 #: How long a blocking Kafka call may take before we call it a failure. Broker restarts take
 #: a few seconds; longer than this and the caller's own retry/abort logic should decide.
 CALL_TIMEOUT_S = 30.0
+#: A handshake failure that could be a broker going down mid-handshake (a disconnect, an
+#: unexpected EOF) is fatal only when it keeps coming, with no broker reached in between, for
+#: this long: a broker restart lasts seconds, a wrong security.protocol lasts forever.
+SUSPECT_AUTH_FATAL_S = 60.0
+#: Suspect failures further apart than this start a new streak (librdkafka reconnects a
+#: failing broker at least every reconnect.backoff.max.ms, 10 s by default).
+SUSPECT_AUTH_GAP_S = 30.0
+
+_SASL_HINT = "check kafka.config security.protocol, sasl.mechanism, sasl.username, sasl.password"
+_SSL_HINT = (
+    "check kafka.config security.protocol and ssl.* "
+    "(ssl.ca.location, ssl.certificate.location, ssl.key.location)"
+)
+#: OpenSSL reasons that no retry can fix: the peer rejected us or we rejected the peer.
+_SSL_DEFINITE = (
+    "certificate verify failed",
+    "wrong version number",
+    "unknown ca",
+    "bad certificate",
+    "certificate required",
+    "certificate unknown",
+    "certificate expired",
+    "alert handshake failure",
+    "no shared cipher",
+    "unsupported protocol",
+    "unexpected message",
+)
+
+
+class BrokerAuthError(FatalError):
+    """The broker refused this client (authentication or TLS): retrying cannot help."""
+
+
+class _BrokerAccess:
+    """Process-wide: whether Kafka was reached, and the streak of suspect handshake failures.
+
+    Every client shares it (one process, one set of credentials), so a success on any client
+    clears a streak seen by another.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.last_contact = 0.0  # monotonic; 0: never
+        self.suspect_since = 0.0
+        self.suspect_last = 0.0
+        self.failed: BrokerAuthError | None = None  # raised once; later callbacks stay quiet
+
+    def contact(self) -> None:
+        with self.lock:
+            self.last_contact = time.monotonic()
+            self.suspect_since = 0.0
+
+    def suspect(self) -> bool:
+        """Record a suspect failure; True once the streak has lasted long enough to be fatal."""
+        now = time.monotonic()
+        with self.lock:
+            if not self.suspect_since or now - self.suspect_last > SUSPECT_AUTH_GAP_S:
+                self.suspect_since = now
+            self.suspect_last = now
+            return now - self.suspect_since >= SUSPECT_AUTH_FATAL_S
+
+
+_access = _BrokerAccess()
+
+
+def note_broker_contact() -> None:
+    """A Kafka request just succeeded: suspect handshake failures before it were transient."""
+    _access.contact()
+
+
+def _auth_failure(err: KafkaError) -> tuple[bool, str] | None:
+    """(definite, hint) when ``err`` is the broker refusing this client, else None.
+
+    librdkafka itself retries these forever; a Java client would throw. Definite: SASL
+    authentication (the broker said no) and TLS failures no retry can fix. Suspect: a TLS
+    handshake cut short, or a disconnect librdkafka blames on security.protocol -- exactly what
+    a broker that is restarting can look like.
+    """
+    text = (err.str() or "").lower()
+    if err.code() == KafkaError._AUTHENTICATION:
+        return True, _SASL_HINT
+    if err.code() == KafkaError._SSL:
+        return any(m in text for m in _SSL_DEFINITE), _SSL_HINT
+    if err.code() == KafkaError._TRANSPORT and (
+        "ssl handshake failed" in text or "sasl" in text or "security.protocol" in text
+    ):
+        return False, _SSL_HINT if "ssl" in text else _SASL_HINT
+    return None
+
+
+def _on_error(err: KafkaError) -> None:
+    """librdkafka's ``error_cb``, served from the client's poll/flush/consume calls.
+
+    Authentication and TLS failures become :class:`BrokerAuthError`, raised out of that call,
+    so the process stops with one line that says what to check. Everything else (a broker
+    restarting, all brokers down) librdkafka recovers from by itself: logged only.
+    """
+    found = _auth_failure(err)
+    if found is None:
+        if err.fatal():
+            log.error("Kafka: %s", err.str())  # surfaces again from the failing call
+        else:
+            log.warning("Kafka: %s", err.str())
+        return
+    definite, hint = found
+    if not definite and not _access.suspect():
+        log.warning("Kafka: %s (retrying; if it persists, %s)", err.str(), hint)
+        return
+    with _access.lock:
+        if _access.failed is not None:
+            return
+        _access.failed = BrokerAuthError(f"Kafka refused this client: {err.str()} -- {hint}")
+        failure = _access.failed
+    raise failure
 
 
 def client_settings(cfg: PipelineConfig, role: str, **extra: Any) -> dict[str, Any]:
-    """librdkafka settings for one client: ours, then the user's passthrough, then ``extra``."""
+    """librdkafka settings for one client: ours, then the user's passthrough, then ``extra``.
+
+    Every client reports errors through :func:`_on_error` and logs through Python logging.
+    """
     base: dict[str, Any] = {
         "bootstrap.servers": cfg.kafka.bootstrap_servers,
         "client.id": f"twophase-{cfg.pipeline}-{role}",
+        "error_cb": _on_error,
+        "logger": librdkafka_log,
     }
     base.update(cfg.kafka.config)
     if role.endswith("consumer") or role in {"control-reader", "leadership"}:
@@ -57,6 +183,30 @@ def client_settings(cfg: PipelineConfig, role: str, **extra: Any) -> dict[str, A
         base.update(cfg.kafka.producer)
     base.update(extra)
     return base
+
+
+def await_broker(
+    admin: AdminClient, timeout_s: float = CALL_TIMEOUT_S, stop: threading.Event | None = None
+) -> bool:
+    """Wait until the cluster answers a metadata request (True) or ``timeout_s`` passes (False).
+
+    A blocking librdkafka call (committed offsets, metadata) does not serve ``error_cb``: with a
+    wrong password it would wait out its whole timeout and end in a bare _TIMED_OUT. Short
+    requests with polls in between let an authentication failure stop the caller within about
+    a second, as :class:`BrokerAuthError`.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            admin.list_topics(timeout=1.0)
+        except KafkaException:
+            admin.poll(0.1)  # serves error_cb: raises BrokerAuthError when refused
+            if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
+                return False
+            continue
+        note_broker_contact()
+        admin.poll(0)
+        return True
 
 
 def group_generation(consumer: Consumer) -> tuple[int, str]:
@@ -95,6 +245,10 @@ def create_topics(cfg: PipelineConfig, *, timeout_s: float = CALL_TIMEOUT_S) -> 
     from twophase.protocol.topics import topic_settings
 
     admin = AdminClient(client_settings(cfg, "admin"))
+    if not await_broker(admin, timeout_s):
+        raise RetriableError(
+            f"Kafka at {cfg.kafka.bootstrap_servers} did not answer within {timeout_s:.0f}s"
+        )
     brokers = len(admin.list_topics(timeout=timeout_s).brokers)
     wanted = []
     for name, partitions, rf, conf in topic_settings(cfg):
@@ -171,10 +325,12 @@ class ControlReader:
         err = msg.error()
         if err is not None:
             if err.code() == KafkaError._PARTITION_EOF:
+                note_broker_contact()
                 self.at_end = True
                 return None
             raise_fatal(err)
             return None
+        note_broker_contact()
         return self._decode(msg)
 
     def _decode(self, msg: Message) -> Envelope | None:

@@ -1,19 +1,27 @@
 """Metrics, health and logging shared by the coordinator and the participants.
 
 Every process serves ``/metrics`` (Prometheus), ``/healthz`` (alive: the main loop ran recently)
-and ``/readyz`` (ready: a participant has its assignment and is caught up; a coordinator is the
-leader or a healthy standby) on one port.
+and ``/readyz`` (ready: a participant has its assignment and is caught up; a coordinator has
+reached Kafka -- it leads, or stands by after joining the group or reading metadata) on one port.
+
+A log line about a transaction carries structured fields (see :func:`txn_extra`): ``txn`` and
+the source partitions it covers -- ``topic`` and ``partition`` when it is one, ``partitions``
+(``["topic[p]", ...]``) otherwise. :func:`log_context` lends them to every line logged while
+a transaction's work runs, including lines of code that knows nothing about transactions (a
+sink, a retry loop, librdkafka).
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -26,7 +34,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-__all__ = ["HealthServer", "Metrics", "configure_logging"]
+__all__ = ["HealthServer", "Metrics", "configure_logging", "log_context", "txn_extra"]
 
 #: A main loop that has not ticked for this long is reported dead: well above the slowest
 #: legitimate step (a sink prepare under load), well below Kubernetes' default probe patience.
@@ -172,6 +180,54 @@ class HealthServer:
             self._server.server_close()
 
 
+#: Structured fields a log line may carry; the JSON format emits each one present.
+LOG_FIELDS = ("pipeline", "txn", "topic", "partition", "partitions", "participant", "sink")
+
+_context: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
+    "twophase_log_context", default=None
+)
+
+
+def txn_extra(txn: int, partitions: Iterable[tuple[str, int]], **fields: Any) -> dict[str, Any]:
+    """``extra=`` for a line about transaction ``txn`` covering these source partitions:
+    ``topic`` and ``partition`` when it is one, else ``partitions`` (possibly empty: unknown)."""
+    tps = sorted(set(partitions))
+    out: dict[str, Any] = {**fields, "txn": txn}
+    if len(tps) == 1:
+        out["topic"], out["partition"] = tps[0]
+    else:
+        out["partitions"] = [f"{t}[{p}]" for t, p in tps]
+    return out
+
+
+@contextmanager
+def log_context(fields: Mapping[str, Any]) -> Iterator[None]:
+    """Every line logged in this thread inside the block carries ``fields`` unless it names
+    its own (a line about another transaction keeps its own ``txn`` and partitions)."""
+    token = _context.set({**(_context.get() or {}), **fields})
+    try:
+        yield
+    finally:
+        _context.reset(token)
+
+
+class _ContextFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        fields = _context.get()
+        if not fields:
+            return True
+        own_txn = getattr(record, "txn", None)
+        if own_txn and own_txn != fields.get("txn"):
+            return True  # about another transaction: its partitions are not ours to add
+        has_tps = hasattr(record, "partitions") or hasattr(record, "topic")
+        for key, value in fields.items():
+            if key in ("topic", "partition", "partitions") and has_tps:
+                continue
+            if getattr(record, key, None) in (None, 0, ""):
+                setattr(record, key, value)
+        return True
+
+
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
@@ -180,9 +236,10 @@ class _JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        for key in ("pipeline", "txn", "topic", "partition", "participant", "sink"):
-            if hasattr(record, key):
-                out[key] = getattr(record, key)
+        for key in LOG_FIELDS:
+            value = getattr(record, key, None)
+            if value is not None and not (key == "txn" and value == 0):
+                out[key] = value
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)
@@ -192,6 +249,7 @@ def configure_logging(fmt: str | None = None, level: str | None = None) -> None:
     """Entry points only. ``TWOPHASE_LOG_FORMAT=json|text``, ``TWOPHASE_LOG_LEVEL``."""
     fmt = fmt or os.environ.get("TWOPHASE_LOG_FORMAT", "text")
     handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_ContextFilter())
     if fmt == "json":
         handler.setFormatter(_JsonFormatter())
     else:

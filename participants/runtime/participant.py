@@ -7,7 +7,8 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import suppress
 from functools import partial
 from typing import Any, TypeVar
@@ -60,11 +61,12 @@ from twophase.kafka import (
     CALL_TIMEOUT_S,
     ControlReader,
     ControlWriter,
+    await_broker,
     client_settings,
     group_generation,
     raise_fatal,
 )
-from twophase.observability import HealthServer, Metrics
+from twophase.observability import HealthServer, Metrics, log_context, txn_extra
 from twophase.protocol.messages import Outcome, Prepare
 
 __all__ = ["ParticipantRuntime"]
@@ -90,6 +92,9 @@ MIN_BATCH = 20
 MAX_UNAPPLIED = 2
 #: Lag is recomputed this often; it needs a watermark request per partition.
 LAG_REFRESH_S = 5.0
+#: Transactions whose parts' partitions are remembered for log lines: far more than are ever
+#: open, prepared or being applied at once.
+TXN_PARTITIONS_KEPT = 64
 
 
 def _now_ms() -> int:
@@ -187,6 +192,9 @@ class ParticipantRuntime:
         self._next_lag = 0.0
         self._batch_size = min(INITIAL_BATCH, cfg.participant.max_batch_records)
         self._assignment: list[TopicPartition] = []
+        #: txn -> the source partitions of this participant's part of it, for log lines (the
+        #: machine forgets a part when it is revoked or decided, before the line is written).
+        self._part_tps: OrderedDict[int, tuple[tuple[str, int], ...]] = OrderedDict()
 
     # -- status --------------------------------------------------------------------------------
 
@@ -215,6 +223,10 @@ class ParticipantRuntime:
         """Recover, then consume until :meth:`stop` or a fatal error (re-raised)."""
         self.health.start(self.cfg.metrics.host, self.cfg.metrics.port)
         try:
+            # Fails fast (BrokerAuthError) when the broker refuses our credentials: the blocking
+            # calls below would each wait out CALL_TIMEOUT_S and end in a bare _TIMED_OUT.
+            if not await_broker(self.admin, CALL_TIMEOUT_S, self.stop_event):
+                log.warning("Kafka at %s is not answering yet", self.cfg.kafka.bootstrap_servers)
             for sink in self.sinks:
                 self._retry(sink.setup, f"setup {sink.name}")
             reader = ControlReader(self.cfg, on_skip=self._count_skip)
@@ -266,6 +278,9 @@ class ParticipantRuntime:
         def run() -> None:
             try:
                 fn(*args)
+            except FatalError as exc:  # run() re-raises it: one line, said once, by the caller
+                self.fatal = exc
+                self.stop_event.set()
             except BaseException as exc:  # a dead control thread must stop the process
                 log.exception("control thread failed")
                 self.fatal = exc
@@ -283,7 +298,9 @@ class ParticipantRuntime:
         *under the lock*, so the data thread's "nothing queued -> open a part" check is atomic
         with every decision the machine took."""
         with self.lock:
+            self._remember_parts()
             actions = self.machine.handle(event)
+            self._remember_parts()
             if here is Thread.DATA:
                 return actions
             rest: list[Action] = []
@@ -293,6 +310,38 @@ class ParticipantRuntime:
                 else:
                     rest.append(action)
             return rest
+
+    # -- log fields ----------------------------------------------------------------------------
+
+    def _remember_parts(self) -> None:
+        """Note the partitions of our open and prepared parts (under the lock)."""
+        m = self.machine
+        parts = [(m.open.txn, m.open.start)] if m.open is not None and m.open.txn else []
+        parts += [(txn, part.start) for txn, part in m.prepared.items()]
+        for txn, start in parts:
+            if txn not in self._part_tps and start:
+                self._part_tps[txn] = tuple(sorted(start))
+                while len(self._part_tps) > TXN_PARTITIONS_KEPT:
+                    self._part_tps.popitem(last=False)
+
+    def _txn_extra(
+        self, txn: int, participant: str = "", tps: Iterable[tuple[str, int]] | None = None
+    ) -> dict[str, Any]:
+        """Log fields of a line about ``participant``'s part of ``txn`` (ours by default): its
+        partitions when we know them, else the transaction's (its commit decision names them),
+        else none."""
+        if tps is None:
+            with self.lock:
+                mine = participant in ("", self.me)
+                found = self._part_tps.get(txn) if mine else None
+                if found is None:
+                    decision = self.machine.log.decisions.get(txn)
+                    if decision is not None and decision.positions:
+                        found = tuple((p.topic, p.partition) for p in decision.positions)
+                    elif mine and self.machine.open is not None and self.machine.open.txn == txn:
+                        found = tuple(self.machine.base)
+                tps = found or ()
+        return txn_extra(txn, tps, pipeline=self.cfg.pipeline, participant=self.me)
 
     def _run(self, actions: list[Action], here: Thread, *, inline: bool = False) -> None:
         """Execute actions meant for this thread; queue the data thread's; hand decisions on
@@ -325,11 +374,16 @@ class ParticipantRuntime:
         if isinstance(action, (CommitPart, AbortPart)):
             self._apply(action, here)
         elif isinstance(action, SendVote):
-            _crash_point("before_vote")
-            self._retry(lambda: self.control.send(action.vote), "send vote")
-            _crash_point("after_vote")
+            vote = action.vote
+            tps = [(r.topic, r.partition) for r in vote.partitions]
+            with log_context(self._txn_extra(vote.txn, tps=tps)):
+                _crash_point("before_vote")
+                self._retry(lambda: self.control.send(vote), f"txn={vote.txn} send vote")
+                _crash_point("after_vote")
         elif isinstance(action, SendApplied):
-            self._retry(lambda: self.control.send(action.applied), "send applied")
+            applied = action.applied
+            with log_context(self._txn_extra(applied.txn, applied.part)):
+                self._retry(lambda: self.control.send(applied), f"txn={applied.txn} send applied")
         elif isinstance(action, Sweep):
             self._abort_stale()
             self._run(
@@ -340,8 +394,9 @@ class ParticipantRuntime:
             )
         elif isinstance(action, BeginPart):
             part = PartId(self.cfg.pipeline, action.txn, self.me)
-            for sink in self.sinks:
-                self._retry(partial(sink.begin, part), f"begin {sink.name}")
+            with log_context(self._txn_extra(action.txn)):
+                for sink in self.sinks:
+                    self._retry(partial(sink.begin, part), f"txn={action.txn} begin {sink.name}")
         elif isinstance(action, PreparePart):
             self._prepare(action)
         elif isinstance(action, Seek):
@@ -351,7 +406,9 @@ class ParticipantRuntime:
                 "%s%s",
                 f"txn={action.txn} " if action.txn else "",
                 action.message,
-                extra={"pipeline": self.cfg.pipeline, "txn": action.txn, "participant": self.me},
+                extra=self._txn_extra(action.txn)
+                if action.txn
+                else {"pipeline": self.cfg.pipeline, "participant": self.me},
             )
 
     def _retry(self, fn: Callable[[], T], what: str, budget_s: float = SINK_RETRY_BUDGET_S) -> T:
@@ -360,6 +417,14 @@ class ParticipantRuntime:
     # -- decisions -----------------------------------------------------------------------------
 
     def _apply(self, action: CommitPart | AbortPart, here: Thread) -> None:
+        with log_context(self._txn_extra(action.txn, action.participant)):
+            if not self._apply_in_sinks(action):
+                return
+        outcome = Outcome.COMMIT if isinstance(action, CommitPart) else Outcome.ABORT
+        self._run(self._feed(PartApplied(action.txn, action.participant, outcome), here), here)
+
+    def _apply_in_sinks(self, action: CommitPart | AbortPart) -> bool:
+        """Apply a decision in every sink of the part; False when it is not ours to apply."""
         commit = isinstance(action, CommitPart)
         part = PartId(self.cfg.pipeline, action.txn, action.participant)
         ctx = f"txn={action.txn} part={action.participant}"
@@ -367,7 +432,7 @@ class ParticipantRuntime:
             sink = self.sink_by_name.get(name)
             if sink is None:
                 log.error("%s names sink %s which this participant does not have", ctx, name)
-                return
+                return False
             if commit:
                 _crash_point("before_commit")
             try:
@@ -386,7 +451,7 @@ class ParticipantRuntime:
                 log.warning(
                     "%s: sink %s cannot see this part (%s); leaving it to its owner", ctx, name, exc
                 )
-                return
+                return False
             if commit:
                 _crash_point("mid_commit")
         log.info(
@@ -395,8 +460,7 @@ class ParticipantRuntime:
             "committed" if commit else "aborted",
             ", ".join(action.sinks) or "no sink",
         )
-        outcome = Outcome.COMMIT if commit else Outcome.ABORT
-        self._run(self._feed(PartApplied(action.txn, action.participant, outcome), here), here)
+        return True
 
     def _abort_stale(self) -> None:
         """Parts begun and never prepared by processes that are gone can never commit: abort
@@ -408,13 +472,14 @@ class ParticipantRuntime:
             for part in self._retry(partial(sink.stale_parts, before), f"stale_parts {sink.name}"):
                 if part.pipeline != self.cfg.pipeline:
                     continue
-                self._retry(partial(sink.abort, part), f"abort stale {part.token} {sink.name}")
-                log.info(
-                    "txn=%s aborted stale open part of %s in %s",
-                    part.txn,
-                    part.participant,
-                    sink.name,
-                )
+                with log_context(self._txn_extra(part.txn, part.participant)):
+                    self._retry(partial(sink.abort, part), f"abort stale {part.token} {sink.name}")
+                    log.info(
+                        "txn=%s aborted stale open part of %s in %s",
+                        part.txn,
+                        part.participant,
+                        sink.name,
+                    )
 
     def _live_participants(self) -> frozenset[str] | None:
         """Participants that are members of the source group now (by their client.id); None
@@ -506,14 +571,23 @@ class ParticipantRuntime:
         part = PartId(self.cfg.pipeline, action.txn, self.me)
         started = time.monotonic()
         try:
-            self.dlq.flush(CALL_TIMEOUT_S)
-            for name in action.sinks:
-                sink = self.sink_by_name[name]
-                self._retry(partial(sink.prepare, part, action.positions), f"prepare {name}")
+            with log_context(self._txn_extra(action.txn, tps=action.positions)):
+                self.dlq.flush(CALL_TIMEOUT_S)
+                for name in action.sinks:
+                    sink = self.sink_by_name[name]
+                    self._retry(
+                        partial(sink.prepare, part, action.positions),
+                        f"prepare {name}",
+                    )
         except FatalSinkError:
             raise
         except (SinkError, RetriableError) as exc:
-            log.warning("txn=%s prepare failed: %s", action.txn, exc)
+            log.warning(
+                "txn=%s prepare failed: %s",
+                action.txn,
+                exc,
+                extra=self._txn_extra(action.txn, tps=action.positions),
+            )
             self._run(self._feed(PrepareFailed(action.txn, str(exc))), Thread.DATA)
             return
         self.metrics.cycle_seconds.labels(self.cfg.pipeline, "prepare").observe(
@@ -546,22 +620,27 @@ class ParticipantRuntime:
         with self.lock:
             part_txn = self.machine.open.txn if self.machine.open else 0
         part = PartId(self.cfg.pipeline, part_txn, self.me)
+        fields = self._txn_extra(part_txn)
         try:
-            batch = write_batch(
-                msgs,
-                part,
-                self.sinks,
-                dlq=self.dlq,
-                metrics=self.metrics,
-                max_record_bytes=self.cfg.participant.max_record_bytes,
-                retry=self._retry,
-            )
+            with log_context(fields):
+                batch = write_batch(
+                    msgs,
+                    part,
+                    self.sinks,
+                    dlq=self.dlq,
+                    metrics=self.metrics,
+                    max_record_bytes=self.cfg.participant.max_record_bytes,
+                    retry=self._retry,
+                )
         except FatalSinkError:
             raise
         except (SinkError, RetriableError) as exc:
             # The open part is lost; stop reading until the next PREPARE fails it and rewinds.
             log.error(
-                "txn=%s write failed, the part will be aborted and re-read: %s", part_txn, exc
+                "txn=%s write failed, the part will be aborted and re-read: %s",
+                part_txn,
+                exc,
+                extra=fields,
             )
             self._poisoned = True
             self._pause()
@@ -627,6 +706,7 @@ class ParticipantRuntime:
         consumer.unassign()
 
     def _update_lag(self) -> None:
+        self.admin.poll(0)  # serves the admin client's error and log callbacks
         for tp in self._assignment:
             try:
                 _low, high = self.consumer.get_watermark_offsets(tp, cached=True)

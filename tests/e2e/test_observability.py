@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import Any
 
 from coordinator.runtime import CoordinatorRuntime
 from participants.runtime import ParticipantRuntime
+from tests.e2e.e2e_support import http_get, metric, scenario, scrape, settle, start
 from twophase.config import load_config
-from twophase.harness import Scenario, produce, wait_until
+from twophase.harness import Cluster, Scenario, produce, wait_until
 from twophase.kafka import create_topics
 
 
@@ -73,3 +77,66 @@ def test_metrics_move_and_readiness_follows_assignment(tmp_path: Path) -> None:
         participant.stop()
         coordinator.stop()
         time.sleep(1)
+
+
+#: A line about a transaction: its id in the text (``txn=42``) or a part token in it
+#: (``pipeline~000000000042~p-0``, as the sinks log them).
+_ABOUT_A_TXN = re.compile(r"\btxn=\d+|~\d{12}~")
+
+
+def _txn_fields_missing(record: dict[str, Any]) -> str:
+    """Why a JSON log record about a transaction lacks its structured fields ("" if it has
+    them): ``txn`` and either ``topic`` + ``partition`` or a non-empty ``partitions``."""
+    if "txn" not in record:
+        return "no txn field"
+    if "topic" in record or "partition" in record:
+        ok = isinstance(record.get("topic"), str) and isinstance(record.get("partition"), int)
+        return "" if ok and "partitions" not in record else "topic/partition malformed"
+    tps = record.get("partitions")
+    if not tps or not all(re.fullmatch(r".+\[\d+\]", tp) for tp in tps):
+        return "no topic/partition(s)"
+    return ""
+
+
+def test_json_log_lines_about_a_transaction_carry_its_id_and_partitions(tmp_path: Path) -> None:
+    """Issue #5: a pipeline with json logs (DEBUG, so the sinks' part lines are in): every line
+    is JSON -- librdkafka's own lines too -- and every line about a transaction has ``txn`` and
+    the source partitions it covers (one: ``topic``/``partition``; several: ``partitions``)."""
+    s = scenario(tmp_path, "logs", interval_ms=300, mongo=False, partitions=2)
+    n = 400
+    produce(s.bootstrap, s.topic, 0, n)
+    c = Cluster(s)
+    env = {"TWOPHASE_LOG_FORMAT": "json", "TWOPHASE_LOG_LEVEL": "DEBUG"}
+    start(c, "coordinator", "coord-0", env)
+    ports = {"p-0": start(c, "participant", "p-0", env)}
+    try:
+        settle(s, c, set(range(n)), 60)
+        # A second participant: a rebalance (p-0 abandons its open part), then one partition each.
+        ports["p-1"] = start(c, "participant", "p-1", env)
+        wait_until(lambda: http_get(ports["p-1"], "/readyz")[0] == 200, 60, "p-1 to be assigned")
+        produce(s.bootstrap, s.topic, n, n)
+        report = settle(s, c, set(range(2 * n)), 60)
+        for name, port in ports.items():
+            assert metric(scrape(port), "twophase_sink_records_total", sink="pg") > 0, name
+    finally:
+        c.stop_all()
+    for sink, r in report.items():
+        assert r.ok, f"{sink}: {r}"
+    about: dict[str, list[dict[str, Any]]] = {}
+    for name in ("coord-0", "p-0", "p-1"):
+        for line in (c.logs / f"{name}.log").read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                raise AssertionError(f"{name}: not a JSON line: {line}") from None
+            if "txn" in record or _ABOUT_A_TXN.search(record["msg"]):
+                problem = _txn_fields_missing(record)
+                assert not problem, f"{name}: {problem}: {line}"
+                about.setdefault(name, []).append(record)
+    # Not vacuous: each process logged about transactions, the coordinator's cycles cover
+    # both partitions, and a participant that owns one partition names it alone.
+    assert set(about) == {"coord-0", "p-0", "p-1"}, {k: len(v) for k, v in about.items()}
+    both = [f"{s.topic}[0]", f"{s.topic}[1]"]
+    assert any(r.get("partitions") == both for r in about["coord-0"])
+    assert any(r.get("topic") == s.topic for r in about["p-0"] + about["p-1"])
+    assert any(r["logger"].startswith("twophase.sink") for r in about["p-0"] + about["p-1"])
