@@ -314,6 +314,9 @@ class CoordinatorMachine:
         if earlier is not None:
             if earlier == vote:
                 return []  # a duplicate delivery
+            if _supersedes(vote, earlier):
+                cycle.votes[vote.participant] = vote
+                return self._evaluate(cycle, now)
             return self._abort(
                 f"participant {vote.participant} voted twice differently "
                 f"(generation {earlier.generation} then {vote.generation})",
@@ -501,6 +504,18 @@ class CoordinatorMachine:
             self.phase = Phase.COLLECTING
             return [Publish(Prepare(txn, self.cycle.deadline_ms))]
         return []
+
+
+def _supersedes(vote: Vote, earlier: Vote) -> bool:
+    """A participant that voted idle (no partitions, nothing prepared) before it was assigned
+    any may vote again from a later generation: its first vote covered and promised nothing."""
+    return (
+        earlier.vote is VoteValue.PREPARED
+        and not earlier.partitions
+        and not earlier.sinks
+        and vote.vote is VoteValue.PREPARED
+        and vote.generation > earlier.generation
+    )
 
 
 def _fmt(tps: set[TP] | frozenset[TP]) -> str:

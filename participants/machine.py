@@ -465,6 +465,7 @@ class ParticipantMachine:
         actions.append(
             Log("info", f"assigned {len(self.base)} partitions in generation {self.generation}")
         )
+        actions += self._revote_idle()
         inflight, self.inflight_at_start = self.inflight_at_start, 0
         if (
             inflight > self.log.last_decided
@@ -475,6 +476,38 @@ class ParticipantMachine:
             # Nothing written yet: the part is empty, from the committed positions.
             self.pending_prepare = inflight
             actions += self._on_cut(inflight)
+        return actions
+
+    def _revote_idle(self) -> list[Action]:
+        """An idle vote (no partitions: cast before this process held any) on a transaction
+        still undecided covers nothing, and the partitions just assigned would stay uncovered
+        until the vote timeout. Vote again, in the new generation, with an empty part from the
+        committed positions: the coordinator lets a later generation's vote replace an idle
+        one, so the cycle commits or fails on its generations at once."""
+        actions: list[Action] = []
+        for txn, part in sorted(self.prepared.items()):
+            if part.start or part.sinks or txn <= self.log.last_decided or not self.base:
+                continue
+            part.start = dict(self.base)
+            part.end = dict(self.base)
+            self.votes_sent += 1
+            actions.append(
+                SendVote(
+                    Vote(
+                        txn=txn,
+                        participant=self.me,
+                        generation=self.generation,
+                        member_id=self.member_id,
+                        vote=VoteValue.PREPARED,
+                        partitions=tuple(
+                            PartitionRange(t, p, o, o, 0, 0)
+                            for (t, p), o in sorted(self.base.items())
+                        ),
+                        sinks=(),
+                    )
+                )
+            )
+            actions.append(Log("info", "re-voted an idle vote in the new generation", txn))
         return actions
 
     def _on_revoked(self) -> list[Action]:

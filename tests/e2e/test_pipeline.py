@@ -155,7 +155,7 @@ def test_deposed_coordinator_cannot_write_a_decision(tmp_path: Path) -> None:
         zombie.stop()
 
 
-def test_rebalance_mid_cycle_aborts_it_and_data_lands_once(tmp_path: Path) -> None:
+def test_rebalance_mid_cycle_is_decided_on_the_votes_and_data_lands_once(tmp_path: Path) -> None:
     s = _scenario(tmp_path, "rebal", interval_ms=500, vote_timeout_ms=20_000, mongo=False)
     n = 20_000
     produce(s.bootstrap, s.topic, 0, n)
@@ -175,7 +175,10 @@ def test_rebalance_mid_cycle_aborts_it_and_data_lands_once(tmp_path: Path) -> No
         c.stop_all()
     summary = control_summary(s)
     print(summary)
-    assert any("generation" in r or "claimed" in r for r in summary["abort_reasons"]), summary
+    # The cycle spanning the rebalances is decided on its votes -- aborted on their generations,
+    # or committed when the late joiners' re-votes make one generation cover everything --
+    # never left to the 20 s vote timeout.
+    assert not any("vote timeout" in r for r in summary["abort_reasons"]), summary
     for sink, r in report.items():
         assert r.ok, f"{sink}: {r}"
 

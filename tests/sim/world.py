@@ -1120,9 +1120,25 @@ class World:
     ) -> None:
         counted: list[Vote] = []
         for part in d.parts:
-            # The leader counts the first vote it reads from a participant; a different second
-            # one makes it abort, so the first must match the part.
-            first = next((v for v in votes if v.participant == part.participant), None)
+            # The leader counts the first vote it reads from a participant -- or a later
+            # generation's vote replacing an idle first one (no partitions, nothing prepared),
+            # if it read that one before deciding; any other different vote makes it abort.
+            # So the part must match the first vote or one that may replace it.
+            first: Vote | None = None
+            for v in votes:
+                if v.participant != part.participant:
+                    continue
+                if first is None:
+                    first = v
+                elif (
+                    first.vote is VoteValue.PREPARED
+                    and not first.partitions
+                    and not first.sinks
+                    and v.vote is VoteValue.PREPARED
+                    and v.generation > first.generation
+                    and first.generation != part.generation
+                ):
+                    first = v
             if (
                 first is None
                 or first.vote is not VoteValue.PREPARED

@@ -257,3 +257,22 @@ def test_complete_once_every_part_is_applied_and_checkpoints_every_n_decisions()
     assert cp.last_txn == 3 and cp.positions == (Position(T, 0, 0), Position(T, 1, 0))
     assert [p.txn for p in cp.pending] == [3]  # txn 3 was still waiting for its APPLIED
     assert Part("a", 1, ()) in cp.pending[0].parts
+
+
+def test_a_later_generation_vote_replaces_an_idle_one_and_the_cycle_commits() -> None:
+    m = leader()
+    start_cycle(m)
+    assert m.handle(Received(env(vote(1, "late", gen=-1)), 1)) == []  # voted before it held any
+    m.handle(Received(env(vote(1, "a", gen=4, ranges=((0, 0, 3),))), 1))
+    acts = m.handle(Received(env(vote(1, "late", gen=4, ranges=((1, 0, 0),))), 2))
+    (d,) = published(acts)
+    assert isinstance(d, Decision) and d.outcome is Outcome.COMMIT, d
+    assert {(p.participant, p.generation) for p in d.parts} == {("a", 4), ("late", 4)}
+
+
+def test_a_second_vote_replacing_a_busy_one_aborts() -> None:
+    m = leader()
+    start_cycle(m)
+    m.handle(Received(env(vote(1, "a", gen=1, ranges=((0, 0, 1),))), 1))
+    (d,) = published(m.handle(Received(env(vote(1, "a", gen=2, ranges=((0, 0, 2),))), 1)))
+    assert isinstance(d, Decision) and d.outcome is Outcome.ABORT and "twice" in d.reason

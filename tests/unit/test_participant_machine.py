@@ -270,3 +270,40 @@ def test_sweep_leaves_a_live_owners_parts_and_unknown_membership_alone() -> None
     m.handle(InDoubt((("pg", 1, "b"),), sweep=True, live=frozenset({"a"})))
     acts = m.handle(InDoubt((("pg", 1, "b"),), sweep=True, live=frozenset({"a"})))
     assert of(acts, CommitPart) == [CommitPart(1, "b", ("pg",))]  # b left the group: finish it
+
+
+def test_an_idle_vote_is_cast_again_in_the_generation_that_brings_partitions() -> None:
+    m = ParticipantMachine(ParticipantSettings("a", SINKS))
+    m.handle(CaughtUp())
+    acts = prepare_and_vote(m, 1)  # not assigned yet: an idle vote
+    (idle,) = of(acts, SendVote)
+    assert idle.vote.partitions == () and idle.vote.generation == -1
+    acts = m.handle(Assigned(5, "a-5", {TP0: 2, TP1: 0}))
+    (again,) = of(acts, SendVote)
+    v = again.vote
+    assert v.txn == 1 and v.generation == 5 and v.sinks == ()
+    assert [(p.partition, p.start, p.end) for p in v.partitions] == [(0, 2, 2), (1, 0, 0)]
+    # Once decided there is nothing left to re-vote.
+    m.handle(Received(env(commit(1, Part("a", 5, ()), pos={TP0: 2, TP1: 0}))))
+    assert of(m.handle(Assigned(6, "a-6", {TP0: 2, TP1: 0})), SendVote) == []
+
+
+def test_a_prepare_in_flight_at_start_up_is_voted_at_the_first_assignment() -> None:
+    m = ParticipantMachine(ParticipantSettings("a", SINKS))
+    m.handle(Received(env(Prepare(4, 0)), replay=True))
+    m.handle(CaughtUp())
+    m.handle(InDoubt(()))
+    acts = m.handle(Assigned(2, "a-2", {TP0: 7, TP1: 1}))
+    (ready,) = of(acts, PreparePart)
+    assert ready.txn == 4 and ready.ready and ready.sinks == ()
+    assert ready.positions == {TP0: 7, TP1: 1}
+    (send,) = of(m.handle(PrepareDone(4)), SendVote)
+    assert [(p.partition, p.start, p.end) for p in send.vote.partitions] == [(0, 7, 7), (1, 1, 1)]
+
+
+def test_a_prepare_in_flight_at_start_up_is_not_voted_when_own_part_is_prepared() -> None:
+    m = ParticipantMachine(ParticipantSettings("a", SINKS))
+    m.handle(Received(env(Prepare(4, 0)), replay=True))
+    m.handle(CaughtUp())
+    m.handle(InDoubt((("pg", 4, "a"),)))
+    assert of(m.handle(Assigned(2, "a-2", {TP0: 7})), PreparePart) == []
