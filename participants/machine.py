@@ -490,23 +490,10 @@ class ParticipantMachine:
                 continue
             part.start = dict(self.base)
             part.end = dict(self.base)
-            self.votes_sent += 1
-            actions.append(
-                SendVote(
-                    Vote(
-                        txn=txn,
-                        participant=self.me,
-                        generation=self.generation,
-                        member_id=self.member_id,
-                        vote=VoteValue.PREPARED,
-                        partitions=tuple(
-                            PartitionRange(t, p, o, o, 0, 0)
-                            for (t, p), o in sorted(self.base.items())
-                        ),
-                        sinks=(),
-                    )
-                )
+            ranges = tuple(
+                PartitionRange(t, p, o, o, 0, 0) for (t, p), o in sorted(self.base.items())
             )
+            actions.append(self._prepared_vote(txn, ranges, ()))
             actions.append(Log("info", "re-voted an idle vote in the new generation", txn))
         return actions
 
@@ -573,27 +560,34 @@ class ParticipantMachine:
         sinks = self.settings.sinks if part.begun else ()
         self.prepared[txn] = PreparedPart(txn, dict(part.start), end, sinks, voted=True)
         self.base = dict(end)
-        vote = Vote(
-            txn=txn,
-            participant=self.me,
-            generation=self.generation,
-            member_id=self.member_id,
-            vote=VoteValue.PREPARED,
-            partitions=tuple(
-                PartitionRange(
-                    t,
-                    p,
-                    part.start[(t, p)],
-                    end[(t, p)],
-                    part.records.get((t, p), 0),
-                    part.dead.get((t, p), 0),
-                )
-                for t, p in sorted(part.start)
-            ),
-            sinks=sinks,
+        ranges = tuple(
+            PartitionRange(
+                t,
+                p,
+                part.start[(t, p)],
+                end[(t, p)],
+                part.records.get((t, p), 0),
+                part.dead.get((t, p), 0),
+            )
+            for t, p in sorted(part.start)
         )
+        return [self._prepared_vote(txn, ranges, sinks)]
+
+    def _prepared_vote(
+        self, txn: int, ranges: tuple[PartitionRange, ...], sinks: tuple[str, ...]
+    ) -> SendVote:
         self.votes_sent += 1
-        return [SendVote(vote)]
+        return SendVote(
+            Vote(
+                txn=txn,
+                participant=self.me,
+                generation=self.generation,
+                member_id=self.member_id,
+                vote=VoteValue.PREPARED,
+                partitions=ranges,
+                sinks=sinks,
+            )
+        )
 
     def _on_prepare_failed(self, event: PrepareFailed) -> list[Action]:
         part = self.open
