@@ -146,7 +146,7 @@ def latency_run(
     started = time.monotonic()
     try:
         trickle.start()
-        with running(s, "exactly_once", participants) as cluster:
+        with running(s, "exactly_once", participants) as (cluster, _ports):
             settled_at = 0.0
             got: list[int] = []
             aborted = 0

@@ -98,61 +98,68 @@ def throughput(args: argparse.Namespace, env: dict[str, str], work: Path) -> dic
     }
 
 
-def ceiling(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[str, Any]:
-    say(f"ceiling: producing {args.records:,} records")
-    source = tp.Source.create(env["TWOPHASE_KAFKA_BOOTSTRAP"], args.records, "ceil")
+def direct_vs_pipeline(
+    env: dict[str, str],
+    work: Path,
+    *,
+    runs: int,
+    records: int,
+    sink: str,
+    direct: Callable[[list[dict[str, Any]]], float],
+) -> tuple[float, float, dict[str, Any]]:
+    """Median rates of writing the records straight into a store vs a ``sink``-only pipeline."""
+    say(f"{sink}: producing {records:,} records")
+    source = tp.Source.create(env["TWOPHASE_KAFKA_BOOTSTRAP"], records, sink)
     details: list[dict[str, Any]] = []
     try:
         rows = tp.source_rows(source)
 
         def pipeline() -> float:
-            r = tp.pipeline_run(source, work, mode="exactly_once", sinks={"pg"})
+            r = tp.pipeline_run(source, work, mode="exactly_once", sinks={sink})
             details.append(r.asdict())
             return r.records_per_s
 
-        got = alternate(
-            args.runs,
-            {"copy": lambda: tp.pg_copy_run(env["TWOPHASE_PG_DSN"], rows), "pipeline": pipeline},
-        )
+        got = alternate(runs, {"direct": lambda: direct(rows), "pipeline": pipeline})
     finally:
         source.delete()
-    copy, pipe = median(got["copy"]), median(got["pipeline"])
+    runs_out = {"direct": [round(x) for x in got["direct"]], "pipeline": details}
+    return median(got["direct"]), median(got["pipeline"]), runs_out
+
+
+def ceiling(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[str, Any]:
+    dsn = env["TWOPHASE_PG_DSN"]
+    copy, pipe, runs = direct_vs_pipeline(
+        env,
+        work,
+        runs=args.runs,
+        records=args.records,
+        sink="pg",
+        direct=lambda rows: tp.pg_copy_run(dsn, rows),
+    )
     return {
         "pg_copy_records_per_s": round(copy),
         "pg_pipeline_records_per_s": round(pipe),
         "pg_pipeline_over_copy": round(pipe / copy, 3),
-        "_runs": {"copy": [round(x) for x in got["copy"]], "pipeline": details},
+        "_runs": runs,
     }
 
 
 def mongo(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[str, Any]:
-    say(f"mongo: producing {args.mongo_records:,} records")
-    source = tp.Source.create(env["TWOPHASE_KAFKA_BOOTSTRAP"], args.mongo_records, "mongo")
-    details: list[dict[str, Any]] = []
-    try:
-        rows = tp.source_rows(source)
-
-        def pipeline() -> float:
-            r = tp.pipeline_run(source, work, mode="exactly_once", sinks={"mongo"})
-            details.append(r.asdict())
-            return r.records_per_s
-
-        got = alternate(
-            args.runs,
-            {
-                "direct": lambda: tp.mongo_direct_run(env["TWOPHASE_MONGO_URI"], rows),
-                "pipeline": pipeline,
-            },
-        )
-    finally:
-        source.delete()
-    direct, pipe = median(got["direct"]), median(got["pipeline"])
+    uri = env["TWOPHASE_MONGO_URI"]
+    direct, pipe, runs = direct_vs_pipeline(
+        env,
+        work,
+        runs=args.runs,
+        records=args.mongo_records,
+        sink="mongo",
+        direct=lambda rows: tp.mongo_direct_run(uri, rows),
+    )
     return {
         "mongo_direct_records_per_s": round(direct),
         "mongo_pipeline_records_per_s": round(pipe),
         "mongo_over_direct": round(pipe / direct, 3),
         "mongo_note": MONGO_NOTE,
-        "_runs": {"direct": [round(x) for x in got["direct"]], "pipeline": details},
+        "_runs": runs,
     }
 
 
