@@ -178,6 +178,7 @@ def latency(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[s
 
 
 def spark(args: argparse.Namespace, _env: dict[str, str], work: Path) -> dict[str, Any]:
+    work.mkdir(parents=True, exist_ok=True)
     result = work / "spark.json"
     cmd = [
         sys.executable,
