@@ -161,6 +161,7 @@ _RETRIABLE_CODES = frozenset(
 )
 #: Unauthorized, AuthenticationFailed: retrying with the same credentials cannot help.
 _AUTH_CODES = frozenset({13, 18})
+_INTERNAL_ERROR = 1
 _DUPLICATE_KEY = 11000
 #: Staged documents are read and replayed as raw BSON: user documents are never decoded.
 _RAW: CodecOptions[RawBSONDocument] = CodecOptions(document_class=RawBSONDocument)
@@ -1099,6 +1100,11 @@ class MongoSink(Sink):
                 or exc.code in _RETRIABLE_CODES
                 # Two processes upserting the same marker/positions document at once.
                 or (exc.code == _DUPLICATE_KEY and what == "commit")
+                # A server-side failure of this attempt (a conflicting writer, on servers that
+                # report it without the TransientTransactionError label). Applying a decided
+                # part is idempotent, so it is repeated rather than ending the process: the
+                # chaos run saw a participant exit on one during a commit.
+                or (exc.code == _INTERNAL_ERROR and what in ("commit", "abort"))
             ):
                 raise RetriableSinkError(f"{what} {token}: {exc}", sink=self.name) from exc
             if exc.code in _AUTH_CODES:

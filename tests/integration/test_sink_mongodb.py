@@ -814,3 +814,19 @@ def test_5k_document_part_timed(make_sink: MakeSink, db: Database[Doc]) -> None:
         f"\nmongodb sink, {n} docs: stage+prepare {n / (t1 - t0):.0f} docs/s, "
         f"commit {n / (t2 - t1):.0f} docs/s, end to end {n / (t2 - t0):.0f} docs/s"
     )
+
+
+def test_a_server_internal_error_while_applying_a_decision_is_retried(make_sink: MakeSink) -> None:
+    """Applying a decided part is idempotent: an InternalError (code 1, no retry label, which
+    SecantusDB returns for write conflicts) must not end the process; elsewhere it still does."""
+    from pymongo.errors import OperationFailure
+
+    from participants.sdk import FatalSinkError, RetriableSinkError
+
+    sink = make_sink()
+    failure = OperationFailure("internal server error", code=1)
+    for what in ("commit", "abort"):
+        with pytest.raises(RetriableSinkError), sink._errors(what, "t", FatalSinkError):
+            raise failure
+    with pytest.raises(FatalSinkError), sink._errors("prepare", "t", FatalSinkError):
+        raise failure
