@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from participants.sdk import Sink, SinkContext
+from twophase.config import validation_error
 from twophase.errors import ConfigError
 
 __all__ = ["ENTRY_POINT_GROUP", "available_sinks", "build_sinks", "sink_class"]
@@ -53,7 +54,6 @@ def build_sinks(
         try:
             sinks.append(cls.from_mapping(raw, context))
         except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(p) for p in err["loc"])
-            raise ConfigError(f"sinks[{i}].{where}", err["msg"], source=source) from None
+            # Names the field, masks any secret the message quotes (a DSN's password, say).
+            raise validation_error(exc, prefix=f"sinks[{i}].", source=source) from None
     return sinks

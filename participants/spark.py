@@ -58,7 +58,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import orjson
-import yaml
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
@@ -73,8 +72,8 @@ from participants.sdk import (
     Sink,
     SinkError,
 )
-from twophase.config import PipelineConfig, parse_config
-from twophase.errors import AbortError, ConfigError, FatalError, FencedError, RetriableError
+from twophase.config import PipelineConfig, load_yaml, parse_config
+from twophase.errors import AbortError, FatalError, FencedError, RetriableError
 from twophase.kafka import CALL_TIMEOUT_S, ControlReader, client_settings
 from twophase.protocol.codec import encode, new_envelope
 from twophase.protocol.logview import LogView
@@ -175,12 +174,7 @@ def load_spark_config(path: str | Path) -> PipelineConfig:
     """Load a pipeline config for the writer. ``sources`` may be left out: a Spark pipeline's
     source is the stream, recorded as the virtual topic ``spark.<pipeline>``."""
     p = Path(path)
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except OSError as exc:
-        raise ConfigError("(file)", f"cannot read: {exc.strerror}", source=str(p)) from None
-    except yaml.YAMLError as exc:
-        raise ConfigError("(file)", f"not valid YAML: {exc}", source=str(p)) from None
+    raw = load_yaml(p)  # a syntax error names its position, never the text (it may hold secrets)
     if isinstance(raw, dict) and "sources" not in raw and isinstance(raw.get("pipeline"), str):
         raw = {**raw, "sources": [{"topic": virtual_topic(raw["pipeline"])}]}
     return parse_config(raw, source=str(p))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
@@ -27,7 +27,7 @@ from participants.sdk import PartId, Sink, SinkError
 from twophase.config import PipelineConfig
 from twophase.errors import RetriableError
 from twophase.kafka import CALL_TIMEOUT_S, client_settings, raise_fatal
-from twophase.observability import HealthServer, Metrics
+from twophase.observability import HealthServer, Metrics, txn_extra
 
 __all__ = ["AtLeastOnceRuntime"]
 
@@ -145,6 +145,9 @@ class AtLeastOnceRuntime:
         self._txn = max(self._txn + 1, int(time.time() * 100))
         return self._txn
 
+    def _txn_extra(self, txn: int, tps: Iterable[tuple[str, int]]) -> dict[str, Any]:
+        return txn_extra(txn, tps, pipeline=self.cfg.pipeline, participant=self.me)
+
     def _discard_leftovers(self) -> None:
         """A crashed run of this participant may have left a prepared or an open part: its
         offsets were never committed, so the records come again -- abort it."""
@@ -154,7 +157,13 @@ class AtLeastOnceRuntime:
             for part in parts:
                 if part.pipeline == self.cfg.pipeline and part.participant == self.me:
                     self._retry(partial(sink.abort, part), f"abort {part.token} {sink.name}")
-                    log.info("txn=%s aborted a leftover part in %s", part.txn, sink.name)
+                    # A leftover's partitions are not known here (it is aborted unread): none.
+                    log.info(
+                        "txn=%s aborted a leftover part in %s",
+                        part.txn,
+                        sink.name,
+                        extra=self._txn_extra(part.txn, ()),
+                    )
 
     def _batch(self, msgs: list[Any]) -> None:
         part = PartId(self.cfg.pipeline, self._next_txn(), self.me)
@@ -178,7 +187,12 @@ class AtLeastOnceRuntime:
                 self._retry(partial(sink.commit, part), f"commit {sink.name}")
         except (SinkError, RetriableError) as exc:
             # Nothing of the batch's offsets is committed: re-read it from the last commit.
-            log.error("txn=%s batch failed, re-reading it: %s", part.txn, exc)
+            log.error(
+                "txn=%s batch failed, re-reading it: %s",
+                part.txn,
+                exc,
+                extra=self._txn_extra(part.txn, {(m.topic(), m.partition()) for m in msgs}),
+            )
             for sink in self.sinks:
                 self._retry(partial(sink.abort, part), f"abort {sink.name}")
             self._rewind()

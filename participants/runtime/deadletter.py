@@ -18,6 +18,7 @@ from confluent_kafka import KafkaError, Message, Producer
 
 from participants.sdk import Record
 from twophase.errors import RetriableError
+from twophase.observability import txn_extra
 
 __all__ = ["DeadLetters", "decode_batch", "message_key"]
 
@@ -130,7 +131,17 @@ class DeadLetters:
         )
         self.producer.poll(0)
         self.on_sent(reason)
-        log.warning("txn=%s dead-lettered %s[%s]@%s: %s", txn, topic, partition, offset, reason)
+        log.warning(
+            "txn=%s dead-lettered %s[%s]@%s: %s",
+            txn,
+            topic,
+            partition,
+            offset,
+            reason,
+            extra=txn_extra(
+                txn, [(topic, partition)], pipeline=self.pipeline, participant=self.participant
+            ),
+        )
 
     def _on_delivery(self, err: KafkaError | None, _msg: Message) -> None:
         if err is not None:

@@ -13,7 +13,14 @@ from contextlib import suppress
 from functools import partial
 from typing import Any, TypeVar
 
-from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import (
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient
 
 from participants.machine import (
@@ -92,6 +99,14 @@ MIN_BATCH = 20
 MAX_UNAPPLIED = 2
 #: Lag is recomputed this often; it needs a watermark request per partition.
 LAG_REFRESH_S = 5.0
+#: A sweep describes the source group on the control thread, where waiting holds up votes (the
+#: vote timeout is 10 s by default). A healthy broker answers in milliseconds; no answer within
+#: this long means the broker is down, or the AdminClient is stuck (seen after a broker restart:
+#: every later describe on that client timed out while a fresh client answered at once).
+DESCRIBE_TIMEOUT_S = 3.0
+#: librdkafka fails the request itself at DESCRIBE_TIMEOUT_S; this much more is the backstop for
+#: a future it never completes.
+DESCRIBE_GRACE_S = 0.5
 #: Transactions whose parts' partitions are remembered for log lines: far more than are ever
 #: open, prepared or being applied at once.
 TXN_PARTITIONS_KEPT = 64
@@ -166,7 +181,7 @@ class ParticipantRuntime:
         )
         # The client.id names the participant, so others can tell live owners from dead ones.
         self._client_id_prefix = f"twophase-{cfg.pipeline}-participant-"
-        self.admin = AdminClient(client_settings(cfg, "admin"))
+        self.admin = self._new_admin()
         self.consumer = Consumer(
             client_settings(
                 cfg,
@@ -481,20 +496,48 @@ class ParticipantRuntime:
                         sink.name,
                     )
 
+    def _new_admin(self) -> AdminClient:
+        return AdminClient(client_settings(self.cfg, "admin"))
+
+    def _replace_admin(self) -> None:
+        """Swap in a fresh AdminClient. The old one is dropped on a thread of its own: destroying
+        a librdkafka handle with requests in flight must never hold up the control thread."""
+        retired = [self.admin]
+        self.admin = self._new_admin()
+        threading.Thread(target=retired.clear, name="admin-retire", daemon=True).start()
+
     def _live_participants(self) -> frozenset[str] | None:
         """Participants that are members of the source group now (by their client.id); None
-        when the group cannot be described, so no foreign part is touched this sweep."""
+        when the group cannot be described, so no foreign part is touched this sweep.
+
+        Waits at most DESCRIBE_TIMEOUT_S (+ grace). A describe that times out replaces the
+        AdminClient: one that got stuck across a broker restart never answers again.
+        """
         prefix = self._client_id_prefix
+        group = self.cfg.group_id
+        timed_out = False
         try:
-            desc = self.admin.describe_consumer_groups([self.cfg.group_id])[
-                self.cfg.group_id
-            ].result(timeout=CALL_TIMEOUT_S)
-        except (KafkaException, TimeoutError) as exc:  # the future times out: broker restarting
-            log.warning("cannot describe group %s: %s", self.cfg.group_id, exc)
-            return None
-        return frozenset(
-            m.client_id[len(prefix) :] for m in desc.members if m.client_id.startswith(prefix)
-        )
+            future = self.admin.describe_consumer_groups(
+                [group], request_timeout=DESCRIBE_TIMEOUT_S
+            )[group]
+            desc = future.result(timeout=DESCRIBE_TIMEOUT_S + DESCRIBE_GRACE_S)
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            timed_out = isinstance(err, KafkaError) and err.code() == KafkaError._TIMED_OUT
+            reason = f"{err.str()} ({err.name()})" if isinstance(err, KafkaError) else str(exc)
+        except TimeoutError:  # the future itself never completed
+            timed_out = True
+            reason = f"no answer within {DESCRIBE_TIMEOUT_S + DESCRIBE_GRACE_S:.1f}s"
+        else:
+            return frozenset(
+                m.client_id[len(prefix) :] for m in desc.members if m.client_id.startswith(prefix)
+            )
+        if timed_out:
+            log.warning("cannot describe group %s: %s; replacing the admin client", group, reason)
+            self._replace_admin()
+        else:
+            log.warning("cannot describe group %s: %s", group, reason)
+        return None
 
     def _list_in_doubt(self) -> tuple[tuple[str, int, str], ...]:
         found = []
