@@ -1128,9 +1128,7 @@ class World:
             for v in votes:
                 if v.participant != part.participant:
                     continue
-                if first is None:
-                    first = v
-                elif (
+                if first is None or (
                     first.vote is VoteValue.PREPARED
                     and not first.partitions
                     and not first.sinks
