@@ -18,11 +18,9 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
-from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
-from participants.registry import build_sinks
-from participants.runtime.batch import retry_call, write_batch
-from participants.runtime.deadletter import DeadLetters
+from participants.runtime.batch import open_writers, retry_call, write_batch
 from participants.sdk import PartId, Sink, SinkError
 from twophase.config import PipelineConfig
 from twophase.errors import RetriableError
@@ -51,30 +49,8 @@ class AtLeastOnceRuntime:
         self.cfg = cfg
         self.me = participant_id or cfg.participant_id
         self.metrics = metrics or Metrics(cfg.pipeline, "participant")
-        self.sinks = (
-            list(sinks)
-            if sinks is not None
-            else build_sinks(
-                cfg.sinks, pipeline=cfg.pipeline, participant=self.me, source=cfg.source_file
-            )
-        )
+        self.sinks, self.producer, self.dlq = open_writers(cfg, self.me, self.metrics, sinks)
         self.stop_event = threading.Event()
-        self.producer = Producer(
-            client_settings(
-                cfg,
-                "participant-producer",
-                **{"enable.idempotence": True, "acks": "all", "linger.ms": 5},
-            )
-        )
-        self.dlq = DeadLetters(
-            self.producer,
-            cfg.dead_letter_topic,
-            cfg.pipeline,
-            self.me,
-            on_sent=lambda reason: self.metrics.dead_lettered.labels(
-                cfg.pipeline, reason.split(":")[0][:40]
-            ).inc(),
-        )
         self.consumer = Consumer(
             client_settings(
                 cfg,

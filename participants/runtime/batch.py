@@ -11,20 +11,52 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
-from confluent_kafka import Message
+from confluent_kafka import Message, Producer
 
+from participants.registry import build_sinks
 from participants.runtime.deadletter import DeadLetters, decode_batch, message_key
 from participants.sdk import BackpressureError, PartId, Record, RetriableSinkError, Sink
+from twophase.config import PipelineConfig
 from twophase.errors import RetriableError
+from twophase.kafka import client_settings
 from twophase.observability import Metrics
 
-__all__ = ["BatchResult", "retry_call", "write_batch"]
+__all__ = ["BatchResult", "open_writers", "retry_call", "write_batch"]
 
 log = logging.getLogger("twophase.participant")
 
 T = TypeVar("T")
 #: Per source partition of the batch: (last offset read, records written, records dead-lettered).
 BatchResult = dict[tuple[str, int], tuple[int, int, int]]
+
+
+def open_writers(
+    cfg: PipelineConfig, me: str, metrics: Metrics, sinks: Sequence[Sink] | None = None
+) -> tuple[list[Sink], Producer, DeadLetters]:
+    """A participant's writing side, in either mode: its sinks (built from the config unless
+    given), the idempotent producer, and the dead-letter topic over that producer."""
+    built = (
+        list(sinks)
+        if sinks is not None
+        else build_sinks(cfg.sinks, pipeline=cfg.pipeline, participant=me, source=cfg.source_file)
+    )
+    producer = Producer(
+        client_settings(
+            cfg,
+            "participant-producer",
+            **{"enable.idempotence": True, "acks": "all", "linger.ms": 5},
+        )
+    )
+    dlq = DeadLetters(
+        producer,
+        cfg.dead_letter_topic,
+        cfg.pipeline,
+        me,
+        on_sent=lambda reason: metrics.dead_lettered.labels(
+            cfg.pipeline, reason.split(":")[0][:40]
+        ).inc(),
+    )
+    return built, producer, dlq
 
 
 def write_batch(

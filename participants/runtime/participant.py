@@ -18,7 +18,6 @@ from confluent_kafka import (
     KafkaError,
     KafkaException,
     Message,
-    Producer,
     TopicPartition,
 )
 from confluent_kafka.admin import AdminClient
@@ -51,9 +50,7 @@ from participants.machine import (
     WillWrite,
     Written,
 )
-from participants.registry import build_sinks
-from participants.runtime.batch import retry_call, write_batch
-from participants.runtime.deadletter import DeadLetters
+from participants.runtime.batch import open_writers, retry_call, write_batch
 from participants.sdk import (
     FatalSinkError,
     PartId,
@@ -142,13 +139,7 @@ class ParticipantRuntime:
         self.cfg = cfg
         self.me = participant_id or cfg.participant_id
         self.metrics = metrics or Metrics(cfg.pipeline, "participant")
-        self.sinks = (
-            list(sinks)
-            if sinks is not None
-            else build_sinks(
-                cfg.sinks, pipeline=cfg.pipeline, participant=self.me, source=cfg.source_file
-            )
-        )
+        self.sinks, self.producer, self.dlq = open_writers(cfg, self.me, self.metrics, sinks)
         self.sink_by_name = {s.name: s for s in self.sinks}
         self.machine = ParticipantMachine(
             ParticipantSettings(
@@ -162,23 +153,7 @@ class ParticipantRuntime:
         self.apply_queue: queue.Queue[Action] = queue.Queue()
         self.stop_event = threading.Event()
         self.fatal: BaseException | None = None
-        self.producer = Producer(
-            client_settings(
-                cfg,
-                "participant-producer",
-                **{"enable.idempotence": True, "acks": "all", "linger.ms": 5},
-            )
-        )
         self.control = ControlWriter(cfg, f"participant:{self.me}", self.producer)
-        self.dlq = DeadLetters(
-            self.producer,
-            cfg.dead_letter_topic,
-            cfg.pipeline,
-            self.me,
-            on_sent=lambda reason: self.metrics.dead_lettered.labels(
-                cfg.pipeline, reason.split(":")[0][:40]
-            ).inc(),
-        )
         # The client.id names the participant, so others can tell live owners from dead ones.
         self._client_id_prefix = f"twophase-{cfg.pipeline}-participant-"
         self.admin = self._new_admin()
