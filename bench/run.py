@@ -243,10 +243,10 @@ def chart(res: dict[str, Any], path: Path) -> None:
 
     ax = axes[0][1]
     ratios = {
-        "eo/alo": ("eo_over_alo", 0.9),
-        "pg pipeline/COPY": ("pg_pipeline_over_copy", 0.5),
-        "spark coord/plain": ("spark_ratio", 0.8),
-        "mongo pipeline/direct*": ("mongo_over_direct", None),
+        "EO / ALO": ("eo_over_alo", 0.9),
+        "PG pipeline\n/ COPY": ("pg_pipeline_over_copy", 0.5),
+        "Spark coordinated\n/ plain": ("spark_ratio", 0.8),
+        "Mongo pipeline\n/ direct*": ("mongo_over_direct", None),
     }
     names = [k for k, (f, _) in ratios.items() if res.get(f) is not None]
     vals = [res[ratios[k][0]] for k in names]
@@ -273,10 +273,10 @@ def chart(res: dict[str, Any], path: Path) -> None:
 
     ax = axes[1][1]
     sp = {
-        "Spark coordinated": res.get("spark_coordinated_rows_per_s"),
-        "Spark plain COPY": res.get("spark_plain_rows_per_s"),
-        "Mongo pipeline*": res.get("mongo_pipeline_records_per_s"),
-        "Mongo insert_many*": res.get("mongo_direct_records_per_s"),
+        "Spark\ncoordinated": res.get("spark_coordinated_rows_per_s"),
+        "Spark\nplain COPY": res.get("spark_plain_rows_per_s"),
+        "Mongo\npipeline*": res.get("mongo_pipeline_records_per_s"),
+        "Mongo\ninsert_many*": res.get("mongo_direct_records_per_s"),
     }
     shown = {k: v for k, v in sp.items() if v}
     ax.bar(list(shown), list(shown.values()), color="#dd6b20")
