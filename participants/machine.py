@@ -228,8 +228,11 @@ class SendApplied:
 
 @dataclass(frozen=True, slots=True)
 class Sweep:
-    """List the sinks' in-doubt parts and report them with ``InDoubt(sweep=True)``."""
+    """List the sinks' in-doubt parts and report them with ``InDoubt(sweep=True)``; then, when
+    ``forget_before`` is set, have every sink forget decided parts' markers below it
+    (:meth:`ParticipantMachine.forget_before`)."""
 
+    forget_before: int = 0
     thread: Thread = Thread.CONTROL
 
 
@@ -271,6 +274,9 @@ class ParticipantSettings:
     sinks: tuple[str, ...]
     #: How often the sinks are swept for in-doubt parts left by dead participants.
     sweep_interval_ms: int = 15_000
+    #: Decided transactions below the last decided one whose markers the sinks keep, for
+    #: operators (``twophase txn show``); older ones are forgotten on the sweep.
+    keep_decided_txns: int = 1000
 
 
 class ParticipantMachine:
@@ -317,6 +323,28 @@ class ParticipantMachine:
 
     def next_txn(self) -> int:
         return max(self.log.last_txn, self.log.last_decided) + 1
+
+    def forget_before(self) -> int:
+        """The transaction below which the sinks may forget decided parts' markers; 0: none.
+
+        A sink that forgot a part no longer knows it: a ``commit`` of it raises
+        UnknownPartError. So the bound is at most
+        * the oldest pending commit (committed, not yet acknowledged by all its parts): the
+          start-up replay and the sweep re-apply exactly those. Every reader's view keeps a
+          commit pending until the coordinator has seen every part applied (COMPLETE, or a
+          checkpoint without it), so a view that lags only holds the bound further back;
+        * ``keep_decided_txns`` below the last decided transaction: ``twophase txn show`` of
+          recent transactions, and slack for a reader whose view lags behind this one's.
+        Parts not decided yet are safe whatever the bound: sinks forget decided parts only
+        (and an abort of a forgotten part is a no-op). Nothing until caught up: before the log
+        tail is folded, ``pending`` is incomplete.
+        """
+        if not self.caught_up:
+            return 0
+        bound = self.log.last_decided + 1 - self.settings.keep_decided_txns
+        if self.log.pending:
+            bound = min(bound, min(self.log.pending))
+        return bound if bound > 1 else 0  # transactions start at 1: below 1 there is nothing
 
     # -- the one entry point -------------------------------------------------------------------
 
@@ -690,4 +718,4 @@ class ParticipantMachine:
         if not self.caught_up or now < self.next_sweep_ms:
             return []
         self.next_sweep_ms = now + self.settings.sweep_interval_ms
-        return [Sweep()]
+        return [Sweep(forget_before=self.forget_before())]

@@ -91,6 +91,10 @@ class ParticipantConfig(_Strict):
     max_batch_records: int = Field(default=5000, ge=1)
     max_record_bytes: int = Field(default=1_048_576, ge=1)
     sweep_interval_ms: int = Field(default=15_000, ge=100)
+    #: The sinks keep the markers of this many decided transactions below the last decided one
+    #: (``twophase txn show`` reads them); each sweep forgets older ones, never a commit still
+    #: pending nor the newest committed one. 0 keeps only what recovery and status need.
+    keep_decided_txns: int = Field(default=1000, ge=0)
 
 
 class MetricsConfig(_Strict):

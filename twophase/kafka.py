@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
@@ -39,6 +39,7 @@ __all__ = [
     "group_generation",
     "note_broker_contact",
     "raise_fatal",
+    "retry_kafka",
 ]
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,29 @@ SUSPECT_AUTH_FATAL_S = 60.0
 #: Suspect failures further apart than this start a new streak (librdkafka reconnects a
 #: failing broker at least every reconnect.backoff.max.ms, 10 s by default).
 SUSPECT_AUTH_GAP_S = 30.0
+#: How long :func:`retry_kafka` retries a call a broker restart fails: the group coordinator
+#: moves and loads its offsets within seconds of the broker being back. Past this the error is
+#: raised as before (the process exits and is restarted).
+KAFKA_RETRY_BUDGET_S = 60.0
+#: Longest wait between two attempts: short enough to notice the broker back promptly.
+KAFKA_RETRY_MAX_WAIT_S = 5.0
+#: What a restarting broker or a moving group coordinator answers for a while. Blocking calls
+#: (committed offsets, watermarks) raise these; librdkafka's own retries never see them.
+_RETRIABLE_CALL_ERRORS = frozenset(
+    {
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError.REQUEST_TIMED_OUT,
+        KafkaError.NETWORK_EXCEPTION,
+        KafkaError._TIMED_OUT,
+        KafkaError._TRANSPORT,
+        KafkaError._ALL_BROKERS_DOWN,
+        KafkaError._WAIT_COORD,
+    }
+)
+
+T = TypeVar("T")
 
 _SASL_HINT = "check kafka.config security.protocol, sasl.mechanism, sasl.username, sasl.password"
 _SSL_HINT = (
@@ -226,6 +250,37 @@ def group_generation(consumer: Consumer) -> tuple[int, str]:
     return int(generation), member
 
 
+def retry_kafka(
+    fn: Callable[[], T],
+    what: str,
+    *,
+    budget_s: float = KAFKA_RETRY_BUDGET_S,
+    stop: threading.Event | None = None,
+) -> T:
+    """``fn()``, retried with a growing back-off (at most KAFKA_RETRY_MAX_WAIT_S) for up to
+    ``budget_s`` while it raises a retriable Kafka error (NOT_COORDINATOR, time-outs, a broken
+    connection: a broker restarting). Fatal and other errors, and a retriable one past the
+    budget or after ``stop``, are raised as they are."""
+    deadline = time.monotonic() + budget_s
+    wait = 0.25
+    while True:
+        try:
+            return fn()
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            if (
+                not isinstance(err, KafkaError)
+                or err.fatal()
+                or not (err.retriable() or err.code() in _RETRIABLE_CALL_ERRORS)
+                or time.monotonic() + wait > deadline
+                or (stop is not None and stop.is_set())
+            ):
+                raise
+            log.warning("%s failed, retrying in %.2fs: %s (%s)", what, wait, err.str(), err.name())
+        time.sleep(wait)
+        wait = min(wait * 2, KAFKA_RETRY_MAX_WAIT_S)
+
+
 def raise_fatal(err: KafkaError) -> None:
     """Consumer error events: fatal ones stop the process, the rest (a broker restarting, a
     connection reset) are logged -- librdkafka recovers from them by itself."""
@@ -313,7 +368,12 @@ class ControlReader:
             )
         )
         self.tp = TopicPartition(self.cfg.control_topic, 0)
-        committed = self.consumer.committed([self.tp], timeout=CALL_TIMEOUT_S)[0].offset
+        # Right after a broker restart this fails (NOT_COORDINATOR) until the coordinator
+        # group's new coordinator has loaded its offsets: retried, not fatal.
+        committed = retry_kafka(
+            lambda: self.consumer.committed([self.tp], timeout=CALL_TIMEOUT_S),
+            "reading the control topic's checkpoint offset",
+        )[0].offset
         start = committed if committed >= 0 else OFFSET_BEGINNING
         self.consumer.assign([TopicPartition(self.cfg.control_topic, 0, start)])
         self.at_end = False
@@ -362,7 +422,10 @@ class ControlReader:
         whichever comes first: on a busy control topic the reader may never sit exactly at the
         moving end, so waiting for the event alone could never finish.
         """
-        _low, end = self.consumer.get_watermark_offsets(self.tp, timeout=CALL_TIMEOUT_S)
+        _low, end = retry_kafka(
+            lambda: self.consumer.get_watermark_offsets(self.tp, timeout=CALL_TIMEOUT_S),
+            "reading the control topic's end offset",
+        )
         while not self.at_end:
             env = self.poll(1.0)
             if env is not None:

@@ -107,6 +107,12 @@ class Metrics:
         self.rewinds = Counter(
             "twophase_rewinds", "Open parts abandoned and re-read", ["pipeline"], registry=r
         )
+        self.markers_forgotten = Counter(
+            "twophase_markers_forgotten",
+            "Markers of decided parts the sinks deleted (participant.keep_decided_txns)",
+            ["pipeline", "sink"],
+            registry=r,
+        )
         self.last_commit = Gauge(
             "twophase_last_commit_timestamp_seconds",
             "When the last commit was decided/applied",

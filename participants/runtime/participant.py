@@ -10,6 +10,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import suppress
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
@@ -69,6 +70,7 @@ from twophase.kafka import (
     client_settings,
     group_generation,
     raise_fatal,
+    retry_kafka,
 )
 from twophase.observability import HealthServer, Metrics, log_context, txn_extra
 from twophase.protocol.messages import Outcome, Prepare
@@ -109,6 +111,13 @@ DESCRIBE_GRACE_S = 0.5
 TXN_PARTITIONS_KEPT = 64
 
 
+@dataclass(frozen=True, slots=True)
+class _Forget:
+    """Housekeeping for the apply worker: the sinks forget decided parts below ``before``."""
+
+    before: int
+
+
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -146,11 +155,14 @@ class ParticipantRuntime:
                 participant=self.me,
                 sinks=tuple(self.sink_by_name),
                 sweep_interval_ms=cfg.participant.sweep_interval_ms,
+                keep_decided_txns=cfg.participant.keep_decided_txns,
             )
         )
         self.lock = threading.RLock()
         self.data_queue: queue.Queue[Action] = queue.Queue()
-        self.apply_queue: queue.Queue[Action] = queue.Queue()
+        self.apply_queue: queue.Queue[Action | _Forget] = queue.Queue()
+        #: Set while a forget is queued or running: a slow one is not queued again meanwhile.
+        self._forgetting = threading.Event()
         self.stop_event = threading.Event()
         self.fatal: BaseException | None = None
         self.control = ControlWriter(cfg, f"participant:{self.me}", self.producer)
@@ -357,6 +369,9 @@ class ParticipantRuntime:
                 action = self.apply_queue.get(timeout=0.1)
             except queue.Empty:
                 continue
+            if isinstance(action, _Forget):
+                self._forget(action.before)
+                continue
             assert isinstance(action, (CommitPart, AbortPart))
             self._apply(action, Thread.CONTROL)
 
@@ -382,6 +397,11 @@ class ParticipantRuntime:
                 ),
                 here,
             )
+            if action.forget_before and not self._forgetting.is_set():
+                # On the apply worker, after the decisions queued before it: a slow delete
+                # there never holds up the control thread (PREPAREs, hence votes).
+                self._forgetting.set()
+                self.apply_queue.put(_Forget(action.forget_before))
         elif isinstance(action, BeginPart):
             part = PartId(self.cfg.pipeline, action.txn, self.me)
             with log_context(self._txn_extra(action.txn)):
@@ -470,6 +490,49 @@ class ParticipantRuntime:
                         part.participant,
                         sink.name,
                     )
+
+    def _forget(self, before: int) -> None:
+        """Every sink deletes the markers of decided parts below ``before`` (the machine's
+        bound, see ``ParticipantMachine.forget_before``). Housekeeping: a store that keeps
+        failing (retriable errors past the budget) costs only growth until a later sweep, so
+        that is logged; a FatalSinkError stops the process, as from any sink call."""
+        try:
+            with self.lock:
+                tps = tuple(self.machine.log.positions)
+            # About every transaction up to before - 1, hence every source partition.
+            base = (
+                txn_extra(before - 1, tps, pipeline=self.cfg.pipeline, participant=self.me)
+                if tps
+                else {"pipeline": self.cfg.pipeline, "participant": self.me}
+            )
+            for sink in self.sinks:
+                fields = {**base, "sink": sink.name}
+                try:
+                    with log_context(fields):
+                        deleted = self._retry(partial(sink.forget, before), f"forget {sink.name}")
+                except FatalSinkError:
+                    raise
+                except (SinkError, RetriableError) as exc:
+                    log.warning(
+                        "sink %s could not forget markers below txn %d (a later sweep tries "
+                        "again): %s",
+                        sink.name,
+                        before,
+                        exc,
+                        extra=fields,
+                    )
+                    continue
+                if deleted:
+                    self.metrics.markers_forgotten.labels(self.cfg.pipeline, sink.name).inc(deleted)
+                    log.info(
+                        "sink %s forgot %d markers of decided parts up to txn %d",
+                        sink.name,
+                        deleted,
+                        before - 1,
+                        extra=fields,
+                    )
+        finally:
+            self._forgetting.clear()
 
     def _new_admin(self) -> AdminClient:
         return AdminClient(client_settings(self.cfg, "admin"))
@@ -696,12 +759,26 @@ class ParticipantRuntime:
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         generation, member = group_generation(consumer)
-        committed = consumer.committed(partitions, timeout=CALL_TIMEOUT_S) if partitions else []
+        # Raised out of consume() these would end the process: retry what a broker restart
+        # causes (NOT_COORDINATOR while the group coordinator moves, time-outs).
+        committed = (
+            retry_kafka(
+                lambda: consumer.committed(partitions, timeout=CALL_TIMEOUT_S),
+                "reading the source group's offsets",
+                stop=self.stop_event,
+            )
+            if partitions
+            else []
+        )
         offsets: dict[tuple[str, int], int] = {}
         for c in committed:
             off = c.offset
             if off < 0:
-                off, _high = consumer.get_watermark_offsets(c, timeout=CALL_TIMEOUT_S)
+                off, _high = retry_kafka(
+                    partial(consumer.get_watermark_offsets, c, timeout=CALL_TIMEOUT_S),
+                    f"reading the start of {c.topic}[{c.partition}]",
+                    stop=self.stop_event,
+                )
             offsets[(c.topic, c.partition)] = off
         actions = self._feed(Assigned(generation, member, offsets))
         start = offsets
