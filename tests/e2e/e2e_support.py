@@ -102,14 +102,20 @@ def caught_up(s: Scenario) -> bool:
 
 
 def settle(
-    s: Scenario, cluster: Cluster, expected: set[int], timeout_s: float
+    s: Scenario,
+    cluster: Cluster,
+    expected: set[int],
+    timeout_s: float,
+    apply_timeout_s: float = 60,
 ) -> dict[str, SinkReport]:
     """Wait for the group's committed offsets to reach the end, then for every sink to hold
     ``expected`` exactly once with nothing left prepared or staged."""
     try:
         wait_until(lambda: caught_up(s), timeout_s, "committed offsets to reach the end offsets")
         wait_until(
-            lambda: all(r.ok for r in verify(s, expected).values()), 60, "sinks to finish applying"
+            lambda: all(r.ok for r in verify(s, expected).values()),
+            apply_timeout_s,
+            "sinks to finish applying",
         )
     except TimeoutError:
         for name in cluster.procs:

@@ -13,16 +13,15 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
+from tests.e2e.e2e_support import settle
 from twophase.config import load_config
 from twophase.harness import (
     Cluster,
     Scenario,
     control_summary,
     end_offsets,
-    group_offsets,
     produce,
     summary_json,
-    verify,
     wait_until,
 )
 from twophase.kafka import create_topics
@@ -34,27 +33,6 @@ def _scenario(tmp_path: Path, prefix: str, **kw: object) -> Scenario:
     s.prepare_stores()
     create_topics(load_config(s.config_path))
     return s
-
-
-def _caught_up(s: Scenario) -> bool:
-    return group_offsets(s.bootstrap, f"twophase.{s.name}", s.topic, s.partitions) == end_offsets(
-        s.bootstrap, s.topic, s.partitions
-    )
-
-
-def _settle(s: Scenario, cluster: Cluster, expected: set[int], timeout_s: float) -> dict:
-    """Wait for the group to reach the end, then for every sink to finish applying."""
-    try:
-        wait_until(lambda: _caught_up(s), timeout_s, "committed offsets to reach the end offsets")
-        wait_until(
-            lambda: all(r.ok for r in verify(s, expected).values()), 120, "sinks to finish applying"
-        )
-    except TimeoutError:
-        for name in cluster.procs:
-            print(f"===== {name}\n{cluster.log_tail(name, 60)}")
-        print(summary_json(verify(s, expected)))
-        raise
-    return verify(s, expected)
 
 
 def _leader(cluster: Cluster, names: list[str]) -> str:
@@ -87,7 +65,7 @@ def test_100k_records_exactly_once_through_kills(tmp_path: Path) -> None:
         time.sleep(3)
         c.kill(leader)
         c.start("coordinator", leader)
-        report = _settle(s, c, set(range(n)), 600)
+        report = settle(s, c, set(range(n)), 600, apply_timeout_s=120)
     finally:
         c.stop_all()
     summary = control_summary(s)
@@ -170,7 +148,7 @@ def test_rebalance_mid_cycle_is_decided_on_the_votes_and_data_lands_once(tmp_pat
         )
         c.start("participant", "p-2")
         produce(s.bootstrap, s.topic, n, n)
-        report = _settle(s, c, set(range(2 * n)), 300)
+        report = settle(s, c, set(range(2 * n)), 300, apply_timeout_s=120)
     finally:
         c.stop_all()
     summary = control_summary(s)
@@ -201,7 +179,7 @@ def test_poison_records_go_to_the_dead_letter_topic(tmp_path: Path) -> None:
     c.start("coordinator", "coord-0")
     c.start("participant", "p-0")
     try:
-        report = _settle(s, c, set(range(2 * n)), 300)
+        report = settle(s, c, set(range(2 * n)), 300, apply_timeout_s=120)
     finally:
         c.stop_all()
     for sink, r in report.items():
