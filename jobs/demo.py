@@ -17,7 +17,6 @@ Returns 0 when both are verified, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import subprocess
 import sys
@@ -42,7 +41,7 @@ from jobs.orders import (
     stored_totals,
     totals_table_ddl,
 )
-from jobs.orders_writer import orders_table_ddl, writer_config
+from jobs.orders_writer import orders_table_ddl, writer_config, writer_process
 from jobs.verify import check_sinks
 from participants.spark import load_spark_config
 from twophase.config import load_config
@@ -56,7 +55,7 @@ from twophase.harness import (
 )
 from twophase.kafka import create_topics
 
-__all__ = ["run_spark_demo"]
+__all__ = ["deliver_totals", "run_spark_demo", "totals_pipeline"]
 
 REPO = Path(__file__).resolve().parents[1]
 #: One writer process: a JVM start and a few batches on a small shared machine.
@@ -88,18 +87,10 @@ def run_spark_demo(
     return 0 if ok else 1
 
 
-def _job_feeds_pipeline(
-    workdir: Path,
-    stack: dict[str, str],
-    raw: str,
-    sent: list[dict[str, Any]],
-    run_id: str,
-    out: Callable[[str], None],
-) -> bool:
-    from jobs.session import local_session
-
-    out("\n1. A Structured Streaming job feeds a twophase pipeline (Spark -> Kafka -> sinks)")
-    s = Scenario.on_stack(f"spark-job-{run_id}", workdir, mongo=False, files=False)
+def totals_pipeline(name: str, workdir: Path) -> Scenario:
+    """A twophase pipeline that upserts the totals job's output into PostgreSQL, keyed by
+    (customer, window): its config written, its topics created, its table fresh."""
+    s = Scenario.on_stack(name, workdir, mongo=False, files=False)
     s.extra = {
         "sinks": [
             {
@@ -118,6 +109,49 @@ def _job_feeds_pipeline(
     with psycopg.connect(s.pg_dsn, autocommit=True) as conn:
         conn.execute(f"DROP TABLE IF EXISTS {s.table}")
         conn.execute(totals_table_ddl(s.table))
+    return s
+
+
+def deliver_totals(
+    s: Scenario, expected: dict[Any, Any], timeout_s: float, out: Callable[[str], None]
+) -> dict[Any, Any]:
+    """Run a coordinator and a participant until the pipeline has committed its whole source
+    topic and PostgreSQL holds ``expected``; the stored totals. On a timeout the processes'
+    log tails go to ``out`` and the TimeoutError is raised."""
+    cluster = Cluster(s)
+    cluster.start("coordinator", "coordinator-0")
+    cluster.start("participant", "participant-0")
+    try:
+        wait_until(
+            lambda: (
+                group_offsets(s.bootstrap, f"twophase.{s.name}", s.topic, s.partitions)
+                == end_offsets(s.bootstrap, s.topic, s.partitions)
+            ),
+            timeout_s,
+            "the pipeline to commit its whole source topic",
+        )
+        wait_until(lambda: stored_totals(s.pg_dsn, s.table) == expected, 60, "the totals")
+    except TimeoutError:
+        for name in cluster.procs:
+            out(f"--- {name}\n{cluster.log_tail(name, 30)}")
+        raise
+    finally:
+        cluster.stop_all()
+    return stored_totals(s.pg_dsn, s.table)
+
+
+def _job_feeds_pipeline(
+    workdir: Path,
+    stack: dict[str, str],
+    raw: str,
+    sent: list[dict[str, Any]],
+    run_id: str,
+    out: Callable[[str], None],
+) -> bool:
+    from jobs.session import local_session
+
+    out("\n1. A Structured Streaming job feeds a twophase pipeline (Spark -> Kafka -> sinks)")
+    s = totals_pipeline(f"spark-job-{run_id}", workdir)
     checkpoint = workdir / "checkpoint"
     spark = local_session("twophase-spark-demo")
     try:
@@ -144,28 +178,12 @@ def _job_feeds_pipeline(
         spark.sparkContext.setLogLevel("OFF")
         spark.stop()
 
-    cluster = Cluster(s)
-    cluster.start("coordinator", "coordinator-0")
-    cluster.start("participant", "participant-0")
     expected = expected_totals(sent)
     try:
-        wait_until(
-            lambda: (
-                group_offsets(s.bootstrap, f"twophase.{s.name}", s.topic, s.partitions)
-                == end_offsets(s.bootstrap, s.topic, s.partitions)
-            ),
-            300,
-            "the pipeline to commit its whole source topic",
-        )
-        wait_until(lambda: stored_totals(s.pg_dsn, s.table) == expected, 60, "the totals")
+        got = deliver_totals(s, expected, 300, out)
     except TimeoutError as exc:
         out(f"   FAILED: {exc}")
-        for name in cluster.procs:
-            out(f"--- {name}\n{cluster.log_tail(name, 30)}")
         return False
-    finally:
-        cluster.stop_all()
-    got = stored_totals(s.pg_dsn, s.table)
     out(
         f"   pipeline {s.name} upserted into PostgreSQL {s.table}: {len(got)} rows for "
         f"{len(expected)} (customer, window) keys, every total equal to one computed without "
@@ -264,25 +282,12 @@ def _coordinated_writer(
 def _writer_run(
     config: Path, raw: str, workdir: Path, events: int, crash_at: str = ""
 ) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
-    env.pop("TWOPHASE_CRASH_AT", None)
-    if crash_at:
-        env["TWOPHASE_CRASH_AT"] = crash_at
+    command, env = writer_process(
+        config, raw, workdir / "checkpoint", max(1, events // 4), crash_at
+    )
     with (workdir / "writer.log").open("a") as log:
         run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "jobs.orders_writer",
-                "--config",
-                str(config),
-                "--raw-topic",
-                raw,
-                "--checkpoint",
-                str(workdir / "checkpoint"),
-                "--max-offsets-per-trigger",
-                str(max(1, events // 4)),
-            ],
+            command,
             cwd=REPO,
             env=env,
             stdout=log,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +29,14 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
     from pyspark.sql.streaming.query import StreamingQuery
 
-__all__ = ["ORDER_COLUMNS", "main", "orders_table_ddl", "start_orders_writer", "writer_config"]
+__all__ = [
+    "ORDER_COLUMNS",
+    "main",
+    "orders_table_ddl",
+    "start_orders_writer",
+    "writer_config",
+    "writer_process",
+]
 
 #: Columns each order carries into the sinks (``event_time`` as an ISO-8601 string in JSON).
 ORDER_COLUMNS = ("id", "customer", "amount", "currency", "amount_eur", "event_time", "note")
@@ -110,6 +118,32 @@ def start_orders_writer(
         else writer.trigger(processingTime="5 seconds")
     )
     return writer.start()
+
+
+def writer_process(
+    config: Path, raw: str, checkpoint: Path, max_offsets: int, crash_at: str = "", **env: str
+) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that run this module as its own driver process (what the
+    demo and the driver-crash tests start): executors use this interpreter, and
+    ``TWOPHASE_CRASH_AT`` is set only when ``crash_at`` asks for a crash point."""
+    full = {**os.environ, "PYSPARK_PYTHON": sys.executable, **env}
+    full.pop("TWOPHASE_CRASH_AT", None)
+    if crash_at:
+        full["TWOPHASE_CRASH_AT"] = crash_at
+    command = [
+        sys.executable,
+        "-m",
+        "jobs.orders_writer",
+        "--config",
+        str(config),
+        "--raw-topic",
+        raw,
+        "--checkpoint",
+        str(checkpoint),
+        "--max-offsets-per-trigger",
+        str(max_offsets),
+    ]
+    return command, full
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,10 +6,8 @@ transactions in ``pg_prepared_xacts``, staged documents and files.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -21,7 +19,7 @@ import yaml
 from pyspark.errors import StreamingQueryException
 
 from jobs.orders import order_events
-from jobs.orders_writer import orders_table_ddl, start_orders_writer, writer_config
+from jobs.orders_writer import orders_table_ddl, start_orders_writer, writer_config, writer_process
 from jobs.verify import check_sinks, checks_json
 from participants.spark import PipelineOwnerError, coordinated_writer, load_spark_config
 from tests.spark.helpers import REPO, produce_to, read_topic
@@ -70,24 +68,11 @@ def _pipeline(
 def _run(
     config: Path, raw: str, checkpoint: Path, jars: list[str], crash_at: str = ""
 ) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TWOPHASE_SPARK_JARS": ",".join(jars), "PYSPARK_PYTHON": sys.executable}
-    env.pop("TWOPHASE_CRASH_AT", None)
-    if crash_at:
-        env["TWOPHASE_CRASH_AT"] = crash_at
+    command, env = writer_process(
+        config, raw, checkpoint, 300, crash_at, TWOPHASE_SPARK_JARS=",".join(jars)
+    )
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jobs.orders_writer",
-            "--config",
-            str(config),
-            "--raw-topic",
-            raw,
-            "--checkpoint",
-            str(checkpoint),
-            "--max-offsets-per-trigger",
-            "300",
-        ],
+        command,
         cwd=REPO,
         env=env,
         capture_output=True,

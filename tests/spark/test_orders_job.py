@@ -14,19 +14,16 @@ from typing import Any
 import psycopg
 import pytest
 
+from jobs.demo import deliver_totals, totals_pipeline
 from jobs.orders import (
     expected_totals,
     order_events,
     produce_events,
     rewind_checkpoint,
     start_order_totals,
-    stored_totals,
-    totals_table_ddl,
 )
 from tests.spark.helpers import read_topic
-from twophase.config import load_config
-from twophase.harness import Cluster, Scenario, end_offsets, group_offsets, wait_until
-from twophase.kafka import create_topics
+from twophase.harness import Scenario
 
 pytestmark = [pytest.mark.stack, pytest.mark.spark]
 
@@ -53,25 +50,7 @@ def _run_job(spark: Any, s: Scenario, raw: str, checkpoint: Path) -> list[dict[s
 def test_job_replay_is_absorbed_by_upserts_exactly_one_row_per_key(
     spark: Any, tmp_path: Path, pg_dsn: str, create_topic: Any, unique_name: str
 ) -> None:
-    s = Scenario.on_stack(f"job-{uuid.uuid4().hex[:6]}", tmp_path, mongo=False, files=False)
-    s.extra = {
-        "sinks": [
-            {
-                "name": "pg",
-                "type": "postgres",
-                "dsn": s.pg_dsn,
-                "table": s.table,
-                "mode": "upsert",
-                "key": ["customer", "window_start"],
-            }
-        ],
-        "commit": {"interval_ms": 500, "vote_timeout_ms": 15_000},
-    }
-    s.write()
-    create_topics(load_config(s.config_path))
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(f"DROP TABLE IF EXISTS {s.table}")
-        conn.execute(totals_table_ddl(s.table))
+    s = totals_pipeline(f"job-{uuid.uuid4().hex[:6]}", tmp_path)
 
     raw = create_topic(f"{unique_name}-raw", 2)
     events = order_events(0, 800)
@@ -89,30 +68,8 @@ def test_job_replay_is_absorbed_by_upserts_exactly_one_row_per_key(
     keys = {k for k, _v, _h in records}
     assert len(keys) < len(records), "the source topic holds the same key more than once"
 
-    cluster = Cluster(s)
-    cluster.start("coordinator", "coordinator-0")
-    cluster.start("participant", "participant-0")
     expected = expected_totals(events)
-    try:
-        wait_until(
-            lambda: (
-                group_offsets(s.bootstrap, f"twophase.{s.name}", s.topic, s.partitions)
-                == end_offsets(s.bootstrap, s.topic, s.partitions)
-            ),
-            180,
-            "the pipeline to commit every record of its source topic",
-        )
-        wait_until(
-            lambda: stored_totals(pg_dsn, s.table) == expected, 60, "PostgreSQL to hold the totals"
-        )
-    except TimeoutError:
-        for name in cluster.procs:
-            print(f"===== {name}\n{cluster.log_tail(name, 60)}")
-        raise
-    finally:
-        cluster.stop_all()
-
-    got = stored_totals(pg_dsn, s.table)
+    got = deliver_totals(s, expected, 180, print)
     print(f"{len(records)} records ({replayed} replayed) -> {len(got)} rows, {len(keys)} keys")
     assert len(got) == len(keys) == len(expected)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
