@@ -43,6 +43,7 @@ from twophase.kafka import (
     CALL_TIMEOUT_S,
     await_broker,
     client_settings,
+    commit_transaction,
     note_broker_contact,
     raise_fatal,
 )
@@ -379,7 +380,7 @@ class CoordinatorRuntime:
             producer.flush(CALL_TIMEOUT_S)
             if isinstance(payload, Decision):
                 crash_point("mid_decision")
-            self._commit(producer)
+            commit_transaction(producer)
         except KafkaException as exc:
             err: KafkaError = exc.args[0]
             fenced = err.fatal() or err.code() in _FENCED
@@ -407,18 +408,6 @@ class CoordinatorRuntime:
                 offsets=[TopicPartition(self.cfg.control_topic, 0, offset[0])], asynchronous=False
             )
         return self.machine.handle(Published(payload, now()))
-
-    def _commit(self, producer: Producer) -> None:
-        for _attempt in range(5):
-            try:
-                producer.commit_transaction(CALL_TIMEOUT_S)
-                return
-            except KafkaException as exc:
-                err: KafkaError = exc.args[0]
-                if err.retriable() and not err.txn_requires_abort() and not err.fatal():
-                    continue  # librdkafka: a retriable commit_transaction may simply be retried
-                raise
-        raise RetriableError("commit_transaction kept failing")
 
     def _abort(self, producer: Producer) -> None:
         try:

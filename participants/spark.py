@@ -74,7 +74,7 @@ from participants.sdk import (
 )
 from twophase.config import PipelineConfig, load_yaml, parse_config
 from twophase.errors import AbortError, FatalError, FencedError, RetriableError
-from twophase.kafka import CALL_TIMEOUT_S, ControlReader, client_settings
+from twophase.kafka import CALL_TIMEOUT_S, ControlReader, client_settings, commit_transaction
 from twophase.protocol.codec import encode, new_envelope
 from twophase.protocol.logview import LogView
 from twophase.protocol.messages import (
@@ -568,7 +568,7 @@ class CoordinatedWriter:
                     on_delivery=on_delivery,
                 )
                 producer.flush(CALL_TIMEOUT_S)
-                self._commit_transaction()
+                commit_transaction(self._producer, PUBLISH_ATTEMPTS)
             except KafkaException as exc:
                 err: KafkaError = exc.args[0]
                 if err.fatal() or err.code() in _FENCED:
@@ -589,18 +589,6 @@ class CoordinatedWriter:
             self._view.apply(env)
             return offsets[0]
         raise RetriableError(f"control topic write kept failing: {last}")
-
-    def _commit_transaction(self) -> None:
-        for _attempt in range(PUBLISH_ATTEMPTS):
-            try:
-                self._producer.commit_transaction(CALL_TIMEOUT_S)
-                return
-            except KafkaException as exc:
-                err: KafkaError = exc.args[0]
-                if err.retriable() and not err.txn_requires_abort() and not err.fatal():
-                    continue  # librdkafka: a retriable commit_transaction may simply be retried
-                raise
-        raise RetriableError("commit_transaction kept failing")
 
     def _abort_transaction(self) -> None:
         try:

@@ -35,6 +35,7 @@ __all__ = [
     "ControlWriter",
     "await_broker",
     "client_settings",
+    "commit_transaction",
     "create_topics",
     "group_generation",
     "note_broker_contact",
@@ -248,6 +249,21 @@ def group_generation(consumer: Consumer) -> tuple[int, str]:
     (mlen,) = struct.unpack_from("=h", blob, off + 4)
     member = blob[off + 6 : off + 6 + max(mlen, 0)].decode(errors="replace")
     return int(generation), member
+
+
+def commit_transaction(producer: Producer, attempts: int = 5) -> None:
+    """Commit the producer's transaction; librdkafka allows a commit that failed retriably
+    (and needs no abort) to simply be retried."""
+    for _attempt in range(attempts):
+        try:
+            producer.commit_transaction(CALL_TIMEOUT_S)
+            return
+        except KafkaException as exc:
+            err: KafkaError = exc.args[0]
+            if err.retriable() and not err.txn_requires_abort() and not err.fatal():
+                continue
+            raise
+    raise RetriableError("commit_transaction kept failing")
 
 
 def retry_kafka(
