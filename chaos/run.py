@@ -50,6 +50,7 @@ from twophase.harness import (
     Cluster,
     Scenario,
     SinkReport,
+    TransactionReaper,
     control_summary,
     end_offsets,
     group_offsets,
@@ -426,38 +427,6 @@ class Chaos:
         if rc != 0:
             raise RuntimeError(f"stack.sh restart-{service} --kill failed (rc {rc})")
         return rec
-
-
-class TransactionReaper(threading.Thread):
-    """Stands in for mongod's background sweeper of abandoned transactions.
-
-    A MongoDB transaction left open by a process killed with -9 is aborted by mongod after
-    ``transactionLifetimeLimitSeconds`` (60 s) in the background. SecantusDB 0.7 (the test
-    server) reaps such transactions only when some transaction statement reaches its registry;
-    a plain write that meets the dead transaction's uncommitted write retries forever without
-    ever getting there -- so once every live writer waits like that, the store stalls for good.
-    An empty transaction every few seconds gives SecantusDB mongod's behaviour back.
-    """
-
-    def __init__(self, uri: str, every_s: float = 5.0) -> None:
-        super().__init__(name="txn-reaper", daemon=True)
-        self.uri, self.every_s = uri, every_s
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        from pymongo import MongoClient
-        from pymongo.errors import PyMongoError
-
-        client: MongoClient[dict[str, Any]] = MongoClient(
-            self.uri, serverSelectionTimeoutMS=3000, socketTimeoutMS=10_000
-        )
-        while not self.stop.wait(self.every_s):
-            try:
-                with client.start_session() as session, session.start_transaction():
-                    client["chaos_reaper"]["nudge"].find_one({}, session=session)
-            except PyMongoError:
-                pass  # the store restarting, say: the next round will do
-        client.close()
 
 
 # -- source side -------------------------------------------------------------------------------
