@@ -24,6 +24,8 @@ import orjson
 import yaml
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
+from twophase.kafka import retry_kafka
+
 __all__ = [
     "Cluster",
     "Scenario",
@@ -293,10 +295,14 @@ class Cluster:
 def end_offsets(bootstrap: str, topic: str, partitions: int) -> dict[int, int]:
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": "twophase-harness-probe"})
     try:
-        return {
-            p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
-            for p in range(partitions)
-        }
+
+        def end(p: int) -> int:
+            return retry_kafka(
+                lambda: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10),
+                "end offsets",
+            )[1]
+
+        return {p: end(p) for p in range(partitions)}
     finally:
         c.close()
 
@@ -306,7 +312,8 @@ def group_offsets(bootstrap: str, group: str, topic: str, partitions: int) -> di
         {"bootstrap.servers": bootstrap, "group.id": group, "isolation.level": "read_committed"}
     )
     try:
-        got = c.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=10)
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
+        got = retry_kafka(lambda: c.committed(tps, timeout=10), "committed offsets")
         return {tp.partition: tp.offset for tp in got}
     finally:
         c.close()

@@ -44,7 +44,7 @@ from tests.e2e.e2e_support import (
 from tests.e2e.secure_broker import SecureBroker
 from twophase.config import load_config
 from twophase.harness import Cluster, Scenario, produce, record, verify, wait_until
-from twophase.kafka import create_topics
+from twophase.kafka import create_topics, retry_kafka
 from twophase.protocol.codec import DecodeError, decode, encode, new_envelope
 from twophase.protocol.messages import Decision, Outcome, Part, Position, Prepare, Vote
 
@@ -408,8 +408,15 @@ def _secure_caught_up(broker: SecureBroker, s: Scenario) -> bool:
     )
     try:
         tps = [TopicPartition(s.topic, p) for p in range(s.partitions)]
-        committed = [tp.offset for tp in c.committed(tps, timeout=10)]
-        ends = [c.get_watermark_offsets(tp, timeout=10)[1] for tp in tps]
+        # A fresh broker answers NOT_COORDINATOR while it loads the offsets topic: retry.
+        committed = [
+            tp.offset
+            for tp in retry_kafka(lambda: c.committed(tps, timeout=10), "committed offsets")
+        ]
+        ends = [
+            retry_kafka(lambda tp=tp: c.get_watermark_offsets(tp, timeout=10), "end offsets")[1]
+            for tp in tps
+        ]
         return committed == ends
     finally:
         c.close()
