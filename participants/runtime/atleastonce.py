@@ -20,7 +20,13 @@ from typing import Any, TypeVar
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
-from participants.runtime.batch import open_writers, retry_call, write_batch
+from participants.runtime.batch import (
+    SOURCE_GROUP_SETTINGS,
+    open_writers,
+    quiet_gc,
+    retry_call,
+    write_batch,
+)
 from participants.sdk import PartId, Sink, SinkError
 from twophase.config import PipelineConfig
 from twophase.errors import RetriableError
@@ -61,7 +67,7 @@ class AtLeastOnceRuntime:
                     "enable.auto.commit": False,
                     "auto.offset.reset": "earliest",
                     "isolation.level": "read_committed",
-                    "partition.assignment.strategy": "range",
+                    **SOURCE_GROUP_SETTINGS,
                 },
             )
         )
@@ -97,6 +103,7 @@ class AtLeastOnceRuntime:
             log.info(
                 "participant %s running at-least-once for pipeline %s", self.me, self.cfg.pipeline
             )
+            quiet_gc()
             while not self.stop_event.is_set():
                 self.health.beat()
                 msgs = self.consumer.consume(

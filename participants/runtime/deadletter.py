@@ -20,7 +20,7 @@ from participants.sdk import Record
 from twophase.errors import RetriableError
 from twophase.observability import txn_extra
 
-__all__ = ["DeadLetters", "decode_batch", "message_key"]
+__all__ = ["DeadLetters", "Decoded", "decode_batch", "message_key"]
 
 H_REASON = "twophase.reason"
 log = logging.getLogger("twophase.participant")
@@ -37,47 +37,101 @@ def message_key(m: Message) -> bytes | None:
     return key if isinstance(key, bytes) else None
 
 
-def decode_batch(
-    msgs: Sequence[Message], max_record_bytes: int
-) -> tuple[list[Record], list[Undecodable]]:
+@dataclass(slots=True)
+class Decoded:
+    """One consumed batch, decoded: the records, what could not be decoded, and per source
+    partition the highest offset read and how many records decoded (counted in the same pass,
+    so the caller never walks the batch again)."""
+
+    records: list[Record]
+    bad: list[Undecodable]
+    last: dict[tuple[str, int], int]
+    counts: dict[tuple[str, int], int]
+    #: Bytes of the decoded records' values.
+    size: int
+
+
+#: ``Record(...)`` through its generated ``__new__`` costs ~0.2 us more per record than the
+#: tuple constructor it calls (measured); the field order is Record's.
+_new_tuple = tuple.__new__
+
+
+def decode_batch(msgs: Sequence[Message], max_record_bytes: int) -> Decoded:
     """JSON objects become :class:`Record`; anything else is returned with the reason."""
     good: list[Record] = []
     bad: list[Undecodable] = []
+    last: dict[tuple[str, int], int] = {}
+    counts: dict[tuple[str, int], int] = {}
+    size = 0
     loads = orjson.loads
+    append = good.append
+    # Messages come in runs of one partition: the summary is updated once per run.
+    run_topic = ""
+    run_partition = -1
+    run_last = -1
+    run_good = 0
     for m in msgs:
+        topic = m.topic() or ""
+        partition = m.partition() or 0
+        offset = m.offset() or 0
+        if partition != run_partition or topic != run_topic:
+            if run_partition >= 0:
+                _merge_run(last, counts, (run_topic, run_partition), run_last, run_good)
+            run_topic, run_partition, run_last, run_good = topic, partition, -1, 0
+        if offset > run_last:
+            run_last = offset
         value = m.value()
         if value is None:
             bad.append(Undecodable(m, "null value (tombstone): nothing to write"))
             continue
-        if len(value) > max_record_bytes:
-            bad.append(Undecodable(m, f"oversize: {len(value)} bytes > {max_record_bytes}"))
+        n = len(value)
+        if n > max_record_bytes:
+            bad.append(Undecodable(m, f"oversize: {n} bytes > {max_record_bytes}"))
             continue
         try:
             obj = loads(value)
         except orjson.JSONDecodeError as exc:
             bad.append(Undecodable(m, f"undecodable: not JSON ({exc})"))
             continue
-        if not isinstance(obj, dict):
+        if obj.__class__ is not dict:
             bad.append(
                 Undecodable(m, f"undecodable: JSON {type(obj).__name__}, expected an object")
             )
             continue
         ts = m.timestamp()[1]
         key = m.key()
-        good.append(
-            # Positional: the hot path (keywords cost a named tuple ~0.5 us more per record).
-            Record(
-                m.topic() or "",
-                m.partition() or 0,
-                m.offset() or 0,
-                ts if ts and ts > 0 else 0,
-                key if isinstance(key, bytes) else None,
-                obj,
-                (),
-                len(value),
+        append(
+            _new_tuple(
+                Record,
+                (
+                    topic,
+                    partition,
+                    offset,
+                    ts if ts and ts > 0 else 0,
+                    key if key.__class__ is bytes else None,
+                    obj,
+                    (),
+                    n,
+                ),
             )
         )
-    return good, bad
+        run_good += 1
+        size += n
+    if run_partition >= 0:
+        _merge_run(last, counts, (run_topic, run_partition), run_last, run_good)
+    return Decoded(good, bad, last, counts, size)
+
+
+def _merge_run(
+    last: dict[tuple[str, int], int],
+    counts: dict[tuple[str, int], int],
+    tp: tuple[str, int],
+    run_last: int,
+    run_good: int,
+) -> None:
+    if run_last > last.get(tp, -1):
+        last[tp] = run_last
+    counts[tp] = counts.get(tp, 0) + run_good
 
 
 class DeadLetters:

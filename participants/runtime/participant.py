@@ -51,7 +51,13 @@ from participants.machine import (
     WillWrite,
     Written,
 )
-from participants.runtime.batch import open_writers, retry_call, write_batch
+from participants.runtime.batch import (
+    SOURCE_GROUP_SETTINGS,
+    open_writers,
+    quiet_gc,
+    retry_call,
+    write_batch,
+)
 from participants.sdk import (
     FatalSinkError,
     PartId,
@@ -180,9 +186,7 @@ class ParticipantRuntime:
                     "enable.auto.offset.store": False,
                     "auto.offset.reset": "earliest",
                     "isolation.level": "read_committed",
-                    "partition.assignment.strategy": "range",
-                    "session.timeout.ms": 10_000,
-                    "heartbeat.interval.ms": 2_500,
+                    **SOURCE_GROUP_SETTINGS,
                 },
             )
         )
@@ -254,6 +258,7 @@ class ParticipantRuntime:
                 self.cfg.source_topics, on_assign=self._on_assign, on_revoke=self._on_revoke
             )
             log.info("participant %s running for pipeline %s", self.me, self.cfg.pipeline)
+            quiet_gc()
             while not self.stop_event.is_set():
                 self.health.beat()
                 self._data_step()
