@@ -122,9 +122,12 @@ def _int_converter(type_name: str) -> Converter:
     low, high = _INT_RANGES[type_name]
 
     def convert(value: Any) -> Any:
-        if isinstance(value, bool):
+        # Exact class first: the common case, and bool (an int subclass) never matches it.
+        if value.__class__ is int:
+            number = value
+        elif isinstance(value, bool):
             raise _wrong(value, "an integer")
-        if isinstance(value, int):
+        elif isinstance(value, int):
             number = value
         elif isinstance(value, float) and value.is_integer():
             number = int(value)
@@ -173,6 +176,8 @@ def _float4(value: Any) -> Any:
 
 
 def _numeric(value: Any) -> Any:
+    if value.__class__ is float and value - value == 0.0:  # finite: the common case first
+        return Decimal(repr(value))  # repr is the shortest exact round trip of the JSON text
     if isinstance(value, bool):
         raise _wrong(value, "a number")
     if isinstance(value, int):
@@ -202,7 +207,7 @@ def _bool(value: Any) -> Any:
 
 def _text_converter(max_length: int | None) -> Converter:
     def convert(value: Any) -> Any:
-        if isinstance(value, str):
+        if value.__class__ is str or isinstance(value, str):
             text = value
         elif isinstance(value, bool):
             text = "true" if value else "false"
