@@ -408,6 +408,8 @@ def control_summary(s: Scenario) -> dict[str, Any]:
     c.assign([TopicPartition(f"twophase.control.{s.name}", 0, 0)])
     prepared_at: dict[int, int] = {}
     latencies: list[int] = []
+    #: (decision time, records committed so far over every source partition) per commit.
+    progress: list[tuple[int, int]] = []
     commits = aborts = 0
     reasons: dict[str, int] = {}
     while True:
@@ -431,6 +433,9 @@ def control_summary(s: Scenario) -> dict[str, Any]:
         elif isinstance(p, Decision):
             if p.outcome.value == "commit":
                 commits += 1
+                total = sum(pos.offset for pos in p.positions)
+                if p.positions and (not progress or total > progress[-1][1]):
+                    progress.append((env.ts_ms, total))
                 if p.txn in prepared_at:
                     latencies.append(env.ts_ms - prepared_at[p.txn])
             else:
@@ -443,11 +448,18 @@ def control_summary(s: Scenario) -> dict[str, Any]:
     def pct(q: float) -> int | None:
         return latencies[min(len(latencies) - 1, int(q * len(latencies)))] if latencies else None
 
+    # Between the first and the second-to-last commit that moved the positions: without the
+    # start (group forming, first cycle) and the tail (the last records wait for a cycle).
+    steady = None
+    if len(progress) >= 4 and progress[-2][0] > progress[0][0]:
+        (t0, n0), (t1, n1) = progress[0], progress[-2]
+        steady = round((n1 - n0) * 1000 / (t1 - t0))
     return {
         "committed": commits,
         "aborted": aborts,
         "abort_reasons": reasons,
         "commit_latency_ms": {"p50": pct(0.5), "p99": pct(0.99)},
+        "steady_records_per_s": steady,
     }
 
 
