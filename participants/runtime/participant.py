@@ -693,6 +693,13 @@ class ParticipantRuntime:
             with self.lock:
                 if self.data_queue.empty():
                     actions = self.machine.handle(WillWrite())
+                    # The part's number, read under the same lock: once it is released the
+                    # control thread may abandon this part (a decision, a rebalance), and the
+                    # batch must still go to the part the sinks began -- its abort is queued
+                    # for this thread, behind the write.
+                    open_part = self.machine.open
+                    assert open_part is not None, "WillWrite always leaves a part open"
+                    part_txn = open_part.txn
                     break
         try:
             self._run(actions, Thread.DATA)
@@ -703,8 +710,6 @@ class ParticipantRuntime:
             self._poisoned = True
             self._pause()
             return
-        with self.lock:
-            part_txn = self.machine.open.txn if self.machine.open else 0
         part = PartId(self.cfg.pipeline, part_txn, self.me)
         fields = self._txn_extra(part_txn)
         try:
