@@ -13,11 +13,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from contextlib import suppress
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient
+from confluent_kafka import (
+    Consumer,
+    IsolationLevel,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient, OffsetSpec  # type: ignore[attr-defined]
 
 from coordinator.machine import (
     Action,
@@ -36,6 +45,7 @@ from coordinator.machine import (
     StepDown,
     Tick,
 )
+from coordinator.stall import StallReport, StallWatch
 from twophase.config import PipelineConfig
 from twophase.errors import FatalError, FencedError, RetriableError
 from twophase.faults import crash_point
@@ -59,6 +69,9 @@ log = logging.getLogger("twophase.coordinator")
 POLL_S = 0.02
 #: Source partitions are re-read this often, so added partitions join the next cycles.
 PARTITION_REFRESH_S = 10.0
+#: The leader compares the source partitions' ends with its commits' positions this often
+#: (more often when the stall alarm is set shorter).
+STALL_CHECK_S = 10.0
 #: A standby notices a dead leader after the group session times out; 10 s balances failover
 #: time against false failovers during a long GC or I/O stall.
 SESSION_TIMEOUT_MS = 10_000
@@ -131,6 +144,12 @@ class CoordinatorRuntime:
             )
         )
         self._pending_decision_start: dict[int, float] = {}
+        self.stalls = StallWatch(cfg.commit.stall_alarm_s)
+        self._stall_every = max(0.5, min(STALL_CHECK_S, cfg.commit.stall_alarm_s / 3))
+        self._next_stall_check = 0.0
+        #: The end-offset requests in flight (the loop never blocks on them).
+        self._stall_query: tuple[dict[TopicPartition, Future[Any]], ...] = ()
+        self._stall_report: StallReport | None = None
 
     # -- status --------------------------------------------------------------------------------
 
@@ -155,6 +174,12 @@ class CoordinatorRuntime:
             else None,
             "pending_commits": sorted(m.log.pending),
             "positions": {f"{t}[{p}]": o for (t, p), o in sorted(m.log.positions.items())},
+            "stalled_partitions": {
+                f"{t}[{p}]": self._stall_report.stalled_s[(t, p)]
+                for t, p in sorted(self._stall_report.alarmed)
+            }
+            if self._stall_report is not None
+            else {},
         }
 
     # -- the loop ------------------------------------------------------------------------------
@@ -195,6 +220,7 @@ class CoordinatorRuntime:
                 if time.monotonic() >= next_refresh:
                     next_refresh = time.monotonic() + PARTITION_REFRESH_S
                     self._refresh_partitions()
+                self._watch_stalls()
         finally:
             self.close()
 
@@ -459,3 +485,85 @@ class CoordinatorRuntime:
             return
         offsets = {(c.topic, c.partition): c.offset for c in committed if c.offset >= 0}
         self._execute(self.machine.handle(SourcePartitions(frozenset(tps), offsets)))
+
+    # -- stalled partitions --------------------------------------------------------------------
+
+    def _watch_stalls(self) -> None:
+        """Leader only, and never blocking the loop: ask Kafka where the source partitions end;
+        once it has answered, compare with the positions the commits cover (:mod:`stall`)."""
+        if not self.machine.is_leader or self._replaying or not self.machine.partitions:
+            if self._stall_report is not None or self._stall_query:
+                self._stall_query = ()
+                self._stall_report = None
+                self.stalls.reset()
+                self.metrics.stalled.labels(self.cfg.pipeline).set(0)
+                self.metrics.stalled_seconds.clear()
+            return
+        if not self._stall_query:
+            if time.monotonic() < self._next_stall_check:
+                return
+            self._next_stall_check = time.monotonic() + self._stall_every
+            known = {**self.machine.group_offsets, **self.machine.log.positions}
+            tps = sorted(self.machine.partitions)
+            latest = OffsetSpec.latest()  # type: ignore[no-untyped-call]
+            earliest = OffsetSpec.earliest()  # type: ignore[no-untyped-call]
+            try:
+                ends_q = self.admin.list_offsets(
+                    {TopicPartition(t, p): latest for t, p in tps},
+                    isolation_level=IsolationLevel.READ_COMMITTED,
+                    request_timeout=CALL_TIMEOUT_S,
+                )
+                # Where reading starts, for partitions nothing has committed yet.
+                fresh = [(t, p) for t, p in tps if (t, p) not in known]
+                starts_q = (
+                    self.admin.list_offsets(
+                        {TopicPartition(t, p): earliest for t, p in fresh},
+                        request_timeout=CALL_TIMEOUT_S,
+                    )
+                    if fresh
+                    else {}
+                )
+            except KafkaException as exc:
+                log.warning("cannot ask for the source partitions' ends: %s", exc.args[0].str())
+                return
+            self._stall_query = (ends_q, starts_q)
+            return
+        if not all(f.done() for q in self._stall_query for f in q.values()):
+            return
+        ends_done, starts_done = self._stall_query
+        self._stall_query = ()
+        try:
+            ends = {(tp.topic, tp.partition): int(f.result().offset) for tp, f in ends_done.items()}
+            starts = {
+                (tp.topic, tp.partition): int(f.result().offset) for tp, f in starts_done.items()
+            }
+        except KafkaException as exc:
+            log.warning("cannot read the source partitions' ends: %s", exc.args[0].str())
+            return
+        positions = {**starts, **self.machine.group_offsets, **self.machine.log.positions}
+        report = self.stalls.observe(time.monotonic(), positions, ends)
+        self._stall_report = report
+        p = self.cfg.pipeline
+        for (topic, partition), seconds in report.stalled_s.items():
+            self.metrics.stalled_seconds.labels(p, topic, str(partition)).set(seconds)
+        self.metrics.stalled.labels(p).set(len(report.alarmed))
+        for topic, partition in sorted(report.raised):
+            behind = ends[(topic, partition)] - positions.get((topic, partition), 0)
+            log.error(
+                "stall alarm: source partition %s[%d] has %d records waiting and no commit has "
+                "moved its position for %.0fs (commit.stall_alarm_s %.0f): is a participant "
+                "stuck? Its owner votes but does not read.",
+                topic,
+                partition,
+                behind,
+                report.stalled_s[(topic, partition)],
+                self.cfg.commit.stall_alarm_s,
+                extra={"topic": topic, "partition": partition},
+            )
+        for topic, partition in sorted(report.cleared):
+            log.info(
+                "stall alarm cleared: source partition %s[%d] is moving again",
+                topic,
+                partition,
+                extra={"topic": topic, "partition": partition},
+            )

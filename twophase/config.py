@@ -78,6 +78,10 @@ class CommitConfig(_Strict):
     vote_timeout_ms: int = Field(default=10_000, ge=100)
     max_failed_cycles: int = Field(default=5, ge=1)
     checkpoint_every: int = Field(default=20, ge=1)
+    #: A source partition whose records have waited this long while no commit moved its
+    #: position raises the stall alarm (``twophase_stalled_partitions``), even if every cycle
+    #: commits: a participant that votes but no longer reads.
+    stall_alarm_s: float = Field(default=120.0, gt=0)
 
 
 class ParticipantConfig(_Strict):

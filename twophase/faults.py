@@ -8,6 +8,9 @@ it (the chaos run writes a fresh tag per arming, so the same point can be armed 
 Participant points: before_vote, after_vote, after_prepare, before_commit, mid_commit (after
 each sink of a commit). Coordinator points: after_prepare_sent, mid_decision (DECISION produced,
 its Kafka transaction not yet committed), after_decision (committed).
+
+``TWOPHASE_STALL=reads`` makes a participant stop reading its partitions while it goes on
+voting (empty parts): the stall the coordinator's stall alarm is there to see.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import os
 import signal
 import threading
 
-__all__ = ["crash_point"]
+__all__ = ["crash_point", "stalled"]
 
 _lock = threading.Lock()
 _armed: dict[str, int] = {}  # file content -> passes seen since it appeared
@@ -59,3 +62,9 @@ def _file_point(name: str, path: str) -> None:
 def _die(name: str) -> None:
     logging.getLogger("twophase.crash").warning("crash point %s reached: SIGKILL", name)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def stalled(name: str) -> bool:
+    """Fault injection for the end-to-end tests: ``TWOPHASE_STALL=<name>[,<name>]`` makes the
+    named activity hang (read once, at start-up, by the code that checks it)."""
+    return name in os.environ.get("TWOPHASE_STALL", "").split(",")

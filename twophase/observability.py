@@ -104,6 +104,20 @@ class Metrics:
             ["pipeline"],
             registry=r,
         )
+        self.stalled = Gauge(
+            "twophase_stalled_partitions",
+            "Source partitions whose records have waited commit.stall_alarm_s or longer while "
+            "no commit moved their position (leader only)",
+            ["pipeline"],
+            registry=r,
+        )
+        self.stalled_seconds = Gauge(
+            "twophase_partition_stalled_seconds",
+            "Seconds a source partition's records have waited since a commit last moved its "
+            "position (0 when none wait; leader only)",
+            ["pipeline", "topic", "partition"],
+            registry=r,
+        )
         self.rewinds = Counter(
             "twophase_rewinds", "Open parts abandoned and re-read", ["pipeline"], registry=r
         )

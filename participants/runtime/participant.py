@@ -68,6 +68,7 @@ from participants.sdk import (
 from twophase.config import PipelineConfig
 from twophase.errors import FatalError, RetriableError
 from twophase.faults import crash_point as _crash_point
+from twophase.faults import stalled
 from twophase.kafka import (
     CALL_TIMEOUT_S,
     ControlReader,
@@ -196,6 +197,8 @@ class ParticipantRuntime:
         self._paused = False
         self._poisoned = False  # a write failed: read nothing until the rewind
         self._next_lag = 0.0
+        #: Fault injection (tests): read nothing, vote empty parts -- what the stall alarm sees.
+        self._stall_reads = stalled("reads")
         self._batch_size = min(INITIAL_BATCH, cfg.participant.max_batch_records)
         self._assignment: list[TopicPartition] = []
         #: txn -> the source partitions of this participant's part of it, for log lines (the
@@ -608,7 +611,7 @@ class ParticipantRuntime:
         self._drain_queue()
         if self.fatal is not None:
             return
-        if self.apply_queue.qsize() >= MAX_UNAPPLIED:
+        if self.apply_queue.qsize() >= MAX_UNAPPLIED or self._stall_reads:
             # The stores apply slower than we read: hold consumption (the group session stays
             # alive through consume(), which we keep calling with everything paused).
             self._pause()

@@ -1,0 +1,67 @@
+"""The stall alarm, on the real stack: a participant that keeps voting but has stopped reading.
+
+Every cycle commits (its parts are empty), so the failed-cycle alarm stays quiet; the records
+wait. The leading coordinator must see the partitions' positions standing still behind their
+ends, say so in /metrics, /status and an ERROR line naming each partition, and clear it once a
+healthy participant has taken over and delivered everything exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.e2e.e2e_support import http_get, metric, scenario, scrape, settle, start
+from twophase.harness import Cluster, produce, wait_until
+
+STALL_S = 3
+
+
+def test_a_participant_that_votes_but_does_not_read_raises_the_stall_alarm(
+    tmp_path: Path,
+) -> None:
+    s = scenario(
+        tmp_path,
+        "stall",
+        partitions=2,
+        mongo=False,
+        files=False,
+        extra={"commit": {"interval_ms": 500, "vote_timeout_ms": 10_000, "stall_alarm_s": STALL_S}},
+    )
+    c = Cluster(s)
+    cport = start(c, "coordinator", "coord-0")
+    pport = start(c, "participant", "p-stuck", env={"TWOPHASE_STALL": "reads"})
+    n = 300
+    try:
+        wait_until(lambda: http_get(pport, "/readyz")[0] == 200, 60, "the participant's readiness")
+        produce(s.bootstrap, s.topic, 0, n)
+        wait_until(
+            lambda: metric(scrape(cport), "twophase_stalled_partitions") == 2,
+            45,
+            "the stall alarm on both partitions",
+        )
+        text = scrape(cport)
+        for p in (0, 1):
+            waited = metric(text, "twophase_partition_stalled_seconds", partition=str(p))
+            assert waited >= STALL_S, text
+        # Not the failed-cycle alarm: cycles commit all along (empty parts).
+        assert metric(text, "twophase_alarm") == 0
+        assert metric(text, "twophase_commit_cycles_total", outcome="commit") >= 3
+        status = json.loads(http_get(cport, "/status")[1])
+        assert sorted(status["stalled_partitions"]) == [f"{s.topic}[0]", f"{s.topic}[1]"]
+        log = c.log_tail("coord-0", 400)
+        for p in (0, 1):
+            assert f"stall alarm: source partition {s.topic}[{p}] has" in log, log
+
+        c.kill("p-stuck")
+        start(c, "participant", "p-ok")
+        settle(s, c, set(range(n)), timeout_s=90)
+        wait_until(
+            lambda: metric(scrape(cport), "twophase_stalled_partitions") == 0,
+            30,
+            "the stall alarm to clear",
+        )
+        assert json.loads(http_get(cport, "/status")[1])["stalled_partitions"] == {}
+        assert "stall alarm cleared" in c.log_tail("coord-0", 400)
+    finally:
+        c.stop_all()
