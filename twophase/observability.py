@@ -265,6 +265,34 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class _TextFormatter(logging.Formatter):
+    """``time LEVEL logger message``, then the transaction and partitions the line is about when
+    the message does not say them already: ``[txn=12 orders[0],orders[1]]``."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        message = record.getMessage()
+        tags: list[str] = []
+        txn = getattr(record, "txn", None)
+        if txn and f"txn={txn}" not in message:
+            tags.append(f"txn={txn}")
+        topic, partition = getattr(record, "topic", None), getattr(record, "partition", None)
+        partitions = getattr(record, "partitions", None)
+        if topic is not None and partition is not None:
+            tp = f"{topic}[{partition}]"
+            if tp not in message:
+                tags.append(tp)
+        elif partitions:
+            tags.append(",".join(str(x) for x in partitions))
+        if not tags:
+            return line
+        head, sep, tail = line.partition("\n")  # keep a traceback below the tagged first line
+        return f"{head} [{' '.join(tags)}]{sep}{tail}"
+
+
 def configure_logging(fmt: str | None = None, level: str | None = None) -> None:
     """Entry points only. ``TWOPHASE_LOG_FORMAT=json|text``, ``TWOPHASE_LOG_LEVEL``."""
     fmt = fmt or os.environ.get("TWOPHASE_LOG_FORMAT", "text")
@@ -273,7 +301,7 @@ def configure_logging(fmt: str | None = None, level: str | None = None) -> None:
     if fmt == "json":
         handler.setFormatter(_JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+        handler.setFormatter(_TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level or os.environ.get("TWOPHASE_LOG_LEVEL", "INFO"))
