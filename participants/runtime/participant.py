@@ -125,6 +125,12 @@ class _Forget:
     before: int
 
 
+@dataclass(frozen=True, slots=True)
+class _AbortStale:
+    """Housekeeping for the apply worker: abort parts that dead processes began and never
+    prepared (:meth:`ParticipantRuntime._abort_stale`)."""
+
+
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -167,9 +173,11 @@ class ParticipantRuntime:
         )
         self.lock = threading.RLock()
         self.data_queue: queue.Queue[Action] = queue.Queue()
-        self.apply_queue: queue.Queue[Action | _Forget] = queue.Queue()
+        self.apply_queue: queue.Queue[Action | _Forget | _AbortStale] = queue.Queue()
         #: Set while a forget is queued or running: a slow one is not queued again meanwhile.
         self._forgetting = threading.Event()
+        #: Set while a sweep's abort of stale parts is queued or running (not queued twice).
+        self._aborting_stale = threading.Event()
         self.stop_event = threading.Event()
         self.fatal: BaseException | None = None
         self.control = ControlWriter(cfg, f"participant:{self.me}", self.producer)
@@ -380,6 +388,9 @@ class ParticipantRuntime:
             if isinstance(action, _Forget):
                 self._forget(action.before)
                 continue
+            if isinstance(action, _AbortStale):
+                self._sweep_stale()
+                continue
             assert isinstance(action, (CommitPart, AbortPart))
             self._apply(action, Thread.CONTROL)
 
@@ -398,7 +409,12 @@ class ParticipantRuntime:
             with log_context(self._txn_extra(applied.txn, applied.part)):
                 self._retry(lambda: self.control.send(applied), f"txn={applied.txn} send applied")
         elif isinstance(action, Sweep):
-            self._abort_stale()
+            if not self._aborting_stale.is_set():
+                # On the apply worker, like forgetting: a store slow to abort (a MongoDB part
+                # whose lease another thread holds was retried for ~25 s in a chaos run) must
+                # not hold up the control thread, which forwards PREPAREs and sends the votes.
+                self._aborting_stale.set()
+                self.apply_queue.put(_AbortStale())
             self._run(
                 self._feed(
                     InDoubt(self._list_in_doubt(), sweep=True, live=self._live_participants()), here
@@ -498,6 +514,22 @@ class ParticipantRuntime:
                         part.participant,
                         sink.name,
                     )
+
+    def _sweep_stale(self) -> None:
+        """A sweep's :meth:`_abort_stale`, on the apply worker: a store that keeps failing
+        costs only staged data until a later sweep; a FatalSinkError stops the process."""
+        try:
+            self._abort_stale()
+        except FatalSinkError:
+            raise
+        except (SinkError, RetriableError) as exc:
+            log.warning(
+                "could not abort stale parts (a later sweep tries again): %s",
+                exc,
+                extra={"pipeline": self.cfg.pipeline, "participant": self.me},
+            )
+        finally:
+            self._aborting_stale.clear()
 
     def _forget(self, before: int) -> None:
         """Every sink deletes the markers of decided parts below ``before`` (the machine's
