@@ -37,7 +37,10 @@ MongoDB clients have no two-phase commit, so a part goes through three durable s
    server time (``$$NOW``) + ``commit_lease_s`` -- renewing it once per chunk. A committer that finds
    a live lease of another raises :class:`BackpressureError` without opening a transaction and
    polls until the part is committed or the lease expires (its holder died); then it takes over
-   and resumes from the marker's ``applied`` count. The lease is for liveness only: exactly-once
+   and resumes from the marker's ``applied`` count. The lease also names the participant
+   (``lease_holder``): a new incarnation of the same participant -- the restarted owner, whose
+   predecessor is dead or about to find its lease gone -- takes it over at once instead of
+   waiting out ``commit_lease_s``. The lease is for liveness only: exactly-once
    rests on each chunk transaction re-reading the marker, requiring ``lease_owner`` to be this
    committer and ``applied`` to be what it read, and writing the marker before anything else -- a
    takeover in between is a write to the same document, so one of the two fails. ``abort`` respects
@@ -65,12 +68,12 @@ Deterministic ``_id`` s:
 Markers (``marker_collection``, one per part and sink; ``_id = pk``)::
 
     {_id, kind: "part", pipeline, sink, txn, participant, state, records, applied, positions,
-     lease_owner, lease_until}
+     lease_owner, lease_holder, lease_until}
 
 ``state`` goes ``open -> prepared -> committed`` or ``-> aborted``. An aborted part may be opened
 again (a rewind re-reads the same transaction under the same id); a part aborted by another
-process while this one still writes it can no longer be prepared. ``lease_owner``/``lease_until``
-exist only while a ``prepared`` part is being committed. Committed positions per source
+process while this one still writes it can no longer be prepared. ``lease_owner``/``lease_holder``/
+``lease_until`` exist only while a ``prepared`` part is being committed. Committed positions per source
 partition live in the same collection (``kind: "positions"``) and are readable with
 :meth:`MongoSink.committed_positions`. The last chunk's transaction also stamps the marker's
 ``committed_at`` (the committer's clock), which :meth:`MongoSink.last_committed` reports for the
@@ -177,7 +180,7 @@ _LEASE_RELEASE_TIMEOUT_S = 5.0
 #: answers false to every comparison of a stored date with ``$$NOW`` (either direction); on
 #: MongoDB both forms mean the same. A missing ``lease_until`` converts to null, which sorts low.
 _LEASE_EXPIRED: Doc = {"$expr": {"$lt": [{"$toLong": "$lease_until"}, {"$toLong": "$$NOW"}]}}
-_NO_LEASE: Doc = {"lease_owner": "", "lease_until": ""}
+_NO_LEASE: Doc = {"lease_owner": "", "lease_holder": "", "lease_until": ""}
 
 
 class MongoSinkConfig(SinkConfig):
@@ -603,7 +606,7 @@ class MongoSink(Sink):
                         "_id": pk,
                         "state": {"$in": [OPEN, PREPARED]},
                         "applied": 0,
-                        "$or": [{"lease_owner": self._me}, {"lease_until": None}, _LEASE_EXPIRED],
+                        "$or": self._lease_free(),
                     },
                     {
                         "$set": {"state": ABORTED, "aborted_at": datetime.now(UTC)},
@@ -895,6 +898,18 @@ class MongoSink(Sink):
             sink=self.name,
         )
 
+    def _lease_free(self) -> list[Doc]:
+        """A marker whose commit lease this instance may take: its own, none, expired, or held
+        by another incarnation of this participant. Participant ids are unique among live
+        processes, so that holder is dead (or, cut off, about to find its lease gone: every
+        chunk transaction re-checks ``lease_owner``, so a takeover never applies twice)."""
+        return [
+            {"lease_owner": self._me},
+            {"lease_until": None},
+            _LEASE_EXPIRED,
+            {"lease_holder": self.context.participant},
+        ]
+
     def _claim(self, part: PartId) -> bool:
         """Take or renew ``part``'s commit lease, outside any transaction.
 
@@ -907,21 +922,32 @@ class MongoSink(Sink):
             {
                 "_id": pk,
                 "state": PREPARED,
-                "$or": [{"lease_owner": self._me}, {"lease_until": None}, _LEASE_EXPIRED],
+                "$or": self._lease_free(),
             },
             # Server time: the clocks of the processes that share a part never matter.
-            [{"$set": {"lease_owner": self._me, "lease_until": {"$add": ["$$NOW", lease_ms]}}}],
-            projection={"lease_owner": 1, "applied": 1},
+            [
+                {
+                    "$set": {
+                        "lease_owner": self._me,
+                        "lease_holder": self.context.participant,
+                        "lease_until": {"$add": ["$$NOW", lease_ms]},
+                    }
+                }
+            ],
+            projection={"lease_owner": 1, "lease_holder": 1, "applied": 1},
         )
         if before is not None:
             with self._lock:
                 self._leases.add(pk)
             previous = before.get("lease_owner")
-            if previous not in (None, self._me):
+            if previous not in (None, "", self._me):
                 self.log.warning(
-                    "part %s: taking over the commit from %s, whose lease expired, at %s applied",
+                    "part %s: taking over the commit from %s, %s, at %s applied",
                     part.token,
                     previous,
+                    "an earlier incarnation of this participant"
+                    if before.get("lease_holder") == self.context.participant
+                    else "whose lease expired",
                     before.get("applied"),
                 )
             return True

@@ -588,6 +588,32 @@ def test_killed_lease_holder_is_taken_over_after_its_lease_expires(
     print(f"\ntakeover after SIGKILL: done {waited:.1f}s after the kill, {stats}")
 
 
+@pytest.mark.timeout(RACE_BUDGET_S + 60)
+def test_a_restarted_participant_takes_over_its_own_lease_at_once(
+    make_sink: MakeSink, db: Database[Doc], mongo_uri: str
+) -> None:
+    """The killed holder's next incarnation (same participant id) does not wait out the lease
+    -- the whole pipeline used to stall for it at every restart (chaos/README item 5)."""
+    part = prepare_race(make_sink)
+    holder = spawn_committer(mongo_uri, db, "w1", part, "park:3")  # the default 60 s lease
+    try:
+        expect_line(holder, "PARKED")
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(10)
+    marker = db.twophase_parts.find_one({"_id": "mongo:" + part.token})
+    assert marker is not None and marker["lease_owner"].startswith("w1@")
+    assert marker["lease_holder"] == "w1"
+    restarted = make_sink(participant="w1", commit_chunk_size=RACE_CHUNK)
+    t0 = time.perf_counter()
+    restarted.commit(part)  # no BackpressureError: it is its own predecessor's lease
+    took = time.perf_counter() - t0
+    assert took < 30, took
+    assert_committed_once(db, restarted, part, RACE_DOCS)
+    # Another participant still respects a live lease (the test above waits it out).
+    print(f"\nrestarted owner took over its own lease: committed in {took:.1f}s")
+
+
 def test_abort_waits_for_a_live_commit_lease(make_sink: MakeSink, db: Database[Doc]) -> None:
     holder = make_sink(participant="w1", commit_lease_s=SHORT_LEASE_S)
     other = make_sink(participant="w2", commit_lease_s=SHORT_LEASE_S)
