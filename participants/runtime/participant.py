@@ -245,7 +245,10 @@ class ParticipantRuntime:
             if not await_broker(self.admin, CALL_TIMEOUT_S, self.stop_event):
                 log.warning("Kafka at %s is not answering yet", self.cfg.kafka.bootstrap_servers)
             for sink in self.sinks:
-                self._retry(sink.setup, f"setup {sink.name}")
+                # A store that is down at start-up is waited for (live, not ready), however
+                # long: exiting would only restart the wait (a chaos run lost a participant to
+                # a test server that answered nothing for a minute).
+                self._retry(sink.setup, f"setup {sink.name}", budget_s=APPLY_RETRY_BUDGET_S)
             reader = ControlReader(self.cfg, on_skip=self._count_skip)
             for env in reader.replay():
                 self._feed(Received(env, replay=True))
