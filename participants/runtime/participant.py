@@ -366,7 +366,8 @@ class ParticipantRuntime:
 
     def _run(self, actions: list[Action], here: Thread, *, inline: bool = False) -> None:
         """Execute actions meant for this thread; queue the data thread's; hand decisions on
-        prepared parts to the apply worker (in order), unless ``inline`` (start-up recovery)."""
+        prepared parts to the apply worker (in order), except our own ones when ``inline``
+        (start-up recovery)."""
         for action in actions:
             target = getattr(action, "thread", here)
             if here is Thread.CONTROL and target is Thread.DATA:
@@ -374,8 +375,12 @@ class ParticipantRuntime:
             elif (
                 isinstance(action, (CommitPart, AbortPart))
                 and target is Thread.CONTROL
-                and not inline
+                and not (inline and action.participant == self.me)
             ):
+                # Start-up recovery applies only our own parts inline (this participant's next
+                # part starts after them). Other participants' go to the apply worker, so that a
+                # part whose committer died mid-commit (its MongoDB lease live for a minute)
+                # does not keep this participant from joining and voting meanwhile.
                 self.apply_queue.put(action)
             else:
                 self._execute(action, here)
