@@ -158,20 +158,42 @@ def pipeline_status(
     partitions: list[dict[str, Any]] = []
     total_lag = 0
     by_id = {p["id"]: p for p in participants}
+    stalls: list[str] = []
+    now_ms = time.time() * 1000
     for (t, p), end in sorted(ends.items()):
         pos = committed.get((t, p), -1)
         lag = end - pos if pos >= 0 else end
         total_lag += lag
         owner = owners.get((t, p))
+        # How long the records have waited behind a position no commit moved, as far as the
+        # log read tells ("at least" when the last move is older than the checkpoint). After a
+        # long idle spell this reads high until the next commit moves it (one cycle).
+        moved = fold.moved_at.get((t, p))
+        since = moved or fold.first_ts
+        unmoved = round((now_ms - since) / 1000, 1) if lag > 0 and since else None
         partitions.append(
-            {"topic": t, "partition": p, "committed": pos, "end": end, "lag": lag, "owner": owner}
+            {
+                "topic": t,
+                "partition": p,
+                "committed": pos,
+                "end": end,
+                "lag": lag,
+                "owner": owner,
+                "unmoved_s": unmoved,
+            }
         )
+        if unmoved is not None and unmoved >= cfg.commit.stall_alarm_s:
+            stalls.append(
+                f"{t}[{p}]: {lag} records waiting and no commit has moved its position for "
+                f"{'at least ' if moved is None else ''}{unmoved:.0f}s "
+                f"(commit.stall_alarm_s {cfg.commit.stall_alarm_s:.0f}): is a participant stuck?"
+            )
         if owner in by_id:
             by_id[owner]["partitions"].append({"topic": t, "partition": p, "lag": lag})
             by_id[owner]["lag"] += lag
     age = round(time.time() - fold.last_commit_ts / 1000, 1) if fold.last_commit_ts else None
     problems: list[str] = []
-    warnings: list[str] = []
+    warnings: list[str] = list(stalls)
     if leader is None:
         problems.append("no coordinator owns the control partition")
     if not owners:

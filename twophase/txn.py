@@ -109,6 +109,10 @@ class LogFold:
     last_commit_ts: int = 0
     #: Sender of the latest coordinator message (``coordinator:<instance>``).
     last_coordinator: str | None = None
+    #: ts_ms of the first message folded: a position not moved since is unmoved at least since.
+    first_ts: int = 0
+    #: (topic, partition) -> ts_ms of the last commit in the tail that moved its position.
+    moved_at: dict[tuple[str, int], int] = field(default_factory=dict)
     #: Every message about the transaction asked for (``fold_log(txn=...)``), in log order.
     of_txn: list[Envelope] = field(default_factory=list)
 
@@ -180,8 +184,15 @@ def fold_log(
 
 def _fold_one(fold: LogFold, env: Envelope, txn: int | None) -> None:
     fold.messages += 1
-    fold.view.apply(env)
+    fold.first_ts = fold.first_ts or env.ts_ms
     msg = env.payload
+    if isinstance(msg, Decision) and msg.outcome is Outcome.COMMIT:
+        before = fold.view.positions
+        for pos in msg.positions:
+            tp = (pos.topic, pos.partition)
+            if before.get(tp) != pos.offset:
+                fold.moved_at[tp] = env.ts_ms
+    fold.view.apply(env)
     if env.sender.startswith("coordinator:"):
         fold.last_coordinator = env.sender
     if isinstance(msg, Prepare):

@@ -9,7 +9,10 @@ healthy participant has taken over and delivered everything exactly once.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 from tests.e2e.e2e_support import http_get, metric, scenario, scrape, settle, start
 from twophase.harness import Cluster, produce, wait_until
@@ -52,6 +55,13 @@ def test_a_participant_that_votes_but_does_not_read_raises_the_stall_alarm(
         log = c.log_tail("coord-0", 400)
         for p in (0, 1):
             assert f"stall alarm: source partition {s.topic}[{p}] has" in log, log
+        # `twophase status` reads only Kafka: it sees the same from the control log.
+        st = _status(s.config_path)
+        assert st["healthy"], st  # commits go on: a warning, not a failure of the pipeline
+        for entry in st["partitions"]:
+            assert entry["lag"] > 0 and entry["unmoved_s"] >= STALL_S, entry
+        stalled = [w for w in st["warnings"] if "no commit has moved its position" in w]
+        assert sorted(w.split(":")[0] for w in stalled) == [f"{s.topic}[0]", f"{s.topic}[1]"]
 
         c.kill("p-stuck")
         start(c, "participant", "p-ok")
@@ -63,5 +73,20 @@ def test_a_participant_that_votes_but_does_not_read_raises_the_stall_alarm(
         )
         assert json.loads(http_get(cport, "/status")[1])["stalled_partitions"] == {}
         assert "stall alarm cleared" in c.log_tail("coord-0", 400)
+        st = _status(s.config_path)
+        assert all(e["lag"] == 0 and e["unmoved_s"] is None for e in st["partitions"]), st
+        assert not [w for w in st["warnings"] if "no commit has moved" in w], st
     finally:
         c.stop_all()
+
+
+def _status(config: Path) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-m", "twophase.cli", "status", str(config), "--json", "--no-sinks"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    result: dict[str, Any] = json.loads(out.stdout)
+    return result
