@@ -383,6 +383,10 @@ class CoordinatorMachine:
             return self.log.positions[tp]
         return self.group_offsets.get(tp)
 
+    def committed_positions(self) -> dict[TP, int]:
+        """Every known committed position: the decision log's, else the group's offset."""
+        return {**self.group_offsets, **self.log.positions}
+
     # -- decisions -----------------------------------------------------------------------------
 
     def _abort(self, reason: str, now: int) -> list[Action]:

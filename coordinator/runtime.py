@@ -45,7 +45,7 @@ from coordinator.machine import (
     StepDown,
     Tick,
 )
-from coordinator.stall import StallReport, StallWatch
+from coordinator.stall import StallWatch
 from twophase.config import PipelineConfig
 from twophase.errors import FatalError, FencedError, RetriableError
 from twophase.faults import crash_point
@@ -149,7 +149,6 @@ class CoordinatorRuntime:
         self._next_stall_check = 0.0
         #: The end-offset requests in flight (the loop never blocks on them).
         self._stall_query: tuple[dict[TopicPartition, Future[Any]], ...] = ()
-        self._stall_report: StallReport | None = None
 
     # -- status --------------------------------------------------------------------------------
 
@@ -175,10 +174,10 @@ class CoordinatorRuntime:
             "pending_commits": sorted(m.log.pending),
             "positions": {f"{t}[{p}]": o for (t, p), o in sorted(m.log.positions.items())},
             "stalled_partitions": {
-                f"{t}[{p}]": self._stall_report.stalled_s[(t, p)]
-                for t, p in sorted(self._stall_report.alarmed)
+                f"{t}[{p}]": self.stalls.last.stalled_s[(t, p)]
+                for t, p in sorted(self.stalls.last.alarmed)
             }
-            if self._stall_report is not None
+            if self.stalls.last is not None
             else {},
         }
 
@@ -508,44 +507,47 @@ class CoordinatorRuntime:
         """Leader only, and never blocking the loop: ask Kafka where the source partitions end;
         once it has answered, compare with the positions the commits cover (:mod:`stall`)."""
         if not self.machine.is_leader or self._replaying or not self.machine.partitions:
-            if self._stall_report is not None or self._stall_query:
+            if self.stalls.last is not None or self._stall_query:
                 self._stall_query = ()
-                self._stall_report = None
                 self.stalls.reset()
                 self.metrics.stalled.labels(self.cfg.pipeline).set(0)
                 self.metrics.stalled_seconds.clear()
-            return
-        if not self._stall_query:
-            if time.monotonic() < self._next_stall_check:
-                return
-            self._next_stall_check = time.monotonic() + self._stall_every
-            known = {**self.machine.group_offsets, **self.machine.log.positions}
-            tps = sorted(self.machine.partitions)
-            latest = OffsetSpec.latest()  # type: ignore[no-untyped-call]
-            earliest = OffsetSpec.earliest()  # type: ignore[no-untyped-call]
-            try:
-                ends_q = self.admin.list_offsets(
-                    {TopicPartition(t, p): latest for t, p in tps},
-                    isolation_level=IsolationLevel.READ_COMMITTED,
+        elif not self._stall_query:
+            if time.monotonic() >= self._next_stall_check:
+                self._next_stall_check = time.monotonic() + self._stall_every
+                self._ask_source_ends()
+        elif all(f.done() for q in self._stall_query for f in q.values()):
+            self._observe_stalls()
+
+    def _ask_source_ends(self) -> None:
+        """Request each source partition's last stable offset, and the earliest offset of those
+        nothing has committed yet (where reading starts)."""
+        known = self.machine.committed_positions()
+        tps = sorted(self.machine.partitions)
+        fresh = [(t, p) for t, p in tps if (t, p) not in known]
+        latest = OffsetSpec.latest()  # type: ignore[no-untyped-call]
+        earliest = OffsetSpec.earliest()  # type: ignore[no-untyped-call]
+        try:
+            ends = self.admin.list_offsets(
+                {TopicPartition(t, p): latest for t, p in tps},
+                isolation_level=IsolationLevel.READ_COMMITTED,
+                request_timeout=CALL_TIMEOUT_S,
+            )
+            starts = (
+                self.admin.list_offsets(
+                    {TopicPartition(t, p): earliest for t, p in fresh},
                     request_timeout=CALL_TIMEOUT_S,
                 )
-                # Where reading starts, for partitions nothing has committed yet.
-                fresh = [(t, p) for t, p in tps if (t, p) not in known]
-                starts_q = (
-                    self.admin.list_offsets(
-                        {TopicPartition(t, p): earliest for t, p in fresh},
-                        request_timeout=CALL_TIMEOUT_S,
-                    )
-                    if fresh
-                    else {}
-                )
-            except KafkaException as exc:
-                log.warning("cannot ask for the source partitions' ends: %s", exc.args[0].str())
-                return
-            self._stall_query = (ends_q, starts_q)
+                if fresh
+                else {}
+            )
+        except KafkaException as exc:
+            log.warning("cannot ask for the source partitions' ends: %s", exc.args[0].str())
             return
-        if not all(f.done() for q in self._stall_query for f in q.values()):
-            return
+        self._stall_query = (ends, starts)
+
+    def _observe_stalls(self) -> None:
+        """Kafka has answered :meth:`_ask_source_ends`: update the watch, metrics and logs."""
         ends_done, starts_done = self._stall_query
         self._stall_query = ()
         try:
@@ -556,9 +558,8 @@ class CoordinatorRuntime:
         except KafkaException as exc:
             log.warning("cannot read the source partitions' ends: %s", exc.args[0].str())
             return
-        positions = {**starts, **self.machine.group_offsets, **self.machine.log.positions}
+        positions = {**starts, **self.machine.committed_positions()}
         report = self.stalls.observe(time.monotonic(), positions, ends)
-        self._stall_report = report
         p = self.cfg.pipeline
         for (topic, partition), seconds in report.stalled_s.items():
             self.metrics.stalled_seconds.labels(p, topic, str(partition)).set(seconds)

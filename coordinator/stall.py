@@ -38,6 +38,8 @@ class StallWatch:
     _moved_at: dict[TopicPartition, float] = field(default_factory=dict)
     _position: dict[TopicPartition, int] = field(default_factory=dict)
     _alarmed: frozenset[TopicPartition] = frozenset()
+    #: The latest observation; None before the first and after :meth:`reset`.
+    last: StallReport | None = None
 
     def observe(
         self,
@@ -70,6 +72,7 @@ class StallWatch:
             cleared=self._alarmed - alarmed,
         )
         self._alarmed = alarmed
+        self.last = report
         return report
 
     def reset(self) -> None:
@@ -77,3 +80,4 @@ class StallWatch:
         self._moved_at.clear()
         self._position.clear()
         self._alarmed = frozenset()
+        self.last = None
