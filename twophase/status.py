@@ -158,7 +158,7 @@ def pipeline_status(
     partitions: list[dict[str, Any]] = []
     total_lag = 0
     by_id = {p["id"]: p for p in participants}
-    stalls: list[str] = []
+    warnings: list[str] = []
     now_ms = time.time() * 1000
     for (t, p), end in sorted(ends.items()):
         pos = committed.get((t, p), -1)
@@ -183,7 +183,7 @@ def pipeline_status(
             }
         )
         if unmoved is not None and unmoved >= cfg.commit.stall_alarm_s:
-            stalls.append(
+            warnings.append(
                 f"{t}[{p}]: {lag} records waiting and no commit has moved its position for "
                 f"{'at least ' if moved is None else ''}{unmoved:.0f}s "
                 f"(commit.stall_alarm_s {cfg.commit.stall_alarm_s:.0f}): is a participant stuck?"
@@ -193,7 +193,6 @@ def pipeline_status(
             by_id[owner]["lag"] += lag
     age = round(time.time() - fold.last_commit_ts / 1000, 1) if fold.last_commit_ts else None
     problems: list[str] = []
-    warnings: list[str] = list(stalls)
     if leader is None:
         problems.append("no coordinator owns the control partition")
     if not owners:
