@@ -1,0 +1,794 @@
+//! JSON source values -> PostgreSQL binary COPY, the PostgreSQL sink's optional fast path.
+//!
+//! The contract that keeps this exact: [`CopyEncoder::encode`] takes a record only when it is
+//! certain that the Python path -- `orjson.loads`, the sink's converters
+//! (`participants/sinks/_pgtypes.py`) and psycopg's binary dumpers -- would store exactly the
+//! same values. Every other record is handed back by index and takes the Python path, which
+//! decides everything else: other accepted spellings, rejections and their reasons, dead
+//! letters for what is not JSON. Being unsure is never wrong here, only slower; so anything
+//! unusual (a null or missing field, an escape in a timestamp, a float in a text column, a
+//! 19-digit integer anywhere, a duplicated key) is handed back rather than modelled.
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList};
+use std::fmt::Write as _;
+
+/// Binary COPY header: signature, flags (0), header extension length (0).
+const HEADER: &[u8] = b"PGCOPY\n\xff\r\n\0\0\0\0\0\0\0\0\0";
+const TRAILER: &[u8] = b"\xff\xff";
+/// Python's float4 range check (`_pgtypes._FLOAT4_MAX`, f32::MAX widened).
+const FLOAT4_MAX: f64 = 3.4028234663852886e38;
+/// Days from 1970-01-01 to 2000-01-01, PostgreSQL's epoch.
+const PG_EPOCH_DAYS: i64 = 10957;
+/// Deeper nesting is handed back (orjson allows more; the Python path decides).
+const MAX_DEPTH: u32 = 64;
+/// Integer literals longer than this are handed back: orjson reads wider ones as floats.
+const MAX_INT_DIGITS: usize = 18;
+/// Wider tables take the Python path.
+const MAX_COLUMNS: usize = 64;
+/// Float literals longer than this are handed back (extreme exponents, long mantissas).
+const MAX_FLOAT_LEN: usize = 40;
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Int2,
+    Int4,
+    Int8,
+    Float4,
+    Float8,
+    Numeric,
+    Bool,
+    Text(Option<usize>),
+    Timestamptz,
+    Timestamp,
+    Date,
+    Uuid,
+}
+
+impl Kind {
+    fn from_type(base: &str, max_length: Option<usize>) -> Option<Kind> {
+        Some(match base {
+            "int2" => Kind::Int2,
+            "int4" => Kind::Int4,
+            "int8" => Kind::Int8,
+            "float4" => Kind::Float4,
+            "float8" => Kind::Float8,
+            "numeric" => Kind::Numeric,
+            "bool" => Kind::Bool,
+            "text" | "varchar" | "bpchar" | "name" => Kind::Text(max_length),
+            "timestamptz" => Kind::Timestamptz,
+            "timestamp" => Kind::Timestamp,
+            "date" => Kind::Date,
+            "uuid" => Kind::Uuid,
+            _ => return None,
+        })
+    }
+}
+
+/// One captured top-level value of a mapped field.
+#[derive(Clone, Copy)]
+enum Tok<'a> {
+    Absent,
+    Null,
+    True,
+    False,
+    /// The bytes between the quotes; `escaped` when they hold a backslash.
+    Str(&'a [u8], bool),
+    Int(i64),
+    Float(f64),
+    Composite,
+}
+
+struct Parser<'a> {
+    s: &'a [u8],
+    i: usize,
+}
+
+fn hex4(s: &[u8]) -> Option<u32> {
+    if s.len() < 4 {
+        return None;
+    }
+    let mut v = 0u32;
+    for &b in &s[..4] {
+        let d = match b {
+            b'0'..=b'9' => b - b'0',
+            b'a'..=b'f' => b - b'a' + 10,
+            b'A'..=b'F' => b - b'A' + 10,
+            _ => return None,
+        };
+        v = v * 16 + d as u32;
+    }
+    Some(v)
+}
+
+impl<'a> Parser<'a> {
+    #[inline]
+    fn ws(&mut self) {
+        while let Some(&b) = self.s.get(self.i) {
+            if b == b' ' || b == b'\n' || b == b'\r' || b == b'\t' {
+                self.i += 1;
+            } else {
+                break;
+            }
+        }
+    }
+
+    /// A string whose opening quote was consumed: its raw bytes and whether it has escapes.
+    /// Strict like orjson: control characters and lone surrogates are errors.
+    fn string(&mut self) -> Option<(&'a [u8], bool)> {
+        let start = self.i;
+        let mut escaped = false;
+        loop {
+            let b = *self.s.get(self.i)?;
+            match b {
+                b'"' => {
+                    let raw = &self.s[start..self.i];
+                    self.i += 1;
+                    return Some((raw, escaped));
+                }
+                b'\\' => {
+                    escaped = true;
+                    let e = *self.s.get(self.i + 1)?;
+                    match e {
+                        b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => self.i += 2,
+                        b'u' => {
+                            let cp = hex4(self.s.get(self.i + 2..)?)?;
+                            self.i += 6;
+                            if (0xDC00..=0xDFFF).contains(&cp) {
+                                return None;
+                            }
+                            if (0xD800..=0xDBFF).contains(&cp) {
+                                if self.s.get(self.i) != Some(&b'\\')
+                                    || self.s.get(self.i + 1) != Some(&b'u')
+                                {
+                                    return None;
+                                }
+                                let low = hex4(self.s.get(self.i + 2..)?)?;
+                                if !(0xDC00..=0xDFFF).contains(&low) {
+                                    return None;
+                                }
+                                self.i += 6;
+                            }
+                        }
+                        _ => return None,
+                    }
+                }
+                0..=0x1f => return None,
+                _ => self.i += 1,
+            }
+        }
+    }
+
+    fn digits(&mut self) -> usize {
+        let start = self.i;
+        while let Some(b'0'..=b'9') = self.s.get(self.i) {
+            self.i += 1;
+        }
+        self.i - start
+    }
+
+    fn number(&mut self) -> Option<Tok<'a>> {
+        let start = self.i;
+        let neg = self.s.get(self.i) == Some(&b'-');
+        if neg {
+            self.i += 1;
+        }
+        match self.s.get(self.i)? {
+            b'0' => self.i += 1,
+            b'1'..=b'9' => {
+                self.digits();
+            }
+            _ => return None,
+        }
+        let int_end = self.i;
+        let mut is_int = true;
+        if self.s.get(self.i) == Some(&b'.') {
+            self.i += 1;
+            if self.digits() == 0 {
+                return None;
+            }
+            is_int = false;
+        }
+        if let Some(b'e' | b'E') = self.s.get(self.i) {
+            self.i += 1;
+            if let Some(b'+' | b'-') = self.s.get(self.i) {
+                self.i += 1;
+            }
+            if self.digits() == 0 {
+                return None;
+            }
+            is_int = false;
+        }
+        if is_int {
+            let digits = &self.s[start + neg as usize..int_end];
+            if digits.len() > MAX_INT_DIGITS {
+                return None;
+            }
+            let mut v: i64 = 0;
+            for &d in digits {
+                v = v * 10 + (d - b'0') as i64;
+            }
+            return Some(Tok::Int(if neg { -v } else { v }));
+        }
+        let text = &self.s[start..self.i];
+        if text.len() > MAX_FLOAT_LEN {
+            return None;
+        }
+        // SAFETY-free: the literal is ASCII, checked by the grammar above.
+        let v: f64 = std::str::from_utf8(text).ok()?.parse().ok()?;
+        if !v.is_finite() {
+            return None; // orjson: "number is infinity when parsed as double"
+        }
+        Some(Tok::Float(v))
+    }
+
+    fn literal(&mut self, word: &[u8], tok: Tok<'a>) -> Option<Tok<'a>> {
+        if self.s.get(self.i..self.i + word.len())? == word {
+            self.i += word.len();
+            Some(tok)
+        } else {
+            None
+        }
+    }
+
+    fn value(&mut self, depth: u32) -> Option<Tok<'a>> {
+        match *self.s.get(self.i)? {
+            b'"' => {
+                self.i += 1;
+                let (raw, escaped) = self.string()?;
+                Some(Tok::Str(raw, escaped))
+            }
+            b'{' => {
+                self.i += 1;
+                self.object_body(depth + 1)?;
+                Some(Tok::Composite)
+            }
+            b'[' => {
+                self.i += 1;
+                self.array_body(depth + 1)?;
+                Some(Tok::Composite)
+            }
+            b't' => self.literal(b"true", Tok::True),
+            b'f' => self.literal(b"false", Tok::False),
+            b'n' => self.literal(b"null", Tok::Null),
+            _ => self.number(),
+        }
+    }
+
+    /// The members of a nested object (opening brace consumed), validated and dropped.
+    fn object_body(&mut self, depth: u32) -> Option<()> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        self.ws();
+        if self.s.get(self.i) == Some(&b'}') {
+            self.i += 1;
+            return Some(());
+        }
+        loop {
+            self.ws();
+            if self.s.get(self.i) != Some(&b'"') {
+                return None;
+            }
+            self.i += 1;
+            self.string()?;
+            self.ws();
+            if self.s.get(self.i) != Some(&b':') {
+                return None;
+            }
+            self.i += 1;
+            self.ws();
+            self.value(depth)?;
+            self.ws();
+            match self.s.get(self.i)? {
+                b',' => self.i += 1,
+                b'}' => {
+                    self.i += 1;
+                    return Some(());
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    fn array_body(&mut self, depth: u32) -> Option<()> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        self.ws();
+        if self.s.get(self.i) == Some(&b']') {
+            self.i += 1;
+            return Some(());
+        }
+        loop {
+            self.ws();
+            self.value(depth)?;
+            self.ws();
+            match self.s.get(self.i)? {
+                b',' => self.i += 1,
+                b']' => {
+                    self.i += 1;
+                    return Some(());
+                }
+                _ => return None,
+            }
+        }
+    }
+}
+
+/// The text of a JSON string's raw bytes (escapes resolved) into `out`.
+fn unescape(raw: &[u8], out: &mut Vec<u8>) -> Option<()> {
+    out.clear();
+    let mut i = 0;
+    while i < raw.len() {
+        let b = raw[i];
+        if b != b'\\' {
+            out.push(b);
+            i += 1;
+            continue;
+        }
+        let e = raw[i + 1];
+        i += 2;
+        let c = match e {
+            b'"' => '"',
+            b'\\' => '\\',
+            b'/' => '/',
+            b'b' => '\u{8}',
+            b'f' => '\u{c}',
+            b'n' => '\n',
+            b'r' => '\r',
+            b't' => '\t',
+            b'u' => {
+                let mut cp = hex4(&raw[i..])?;
+                i += 4;
+                if (0xD800..=0xDBFF).contains(&cp) {
+                    let low = hex4(&raw[i + 2..])?; // validated by the parser: \uDC00-\uDFFF
+                    i += 6;
+                    cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
+                }
+                char::from_u32(cp)?
+            }
+            _ => return None,
+        };
+        let mut buf = [0u8; 4];
+        out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+    }
+    Some(())
+}
+
+fn is_leap(y: i64) -> bool {
+    (y % 4 == 0 && y % 100 != 0) || y % 400 == 0
+}
+
+fn days_in_month(y: i64, m: i64) -> i64 {
+    match m {
+        2 if is_leap(y) => 29,
+        2 => 28,
+        4 | 6 | 9 | 11 => 30,
+        _ => 31,
+    }
+}
+
+/// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's days_from_civil).
+fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = if y >= 0 { y } else { y - 399 } / 400;
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146097 + doe - 719468
+}
+
+fn num(s: &[u8]) -> Option<i64> {
+    let mut v = 0i64;
+    for &b in s {
+        if !b.is_ascii_digit() {
+            return None;
+        }
+        v = v * 10 + (b - b'0') as i64;
+    }
+    Some(v)
+}
+
+/// `YYYY-MM-DD`, strictly, as days since 2000-01-01. Years 1 and 9999 are handed back (the
+/// Python path's range handling at the edges is its own).
+fn parse_date(s: &[u8]) -> Option<i64> {
+    if s.len() < 10 || s[4] != b'-' || s[7] != b'-' {
+        return None;
+    }
+    let (y, m, d) = (num(&s[0..4])?, num(&s[5..7])?, num(&s[8..10])?);
+    if !(2..=9998).contains(&y) || !(1..=12).contains(&m) || d < 1 || d > days_in_month(y, m) {
+        return None;
+    }
+    Some(days_from_civil(y, m, d) - PG_EPOCH_DAYS)
+}
+
+/// `YYYY-MM-DD[T ]HH:MM:SS[.f{1,6}][Z|+HH:MM|-HH:MM]`, strictly: microseconds since
+/// 2000-01-01 00:00 UTC, a value without an offset read as UTC (as the Python converters do).
+fn parse_timestamp(s: &[u8]) -> Option<i64> {
+    if s.len() < 19 || (s[10] != b'T' && s[10] != b' ') || s[13] != b':' || s[16] != b':' {
+        return None;
+    }
+    let days = parse_date(&s[..10])?;
+    let (h, mi, sec) = (num(&s[11..13])?, num(&s[14..16])?, num(&s[17..19])?);
+    if h > 23 || mi > 59 || sec > 59 {
+        return None;
+    }
+    let mut i = 19;
+    let mut micros = 0i64;
+    if s.get(i) == Some(&b'.') {
+        i += 1;
+        let start = i;
+        while let Some(b'0'..=b'9') = s.get(i) {
+            i += 1;
+        }
+        let n = i - start;
+        if n == 0 || n > 6 {
+            return None;
+        }
+        micros = num(&s[start..i])? * 10i64.pow((6 - n) as u32);
+    }
+    let mut offset_s = 0i64;
+    match s.get(i) {
+        None => {}
+        Some(b'Z') if i + 1 == s.len() => {}
+        Some(&sign @ (b'+' | b'-')) if s.len() == i + 6 && s[i + 3] == b':' => {
+            let (oh, om) = (num(&s[i + 1..i + 3])?, num(&s[i + 4..i + 6])?);
+            if oh > 23 || om > 59 {
+                return None;
+            }
+            offset_s = (oh * 3600 + om * 60) * if sign == b'-' { -1 } else { 1 };
+        }
+        _ => return None,
+    }
+    Some((days * 86400 + h * 3600 + mi * 60 + sec - offset_s) * 1_000_000 + micros)
+}
+
+fn parse_uuid(s: &[u8], out: &mut [u8; 16]) -> Option<()> {
+    if s.len() != 36 || s[8] != b'-' || s[13] != b'-' || s[18] != b'-' || s[23] != b'-' {
+        return None;
+    }
+    let mut k = 0;
+    let mut i = 0;
+    while i < 36 {
+        if i == 8 || i == 13 || i == 18 || i == 23 {
+            i += 1;
+            continue;
+        }
+        let hi = (s[i] as char).to_digit(16)?;
+        let lo = (s[i + 1] as char).to_digit(16)?;
+        out[k] = (hi * 16 + lo) as u8;
+        k += 1;
+        i += 2;
+    }
+    Some(())
+}
+
+#[inline]
+fn put_len(out: &mut Vec<u8>, n: usize) {
+    out.extend_from_slice(&(n as i32).to_be_bytes());
+}
+
+/// PostgreSQL binary numeric of `digits` x 10^`exp10` (digits: ASCII, no sign) with display
+/// scale `dscale` -- the value and scale psycopg sends for the same Python Decimal.
+fn put_numeric(out: &mut Vec<u8>, neg: bool, digits: &[u8], exp10: i32, dscale: i32) {
+    let first_nonzero = digits.iter().position(|&d| d != b'0');
+    let Some(skip) = first_nonzero else {
+        put_len(out, 8);
+        out.extend_from_slice(&0i16.to_be_bytes()); // ndigits
+        out.extend_from_slice(&0i16.to_be_bytes()); // weight
+        out.extend_from_slice(&0u16.to_be_bytes()); // sign: zero is positive
+        out.extend_from_slice(&(dscale as u16).to_be_bytes());
+        return;
+    };
+    let digits = &digits[skip..];
+    let first_pow = digits.len() as i32 + exp10 - 1;
+    let weight = first_pow.div_euclid(4);
+    let last_group = exp10.div_euclid(4);
+    let mut groups = [0u16; 96]; // |exponent| <= 400 and <= 40 digits: well inside
+    let ngroups = (weight - last_group + 1) as usize;
+    for (k, &d) in digits.iter().enumerate() {
+        let p = first_pow - k as i32;
+        let g = (weight - p.div_euclid(4)) as usize;
+        groups[g] += (d - b'0') as u16 * 10u16.pow(p.rem_euclid(4) as u32);
+    }
+    let mut n = ngroups;
+    while n > 0 && groups[n - 1] == 0 {
+        n -= 1;
+    }
+    put_len(out, 8 + 2 * n);
+    out.extend_from_slice(&(n as i16).to_be_bytes());
+    out.extend_from_slice(&(weight as i16).to_be_bytes());
+    out.extend_from_slice(&(if neg { 0x4000u16 } else { 0 }).to_be_bytes());
+    out.extend_from_slice(&(dscale as u16).to_be_bytes());
+    for g in &groups[..n] {
+        out.extend_from_slice(&g.to_be_bytes());
+    }
+}
+
+/// `Decimal(repr(x))` as numeric: Python's repr gives the shortest round-trip digits, in fixed
+/// notation with a trailing ".0" when -4 < decpt <= 16 (decpt: value = 0.DIGITS x 10^decpt),
+/// in exponent notation otherwise. Rust's `{:e}` gives the same shortest digits.
+fn put_float_numeric(out: &mut Vec<u8>, x: f64, scratch: &mut String) -> Option<()> {
+    if x == 0.0 {
+        put_numeric(out, false, b"0", 0, 1); // "0.0" (and "-0.0": PostgreSQL has no -0)
+        return Some(());
+    }
+    scratch.clear();
+    write!(scratch, "{:e}", x.abs()).ok()?;
+    let (mantissa, exp) = scratch.split_once('e')?;
+    let e: i32 = exp.parse().ok()?;
+    let mut digits = [0u8; 24];
+    let mut n = 0;
+    for b in mantissa.bytes() {
+        if b != b'.' {
+            *digits.get_mut(n)? = b;
+            n += 1;
+        }
+    }
+    let decpt = e + 1;
+    let exp10 = decpt - n as i32;
+    let fixed = -4 < decpt && decpt <= 16;
+    let dscale = if fixed && n as i32 <= decpt { 1 } else { (-exp10).max(0) };
+    put_numeric(out, x < 0.0, &digits[..n], exp10, dscale);
+    Some(())
+}
+
+struct Scratch {
+    text: Vec<u8>,
+    fmt: String,
+}
+
+/// Column `kind` from `tok` into `out`; None: hand the record back.
+fn put_value(out: &mut Vec<u8>, kind: Kind, tok: Tok, scratch: &mut Scratch) -> Option<()> {
+    match (kind, tok) {
+        (Kind::Int8, Tok::Int(v)) => {
+            put_len(out, 8);
+            out.extend_from_slice(&v.to_be_bytes());
+        }
+        (Kind::Int4, Tok::Int(v)) => {
+            let v = i32::try_from(v).ok()?;
+            put_len(out, 4);
+            out.extend_from_slice(&v.to_be_bytes());
+        }
+        (Kind::Int2, Tok::Int(v)) => {
+            let v = i16::try_from(v).ok()?;
+            put_len(out, 2);
+            out.extend_from_slice(&v.to_be_bytes());
+        }
+        (Kind::Float8 | Kind::Float4, Tok::Int(_) | Tok::Float(_)) => {
+            let x = match tok {
+                Tok::Int(v) => v as f64, // float(int): round to nearest, and -0 is 0
+                Tok::Float(x) => x,
+                _ => return None,
+            };
+            if let Kind::Float4 = kind {
+                if x.abs() > FLOAT4_MAX {
+                    return None;
+                }
+                put_len(out, 4);
+                out.extend_from_slice(&(x as f32).to_be_bytes());
+            } else {
+                put_len(out, 8);
+                out.extend_from_slice(&x.to_be_bytes());
+            }
+        }
+        (Kind::Numeric, Tok::Int(v)) => {
+            scratch.fmt.clear();
+            write!(scratch.fmt, "{}", v.unsigned_abs()).ok()?;
+            let digits = std::mem::take(&mut scratch.fmt);
+            put_numeric(out, v < 0, digits.as_bytes(), 0, 0);
+            scratch.fmt = digits;
+        }
+        (Kind::Numeric, Tok::Float(x)) => put_float_numeric(out, x, &mut scratch.fmt)?,
+        (Kind::Bool, Tok::True | Tok::False) => {
+            put_len(out, 1);
+            out.push(matches!(tok, Tok::True) as u8);
+        }
+        (Kind::Text(max), Tok::Str(raw, escaped)) => {
+            let text: &[u8] = if escaped {
+                unescape(raw, &mut scratch.text)?;
+                &scratch.text
+            } else {
+                raw
+            };
+            if text.contains(&0) {
+                return None;
+            }
+            if let Some(max) = max {
+                // Characters, as Python's len() and PostgreSQL's varchar(n) count them.
+                if text.len() > max && text.iter().filter(|&&b| b & 0xC0 != 0x80).count() > max
+                {
+                    return None;
+                }
+            }
+            put_len(out, text.len());
+            out.extend_from_slice(text);
+        }
+        (Kind::Text(max), Tok::True | Tok::False | Tok::Int(_)) => {
+            scratch.fmt.clear();
+            match tok {
+                Tok::True => scratch.fmt.push_str("true"),
+                Tok::False => scratch.fmt.push_str("false"),
+                Tok::Int(v) => write!(scratch.fmt, "{v}").ok()?,
+                _ => return None,
+            }
+            if max.is_some_and(|m| scratch.fmt.len() > m) {
+                return None;
+            }
+            put_len(out, scratch.fmt.len());
+            out.extend_from_slice(scratch.fmt.as_bytes());
+        }
+        (Kind::Timestamptz | Kind::Timestamp, Tok::Str(raw, false)) => {
+            let micros = parse_timestamp(raw)?;
+            put_len(out, 8);
+            out.extend_from_slice(&micros.to_be_bytes());
+        }
+        (Kind::Date, Tok::Str(raw, false)) => {
+            if raw.len() != 10 {
+                return None;
+            }
+            let days = i32::try_from(parse_date(raw)?).ok()?;
+            put_len(out, 4);
+            out.extend_from_slice(&days.to_be_bytes());
+        }
+        (Kind::Uuid, Tok::Str(raw, false)) => {
+            let mut bytes = [0u8; 16];
+            parse_uuid(raw, &mut bytes)?;
+            put_len(out, 16);
+            out.extend_from_slice(&bytes);
+        }
+        _ => return None,
+    }
+    Some(())
+}
+
+/// Encodes JSON objects into binary COPY rows of one table's mapped columns.
+#[pyclass(frozen, module = "twophase_native")]
+struct CopyEncoder {
+    fields: Vec<Vec<u8>>,
+    kinds: Vec<Kind>,
+}
+
+impl CopyEncoder {
+    /// One record's row appended to `out`, or None (and `out` as it was).
+    fn row(&self, doc: &[u8], out: &mut Vec<u8>, scratch: &mut Scratch) -> Option<()> {
+        std::str::from_utf8(doc).ok()?; // orjson refuses invalid UTF-8; so do we
+        let mut p = Parser { s: doc, i: 0 };
+        let mut caps = [Tok::Absent; MAX_COLUMNS];
+        p.ws();
+        if p.s.get(p.i) != Some(&b'{') {
+            return None;
+        }
+        p.i += 1;
+        p.ws();
+        if p.s.get(p.i) == Some(&b'}') {
+            return None; // an empty object: none of the fields is present
+        }
+        loop {
+            p.ws();
+            if p.s.get(p.i) != Some(&b'"') {
+                return None;
+            }
+            p.i += 1;
+            let (key, key_escaped) = p.string()?;
+            let key: &[u8] = if key_escaped {
+                unescape(key, &mut scratch.text)?;
+                &scratch.text
+            } else {
+                key
+            };
+            let slot = self.fields.iter().position(|f| f.as_slice() == key);
+            p.ws();
+            if p.s.get(p.i) != Some(&b':') {
+                return None;
+            }
+            p.i += 1;
+            p.ws();
+            let tok = p.value(1)?;
+            if let Some(j) = slot {
+                if !matches!(caps[j], Tok::Absent) {
+                    return None; // a duplicated key: the Python path keeps the last one
+                }
+                caps[j] = tok;
+            }
+            p.ws();
+            match p.s.get(p.i)? {
+                b',' => p.i += 1,
+                b'}' => {
+                    p.i += 1;
+                    break;
+                }
+                _ => return None,
+            }
+        }
+        p.ws();
+        if p.i != doc.len() {
+            return None;
+        }
+        let start = out.len();
+        out.extend_from_slice(&(self.kinds.len() as i16).to_be_bytes());
+        for (j, &kind) in self.kinds.iter().enumerate() {
+            let tok = caps[j];
+            if matches!(tok, Tok::Absent | Tok::Null | Tok::Composite) || put_value(out, kind, tok, scratch).is_none() {
+                out.truncate(start);
+                return None;
+            }
+        }
+        Some(())
+    }
+
+    fn encode_all(&self, docs: &[&[u8]]) -> (Vec<u8>, Vec<usize>) {
+        let mut out = Vec::with_capacity(docs.iter().map(|d| d.len()).sum::<usize>() + 64);
+        out.extend_from_slice(HEADER);
+        let mut handed_back = Vec::new();
+        let mut scratch = Scratch { text: Vec::new(), fmt: String::new() };
+        for (i, doc) in docs.iter().enumerate() {
+            if self.row(doc, &mut out, &mut scratch).is_none() {
+                handed_back.push(i);
+            }
+        }
+        if handed_back.len() == docs.len() {
+            out.clear();
+        } else {
+            out.extend_from_slice(TRAILER);
+        }
+        (out, handed_back)
+    }
+}
+
+#[pymethods]
+impl CopyEncoder {
+    /// `columns`: per target column, in COPY order, (JSON field, base type, max length).
+    /// Raises ValueError naming a type this encoder does not handle.
+    #[new]
+    fn new(columns: Vec<(String, String, Option<usize>)>) -> PyResult<Self> {
+        let mut fields = Vec::new();
+        let mut kinds = Vec::new();
+        for (field, base, max_length) in columns {
+            let kind = Kind::from_type(&base, max_length)
+                .ok_or_else(|| PyValueError::new_err(format!("type {base} is not handled")))?;
+            fields.push(field.into_bytes());
+            kinds.push(kind);
+        }
+        if kinds.is_empty() || kinds.len() > MAX_COLUMNS {
+            return Err(PyValueError::new_err(format!("1 to {MAX_COLUMNS} columns")));
+        }
+        Ok(CopyEncoder { fields, kinds })
+    }
+
+    /// Encodes `values` (a list of bytes): returns the complete binary COPY stream of the rows
+    /// taken (b"" when none), and the indices of the values handed back to the Python path.
+    fn encode<'py>(
+        &self,
+        py: Python<'py>,
+        values: &Bound<'py, PyList>,
+    ) -> PyResult<(Bound<'py, PyBytes>, Vec<usize>)> {
+        let owned: Vec<Bound<'py, PyBytes>> = values
+            .iter()
+            .map(|v| v.cast_into::<PyBytes>().map_err(PyErr::from))
+            .collect::<PyResult<_>>()?;
+        let docs: Vec<&[u8]> = owned.iter().map(|b| b.as_bytes()).collect();
+        // The list's bytes objects are immutable and `owned` keeps them alive meanwhile.
+        let (out, handed_back) = py.detach(|| self.encode_all(&docs));
+        Ok((PyBytes::new(py, &out), handed_back))
+    }
+}
+
+/// Base types (pg_type.typname) the encoder handles.
+#[pyfunction]
+fn supported_types() -> Vec<&'static str> {
+    vec![
+        "int2", "int4", "int8", "float4", "float8", "numeric", "bool", "text", "varchar", "bpchar",
+        "name", "timestamptz", "timestamp", "date", "uuid",
+    ]
+}
+
+#[pymodule]
+fn twophase_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<CopyEncoder>()?;
+    m.add_function(wrap_pyfunction!(supported_types, m)?)?;
+    Ok(())
+}
