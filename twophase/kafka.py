@@ -190,8 +190,11 @@ def _on_error(err: KafkaError) -> None:
     raise failure
 
 
-def client_settings(cfg: PipelineConfig, role: str, **extra: Any) -> dict[str, Any]:
-    """librdkafka settings for one client: ours, then the user's passthrough, then ``extra``.
+def client_settings(
+    cfg: PipelineConfig, role: str, defaults: dict[str, Any] | None = None, /, **extra: Any
+) -> dict[str, Any]:
+    """librdkafka settings for one client: ours and ``defaults``, then the user's passthrough,
+    then ``extra``.
 
     Every client reports errors through :func:`_on_error` and logs through Python logging.
     """
@@ -200,6 +203,7 @@ def client_settings(cfg: PipelineConfig, role: str, **extra: Any) -> dict[str, A
         "client.id": f"twophase-{cfg.pipeline}-{role}",
         "error_cb": _on_error,
         "logger": librdkafka_log,
+        **(defaults or {}),
     }
     base.update(cfg.kafka.config)
     if role.endswith("consumer") or role in {"control-reader", "leadership"}:

@@ -21,7 +21,9 @@ from typing import Any, TypeVar
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from participants.runtime.batch import (
+    SOURCE_FETCH_DEFAULTS,
     SOURCE_GROUP_SETTINGS,
+    decoding,
     open_writers,
     quiet_gc,
     retry_call,
@@ -61,6 +63,7 @@ class AtLeastOnceRuntime:
             client_settings(
                 cfg,
                 "source-consumer",
+                SOURCE_FETCH_DEFAULTS,
                 **{
                     "client.id": f"twophase-{cfg.pipeline}-participant-{self.me}",
                     "group.id": cfg.group_id,
@@ -101,7 +104,10 @@ class AtLeastOnceRuntime:
                 self.cfg.source_topics, on_assign=self._on_assign, on_revoke=self._on_revoke
             )
             log.info(
-                "participant %s running at-least-once for pipeline %s", self.me, self.cfg.pipeline
+                "participant %s running at-least-once for pipeline %s (%s)",
+                self.me,
+                self.cfg.pipeline,
+                decoding(self.sinks),
             )
             quiet_gc()
             while not self.stop_event.is_set():

@@ -12,15 +12,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 from confluent_kafka import KafkaError, Message, Producer
 
-from participants.sdk import Record
+from participants.sdk import RawBatch, Record
 from twophase.errors import RetriableError
 from twophase.observability import txn_extra
 
-__all__ = ["DeadLetters", "Decoded", "decode_batch", "message_key"]
+__all__ = ["DeadLetters", "Decoded", "decode_batch", "decode_message", "message_key"]
 
 H_REASON = "twophase.reason"
 log = logging.getLogger("twophase.participant")
@@ -41,7 +42,11 @@ def message_key(m: Message) -> bytes | None:
 class Decoded:
     """One consumed batch, decoded: the records, what could not be decoded, and per source
     partition the highest offset read and how many records decoded (counted in the same pass,
-    so the caller never walks the batch again)."""
+    so the caller never walks the batch again).
+
+    Scanned without decoding (``decode_batch(..., decode=False)``), ``records`` is empty and
+    ``kept``/``values`` hold the messages that passed the size and tombstone checks and their
+    values, counted as decoded until a :class:`RawBatch` finds otherwise."""
 
     records: list[Record]
     bad: list[Undecodable]
@@ -49,6 +54,13 @@ class Decoded:
     counts: dict[tuple[str, int], int]
     #: Bytes of the decoded records' values.
     size: int
+    kept: list[Message]
+    values: list[bytes]
+
+    def raw_batch(self) -> RawBatch:
+        """The kept values for :meth:`Sink.write_raw`, decoding on demand."""
+        kept = self.kept
+        return RawBatch(self.values, lambda i: decode_message(kept[i]))
 
 
 #: ``Record(...)`` through its generated ``__new__`` costs ~0.2 us more per record than the
@@ -56,10 +68,55 @@ class Decoded:
 _new_tuple = tuple.__new__
 
 
-def decode_batch(msgs: Sequence[Message], max_record_bytes: int) -> Decoded:
-    """JSON objects become :class:`Record`; anything else is returned with the reason."""
+def _record(
+    m: Message, topic: str, partition: int, offset: int, obj: dict[str, Any], n: int
+) -> Record:
+    ts = m.timestamp()[1]
+    key = m.key()
+    return _new_tuple(
+        Record,
+        (
+            topic,
+            partition,
+            offset,
+            ts if ts and ts > 0 else 0,
+            key if key.__class__ is bytes else None,
+            obj,
+            (),
+            n,
+        ),
+    )
+
+
+def _not_an_object(value: bytes) -> tuple[dict[str, Any] | None, str]:
+    """The decoded object, or None and why the value is not one."""
+    try:
+        obj = orjson.loads(value)
+    except orjson.JSONDecodeError as exc:
+        return None, f"undecodable: not JSON ({exc})"
+    if obj.__class__ is not dict:
+        return None, f"undecodable: JSON {type(obj).__name__}, expected an object"
+    return obj, ""
+
+
+def decode_message(m: Message) -> Record | str:
+    """One kept message decoded: its record, or why it is undecodable."""
+    value = m.value() or b""
+    obj, reason = _not_an_object(value)
+    if obj is None:
+        return reason
+    return _record(m, m.topic() or "", m.partition() or 0, m.offset() or 0, obj, len(value))
+
+
+def decode_batch(msgs: Sequence[Message], max_record_bytes: int, decode: bool = True) -> Decoded:
+    """JSON objects become :class:`Record`; anything else is returned with the reason.
+
+    ``decode=False``: only tombstones and oversize values are set aside; the rest are kept
+    as bytes (for sinks that read JSON themselves)."""
     good: list[Record] = []
     bad: list[Undecodable] = []
+    kept: list[Message] = []
+    values: list[bytes] = []
     last: dict[tuple[str, int], int] = {}
     counts: dict[tuple[str, int], int] = {}
     size = 0
@@ -88,38 +145,25 @@ def decode_batch(msgs: Sequence[Message], max_record_bytes: int) -> Decoded:
         if n > max_record_bytes:
             bad.append(Undecodable(m, f"oversize: {n} bytes > {max_record_bytes}"))
             continue
+        if not decode:
+            kept.append(m)
+            values.append(value)
+            run_good += 1
+            size += n
+            continue
         try:
             obj = loads(value)
-        except orjson.JSONDecodeError as exc:
-            bad.append(Undecodable(m, f"undecodable: not JSON ({exc})"))
-            continue
+        except orjson.JSONDecodeError:
+            obj = None
         if obj.__class__ is not dict:
-            bad.append(
-                Undecodable(m, f"undecodable: JSON {type(obj).__name__}, expected an object")
-            )
+            bad.append(Undecodable(m, _not_an_object(value)[1]))
             continue
-        ts = m.timestamp()[1]
-        key = m.key()
-        append(
-            _new_tuple(
-                Record,
-                (
-                    topic,
-                    partition,
-                    offset,
-                    ts if ts and ts > 0 else 0,
-                    key if key.__class__ is bytes else None,
-                    obj,
-                    (),
-                    n,
-                ),
-            )
-        )
+        append(_record(m, topic, partition, offset, obj, n))
         run_good += 1
         size += n
     if run_partition >= 0:
         _merge_run(last, counts, (run_topic, run_partition), run_last, run_good)
-    return Decoded(good, bad, last, counts, size)
+    return Decoded(good, bad, last, counts, size, kept, values)
 
 
 def _merge_run(

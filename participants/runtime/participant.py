@@ -52,7 +52,9 @@ from participants.machine import (
     Written,
 )
 from participants.runtime.batch import (
+    SOURCE_FETCH_DEFAULTS,
     SOURCE_GROUP_SETTINGS,
+    decoding,
     open_writers,
     quiet_gc,
     retry_call,
@@ -188,6 +190,7 @@ class ParticipantRuntime:
             client_settings(
                 cfg,
                 "source-consumer",
+                SOURCE_FETCH_DEFAULTS,
                 **{
                     "client.id": self._client_id_prefix + self.me,
                     "group.id": cfg.group_id,
@@ -271,7 +274,12 @@ class ParticipantRuntime:
             self.consumer.subscribe(
                 self.cfg.source_topics, on_assign=self._on_assign, on_revoke=self._on_revoke
             )
-            log.info("participant %s running for pipeline %s", self.me, self.cfg.pipeline)
+            log.info(
+                "participant %s running for pipeline %s (%s)",
+                self.me,
+                self.cfg.pipeline,
+                decoding(self.sinks),
+            )
             quiet_gc()
             while not self.stop_event.is_set():
                 self.health.beat()

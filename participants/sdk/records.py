@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
-__all__ = ["CommittedInfo", "PartId", "Positions", "Record", "Rejected", "TopicPartition"]
+__all__ = [
+    "CommittedInfo",
+    "PartId",
+    "Positions",
+    "RawBatch",
+    "Record",
+    "Rejected",
+    "TopicPartition",
+]
 
 TopicPartition = tuple[str, int]
 #: Next offset to consume, per source partition: what a committed part has fully handled.
@@ -107,3 +115,72 @@ class CommittedInfo:
     @property
     def txn(self) -> int:
         return self.part.txn
+
+
+class RawBatch:
+    """One consumed batch with its values not yet decoded, for :meth:`Sink.write_raw`.
+
+    ``values[i]`` is record i's value: the JSON bytes as they came from the source (never a
+    tombstone, never over ``participant.max_record_bytes``). A sink that reads them itself
+    stores each value or asks :meth:`record` for it; :meth:`record` decodes once and returns
+    None for a value that is not a JSON object -- the runtime dead-letters those (as
+    undecodable, the same as when records are decoded first) and the sink skips them.
+    """
+
+    __slots__ = ("_decode", "_decoded", "_ids", "_index", "values")
+
+    def __init__(
+        self,
+        values: list[bytes],
+        decode: Callable[[int], Record | str],
+        _decoded: dict[int, Record | str] | None = None,
+        _index: Sequence[int] | None = None,
+    ) -> None:
+        self.values = values
+        self._decode = decode
+        #: Shared by every view of one batch: each value is decoded at most once.
+        self._decoded: dict[int, Record | str] = {} if _decoded is None else _decoded
+        #: Position of each value in the batch it was first built from.
+        self._index: Sequence[int] = range(len(values)) if _index is None else _index
+        self._ids: dict[str, int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def record(self, i: int) -> Record | None:
+        """Record ``i`` decoded; None when its value is not a JSON object."""
+        at = self._index[i]
+        got = self._decoded.get(at)
+        if got is None:
+            got = self._decoded[at] = self._decode(at)
+        return got if isinstance(got, Record) else None
+
+    def records(self) -> list[Record]:
+        """Every record that decodes, in order."""
+        out = []
+        for i in range(len(self.values)):
+            r = self.record(i)
+            if r is not None:
+                out.append(r)
+        return out
+
+    def undecodable(self) -> dict[int, str]:
+        """Values found not to be JSON objects so far (position in the first batch -> reason)."""
+        return {at: got for at, got in self._decoded.items() if isinstance(got, str)}
+
+    def without(self, record_ids: Collection[str]) -> RawBatch:
+        """This batch less the records with these ids (:attr:`Record.record_id`)."""
+        if self._ids is None:
+            self._ids = {}
+            for i in range(len(self.values)):
+                r = self.record(i)
+                if r is not None:
+                    self._ids[r.record_id] = i
+        drop = {self._ids[rid] for rid in record_ids if rid in self._ids}
+        keep = [i for i in range(len(self.values)) if i not in drop]
+        return RawBatch(
+            [self.values[i] for i in keep],
+            self._decode,
+            self._decoded,
+            [self._index[i] for i in keep],
+        )

@@ -71,6 +71,12 @@ against the real store; ``docs/write-a-sink.md`` walks through writing a sink th
   store's column or attribute), ``sqlstate`` (the server's error code, for SQL stores); a sink may
   add its own keys. All values are strings.
 
+**Raw values** (optional): a sink that can read JSON bytes faster than the runtime can decode
+them overrides :meth:`accepts_raw` and :meth:`write_raw`. When every sink of a pipeline accepts
+raw values, the runtime skips decoding and calls ``write_raw`` with a :class:`RawBatch`; all the
+rules of ``write`` hold for it, and every value must be either stored or asked for with
+``RawBatch.record`` (which is how the runtime learns what to dead-letter as undecodable).
+
 **Housekeeping** (optional; defaults do nothing, and are right for a store that needs nothing):
 
 * ``stale_parts(before_txn)`` lists parts that were begun and never prepared by a process that is
@@ -101,6 +107,7 @@ from participants.sdk.records import (
     CommittedInfo,
     PartId,
     Positions,
+    RawBatch,
     Record,
     Rejected,
     TopicPartition,
@@ -176,6 +183,17 @@ class Sink(abc.ABC):
         :class:`RetriableSinkError` only when the call left the part as it was (it is repeated
         as is); :class:`AbortTransactionError` when the part is lost.
         """
+
+    def accepts_raw(self) -> bool:
+        """True when :meth:`write_raw` is faster than decoding first (asked after setup)."""
+        return False
+
+    def write_raw(self, part: PartId, batch: RawBatch) -> Sequence[Rejected]:
+        """:meth:`write` of a batch whose values are still JSON bytes (same rules and errors).
+
+        Store each value, or take it from ``batch.record(i)``: None there means the value is not
+        a JSON object (the runtime dead-letters it) and is skipped. The default decodes all."""
+        return self.write(part, batch.records())
 
     @abc.abstractmethod
     def prepare(self, part: PartId, positions: Positions) -> None:

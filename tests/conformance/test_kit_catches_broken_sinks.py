@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import closing, suppress
 from pathlib import Path
 
+import orjson
 import pytest
 
 from participants.sdk import (
@@ -24,6 +25,7 @@ from participants.sdk import (
     PartMarker,
     PartState,
     Positions,
+    RawBatch,
     Record,
     Rejected,
     RetriableSinkError,
@@ -337,6 +339,36 @@ class SaveMarkerIgnoresExpect(SqliteSink):
         )
 
 
+class RawSkipsWhatItCannotRead(SqliteSink):
+    """write_raw that decodes the values itself and silently drops those it cannot read,
+    never asking RawBatch.record -- the runtime would never dead-letter them."""
+
+    def accepts_raw(self) -> bool:
+        return True
+
+    def write_raw(self, part: PartId, batch: RawBatch) -> Sequence[Rejected]:
+        records = []
+        for i, value in enumerate(batch.values):
+            with suppress(orjson.JSONDecodeError):
+                if isinstance(orjson.loads(value), dict):
+                    record = batch.record(i)
+                    assert record is not None
+                    records.append(record)
+        return self.write(part, records)
+
+
+class RawForgetsRejections(SqliteSink):
+    """write_raw that stores what the batch decodes but returns no rejection: the records the
+    store refused would vanish instead of reaching the dead-letter topic."""
+
+    def accepts_raw(self) -> bool:
+        return True
+
+    def write_raw(self, part: PartId, batch: RawBatch) -> Sequence[Rejected]:
+        self.write(part, batch.records())
+        return []
+
+
 #: mutant -> the cases it must fail ("name[param]" for one parameter of a parametrized case).
 MUTANTS: dict[type[SqliteSink], set[str]] = {
     VisibleBeforeCommit: {
@@ -387,6 +419,8 @@ MUTANTS: dict[type[SqliteSink], set[str]] = {
     LastCommittedCountsEveryMarker: {"test_last_committed"},
     LastCommittedFromMemory: {"test_last_committed"},
     ForgetDropsTheLastCommitted: {"test_last_committed"},
+    RawSkipsWhatItCannotRead: {"test_write_raw_stores_what_write_stores"},
+    RawForgetsRejections: {"test_write_raw_stores_what_write_stores"},
 }
 
 

@@ -9,11 +9,12 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import orjson
+import pytest
 from confluent_kafka import Message
 
 from participants.runtime.batch import write_batch
 from participants.runtime.deadletter import DeadLetters, decode_batch
-from participants.sdk import PartId, Record, Rejected, Sink
+from participants.sdk import PartId, RawBatch, Record, Rejected, Sink
 from twophase.observability import Metrics
 
 
@@ -90,15 +91,34 @@ class _Refusing:
         self.twice = twice
         self.got: list[Record] = []
 
+    def accepts_raw(self) -> bool:
+        return False
+
     def write(self, part: PartId, records: Sequence[Record]) -> list[Rejected]:
         out = [Rejected(r, "no") for r in records if r.value["id"] in self.refuse]
         self.got.extend(r for r in records if r.value["id"] not in self.refuse)
         return out + out if self.twice else out
 
 
-def test_write_batch_counts_written_and_dead_per_partition() -> None:
-    first = _Refusing("pg", {5}, twice=True)  # naming a record twice must not count it twice
-    second = _Refusing("files", {11})
+class _RawRefusing(_Refusing):
+    """The same, reading the values itself: every value through ``batch.record`` (as a sink
+    does with the values it cannot take on its own)."""
+
+    def accepts_raw(self) -> bool:
+        return True
+
+    def write_raw(self, part: PartId, batch: RawBatch) -> list[Rejected]:
+        records = [r for i in range(len(batch)) if (r := batch.record(i)) is not None]
+        return self.write(part, records)
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["decoded-here", "sinks-read-raw"])
+def test_write_batch_counts_written_and_dead_per_partition(raw: bool) -> None:
+    """Whoever decodes, the same records are written, dead-lettered with the same reasons,
+    counted and measured alike."""
+    sink = _RawRefusing if raw else _Refusing
+    first = sink("pg", {5}, twice=True)  # naming a record twice must not count it twice
+    second = sink("files", {11})
     dlq = _Dlq()
     metrics = Metrics("p", "participant")
     result = write_batch(
@@ -132,3 +152,43 @@ def test_write_batch_counts_written_and_dead_per_partition() -> None:
     assert written("twophase_sink_bytes_total", {"pipeline": "p", "sink": "files"}) == sum(
         sizes[o] for o in (10, 8, 14)
     )
+
+
+def test_write_batch_decodes_only_for_sinks_that_do_not_read_raw() -> None:
+    """One sink that needs records: the batch is decoded once for all, write_raw never called."""
+    raw = _RawRefusing("pg", set())
+    plain = _Refusing("files", set())
+    called: list[str] = []
+    raw.write_raw = lambda part, batch: called.append("raw") or []  # type: ignore[method-assign]
+    write_batch(
+        BATCH,
+        PartId("p", 3, "w1"),
+        cast(list[Sink], [raw, plain]),
+        dlq=cast(DeadLetters, _Dlq()),
+        metrics=Metrics("p", "participant"),
+        max_record_bytes=64,
+        retry=lambda fn, what: fn(),
+    )
+    assert called == [] and [r.offset for r in raw.got] == [10, 11, 5, 8, 14]
+
+
+def test_raw_batch_decodes_each_value_once_and_views_share_it() -> None:
+    values = [b'{"id": 1}', b"[1]", b'{"id": 3}', b"nope"]
+    decoded: list[int] = []
+
+    def decode(i: int) -> Record | str:
+        decoded.append(i)
+        obj = orjson.loads(values[i]) if values[i] != b"nope" else None
+        if not isinstance(obj, dict):
+            return f"undecodable {i}"
+        return Record("t", 0, i, 0, None, obj, (), len(values[i]))
+
+    batch = RawBatch(values, decode)
+    assert [r.offset for r in batch.records()] == [0, 2]
+    assert batch.record(1) is None and batch.record(2) is not None
+    assert decoded == [0, 1, 2, 3]  # once each, however often asked
+    rest = batch.without({"t:0:0"})
+    assert rest.values == [b"[1]", b'{"id": 3}', b"nope"]
+    assert [r.offset for r in rest.records()] == [2]  # offsets stay those of the first batch
+    assert rest.undecodable() == batch.undecodable() == {1: "undecodable 1", 3: "undecodable 3"}
+    assert decoded == [0, 1, 2, 3]

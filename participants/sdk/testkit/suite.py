@@ -11,10 +11,11 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import ClassVar
 
+import orjson
 import pytest
 
 from participants.sdk.errors import FatalSinkError, SinkError, UnknownPartError
-from participants.sdk.records import Record
+from participants.sdk.records import RawBatch, Record
 from participants.sdk.sink import Sink
 from participants.sdk.testkit.kit import TOPIC, Kit, ids, positions_of, record, records
 
@@ -365,6 +366,39 @@ class SinkConformance:
         sink.prepare(part, positions_of(good + [bad] + more))
         sink.commit(part)
         assert kit.visible() == ids(good + more)
+
+    def test_write_raw_stores_what_write_stores(self, twophase_kit: Kit) -> None:
+        """When every sink of a pipeline accepts raw values the runtime hands them JSON bytes
+        (``write_raw``): exactly what ``write`` would store must be stored -- every object,
+        a refused one rejected -- and every value that is not a JSON object asked for through
+        ``RawBatch.record`` (that is how the runtime learns what to dead-letter). Runs the
+        default ``write_raw`` (decode, then ``write``) for sinks that do not override it."""
+        kit = twophase_kit
+        good = records(0, 30) + records(31, 30)
+        refused = []
+        if kit.factory.bad_value is not None:
+            bad_value = dict(kit.factory.bad_value)
+            refused = [Record(TOPIC, 0, 30, record(30).timestamp_ms, None, bad_value)]
+        objects = good[:30] + refused + good[30:]
+        values = [orjson.dumps(r.value) for r in objects] + [b"{not json", b"[1, 2]"]
+        by_index: dict[int, Record | str] = dict(enumerate(objects))
+
+        def decode(i: int) -> Record | str:
+            return by_index.get(i, f"undecodable value {i}")
+
+        batch = RawBatch(values, decode)
+        sink, part = kit.sink(), kit.part(1)
+        sink.begin(part)
+        rejected = list(sink.write_raw(part, batch))
+        assert [r.record.record_id for r in rejected] == [r.record_id for r in refused]
+        n = len(objects)
+        assert batch.undecodable() == {
+            n: f"undecodable value {n}",
+            n + 1: f"undecodable value {n + 1}",
+        }, "values that are not JSON objects must be asked for (RawBatch.record)"
+        sink.prepare(part, positions_of(objects))
+        sink.commit(part)
+        assert kit.visible() == ids(good)
 
     # -- housekeeping (run only when the sink implements them) ------------------------------------
 
