@@ -6,6 +6,24 @@
 # runtime under a running pipeline. Add the index digest (python:...@sha256:...) when releasing.
 ARG PYTHON_IMAGE=python:3.11.16-slim-bookworm
 
+# The optional compiled encoder (native/, Rust + PyO3) as an abi3 wheel, built on the same
+# Debian release as the runtime so its glibc matches. The toolchain stays in this stage.
+FROM ${PYTHON_IMAGE} AS native
+ARG RUST_TOOLCHAIN=1.95.0
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    RUSTUP_HOME=/opt/rustup \
+    CARGO_HOME=/opt/cargo \
+    PATH=/opt/cargo/bin:$PATH
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends ca-certificates curl gcc libc6-dev \
+ && curl -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal --default-toolchain "${RUST_TOOLCHAIN}" \
+ && pip install maturin==1.16.0
+WORKDIR /native
+COPY native/Cargo.toml native/Cargo.lock native/pyproject.toml native/twophase_native.pyi ./
+COPY native/src ./src
+RUN maturin build --release --locked --out /wheels
+
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -22,7 +40,9 @@ COPY jobs ./jobs
 COPY control-topic ./control-topic
 # pip byte-compiles what it installs (the runtime root filesystem is read-only); `--help` fails
 # the build if the console script or an import is broken.
-RUN /opt/twophase/bin/pip install . \
+COPY --from=native /wheels /wheels
+RUN /opt/twophase/bin/pip install . /wheels/*.whl \
+ && /opt/twophase/bin/python -c "import twophase_native" \
  && /opt/twophase/bin/twophase --help >/dev/null
 
 FROM ${PYTHON_IMAGE}

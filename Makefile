@@ -5,7 +5,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml native/Cargo.toml native/Cargo.lock native/pyproject.toml native/src/*.rs | sha1sum | cut -c1-12)
 
 export TWOPHASE_STACK_DIR ?= $(CURDIR)/.stack
 # Downloads and builds (jars, helm, SecantusDB) are shared by every clone on the machine.
@@ -27,6 +27,9 @@ $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	@# The compiled JSON -> COPY encoder (Rust, via maturin; crates from crates.io). Optional for
+	@# the product, which falls back to Python without it; the tests compare the two paths.
+	$(PY) -m pip install --quiet ./native
 	@rm -f $(VENV)/.installed-*; touch $@
 
 venv: $(STAMP)
