@@ -955,7 +955,8 @@ class PostgresSink(Sink):
             rows = self._convert(records, rejected)
             try:
                 try:
-                    rejected.extend(self._write_rows(op.conn, self._groups(rows), payload))
+                    if rows or payload:
+                        rejected.extend(self._write_rows(op.conn, self._groups(rows), payload))
                 except _CompiledRefused:
                     # The server refused a row of the compiled stream (a CHECK, a numeric(p, s)
                     # overflow): the whole batch the careful way, which isolates the culprits.
