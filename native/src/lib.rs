@@ -510,7 +510,8 @@ fn put_numeric(out: &mut Vec<u8>, neg: bool, digits: &[u8], exp10: i32, dscale: 
 
 /// `Decimal(repr(x))` as numeric: Python's repr gives the shortest round-trip digits, in fixed
 /// notation with a trailing ".0" when -4 < decpt <= 16 (decpt: value = 0.DIGITS x 10^decpt),
-/// in exponent notation otherwise. Rust's `{:e}` gives the same shortest digits.
+/// in exponent notation otherwise. Rust's `{:e}` gives the same shortest digits, except for
+/// an exact tie between two of them ([`is_exact_tie`]): such values are handed back.
 fn put_float_numeric(out: &mut Vec<u8>, x: f64, scratch: &mut String) -> Option<()> {
     if x == 0.0 {
         put_numeric(out, false, b"0", 0, 1); // "0.0" (and "-0.0": PostgreSQL has no -0)
@@ -528,12 +529,29 @@ fn put_float_numeric(out: &mut Vec<u8>, x: f64, scratch: &mut String) -> Option<
             n += 1;
         }
     }
+    if n >= 14 && is_exact_tie(x.abs(), n, scratch)? {
+        return None;
+    }
     let decpt = e + 1;
     let exp10 = decpt - n as i32;
     let fixed = -4 < decpt && decpt <= 16;
     let dscale = if fixed && n as i32 <= decpt { 1 } else { (-exp10).max(0) };
     put_numeric(out, x < 0.0, &digits[..n], exp10, dscale);
     Some(())
+}
+
+/// True when `x` lies exactly halfway between two `n`-digit decimals. Then both round-trip and
+/// the shortest representation is a tie: Python's repr picks the even last digit, Rust's
+/// formatter rounds up (70368744177664.125: Python "...664.12", Rust "...664.13"). That needs
+/// an exact expansion of `n` + 1 significant digits ending in 5, and the two candidates are one
+/// ulp apart only from ~16 digits on (callers check from 14).
+fn is_exact_tie(x: f64, n: usize, scratch: &mut String) -> Option<bool> {
+    scratch.clear();
+    write!(scratch, "{:.40e}", x).ok()?; // exact to 41 significant digits
+    let (mantissa, _) = scratch.split_once('e')?;
+    let digits: Vec<u8> = mantissa.bytes().filter(|&b| b != b'.').collect();
+    let end = digits.iter().rposition(|&d| d != b'0').map_or(0, |i| i + 1);
+    Some(end == n + 1 && digits[end - 1] == b'5')
 }
 
 struct Scratch {
@@ -680,7 +698,10 @@ impl CopyEncoder {
             } else {
                 key
             };
-            let slot = self.fields.iter().position(|f| f.as_slice() == key);
+            let mut slots = [false; MAX_COLUMNS];
+            for (j, f) in self.fields.iter().enumerate() {
+                slots[j] = f.as_slice() == key; // one field may feed several columns
+            }
             p.ws();
             if p.s.get(p.i) != Some(&b':') {
                 return None;
@@ -688,7 +709,7 @@ impl CopyEncoder {
             p.i += 1;
             p.ws();
             let tok = p.value(1)?;
-            if let Some(j) = slot {
+            for j in (0..self.fields.len()).filter(|&j| slots[j]) {
                 if !matches!(caps[j], Tok::Absent) {
                     return None; // a duplicated key: the Python path keeps the last one
                 }

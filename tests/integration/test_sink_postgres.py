@@ -1321,6 +1321,9 @@ IRREGULAR: list[bytes] = [
     full(44, f8="1.5e-7", n="1e16", f4="-3.4028234663852886e38"),
     full(45, ts='"2021-01-01T10:00:00+05:30:15"'),
     full(46, ', "x": 1.0e'),
+    # Exactly halfway between two shortest spellings: Python's repr picks the even digit.
+    full(47, n="70368744177664.125", f8="70368744177664.125", t='"tie"'),
+    full(48, n="910230031439427.25"),
 ]
 
 
