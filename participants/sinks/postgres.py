@@ -359,7 +359,8 @@ class _Row:
 
 
 class _CompiledRefused(Exception):
-    """The server refused a row of a compiled COPY stream; the write is back at its savepoint."""
+    """The server refused a row of a write that had a compiled COPY stream (in the stream or
+    not: the stream cannot be split to find out); the write is back at its savepoint."""
 
 
 class _RowError(Exception):
@@ -958,13 +959,15 @@ class PostgresSink(Sink):
                     if rows or payload:
                         rejected.extend(self._write_rows(op.conn, self._groups(rows), payload))
                 except _CompiledRefused:
-                    # The server refused a row of the compiled stream (a CHECK, a numeric(p, s)
-                    # overflow): the whole batch the careful way, which isolates the culprits.
+                    # The server refused a row of this write (a CHECK, a numeric(p, s) overflow)
+                    # and the compiled stream cannot be split: the whole batch the careful way,
+                    # which isolates the culprits.
                     rejected = []
                     records = every()
                     n = len(records)
                     rows = self._convert(records, rejected)
-                    rejected.extend(self._write_rows(op.conn, self._groups(rows)))
+                    if rows:
+                        rejected.extend(self._write_rows(op.conn, self._groups(rows)))
             except _ENCODE_ERRORS as exc:
                 raise self._classify_write_error(op, exc) from exc
             op.records += n - len(rejected)
@@ -1098,8 +1101,9 @@ class PostgresSink(Sink):
     ) -> list[Rejected]:
         """Write all of ``groups`` (and ``payload``, a compiled binary COPY stream of every
         mapped column) but the rows the server refuses (returned), or raise and leave the part
-        exactly as it was before. A refused row in ``payload`` raises :class:`_CompiledRefused`
-        (the part as before, too): only the caller can redo those records."""
+        exactly as it was before. With a ``payload``, a refused row raises
+        :class:`_CompiledRefused` (the part as before, too): only the caller can redo the
+        stream's records."""
         rejected: list[Rejected] = []
         write_sp = sql.SQL("SAVEPOINT {}").format(_WRITE_SAVEPOINT)
         rollback = sql.SQL("ROLLBACK TO SAVEPOINT {}").format(_WRITE_SAVEPOINT)
