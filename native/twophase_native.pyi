@@ -11,6 +11,3 @@ class CopyEncoder:
     def encode(self, values: list[bytes]) -> tuple[bytes, list[int]]:
         """The complete binary COPY stream of the rows taken (b"" when none), and the
         indices of the values handed back to the Python path."""
-
-def supported_types() -> list[str]:
-    """Base types (pg_type.typname) the encoder handles."""

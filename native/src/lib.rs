@@ -466,6 +466,19 @@ fn parse_uuid(s: &[u8], out: &mut [u8; 16]) -> Option<()> {
     Some(())
 }
 
+/// The decimal digits of `v`, written at the end of `buf`.
+fn decimal_digits(mut v: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (v % 10) as u8;
+        v /= 10;
+        if v == 0 {
+            return &buf[i..];
+        }
+    }
+}
+
 #[inline]
 fn put_len(out: &mut Vec<u8>, n: usize) {
     out.extend_from_slice(&(n as i32).to_be_bytes());
@@ -547,11 +560,11 @@ fn put_float_numeric(out: &mut Vec<u8>, x: f64, scratch: &mut String) -> Option<
 /// ulp apart only from ~16 digits on (callers check from 14).
 fn is_exact_tie(x: f64, n: usize, scratch: &mut String) -> Option<bool> {
     scratch.clear();
-    write!(scratch, "{:.40e}", x).ok()?; // exact to 41 significant digits
+    write!(scratch, "{:.40e}", x).ok()?; // exact to 41 significant digits: "d.ddd...e7"
     let (mantissa, _) = scratch.split_once('e')?;
-    let digits: Vec<u8> = mantissa.bytes().filter(|&b| b != b'.').collect();
-    let end = digits.iter().rposition(|&d| d != b'0').map_or(0, |i| i + 1);
-    Some(end == n + 1 && digits[end - 1] == b'5')
+    let significant = mantissa.trim_end_matches('0');
+    let count = significant.len() - significant.contains('.') as usize;
+    Some(count == n + 1 && significant.ends_with('5'))
 }
 
 struct Scratch {
@@ -594,11 +607,8 @@ fn put_value(out: &mut Vec<u8>, kind: Kind, tok: Tok, scratch: &mut Scratch) -> 
             }
         }
         (Kind::Numeric, Tok::Int(v)) => {
-            scratch.fmt.clear();
-            write!(scratch.fmt, "{}", v.unsigned_abs()).ok()?;
-            let digits = std::mem::take(&mut scratch.fmt);
-            put_numeric(out, v < 0, digits.as_bytes(), 0, 0);
-            scratch.fmt = digits;
+            let mut buf = [0u8; 20];
+            put_numeric(out, v < 0, decimal_digits(v.unsigned_abs(), &mut buf), 0, 0);
         }
         (Kind::Numeric, Tok::Float(x)) => put_float_numeric(out, x, &mut scratch.fmt)?,
         (Kind::Bool, Tok::True | Tok::False) => {
@@ -698,10 +708,6 @@ impl CopyEncoder {
             } else {
                 key
             };
-            let mut slots = [false; MAX_COLUMNS];
-            for (j, f) in self.fields.iter().enumerate() {
-                slots[j] = f.as_slice() == key; // one field may feed several columns
-            }
             p.ws();
             if p.s.get(p.i) != Some(&b':') {
                 return None;
@@ -709,7 +715,8 @@ impl CopyEncoder {
             p.i += 1;
             p.ws();
             let tok = p.value(1)?;
-            for j in (0..self.fields.len()).filter(|&j| slots[j]) {
+            // One field may feed several columns.
+            for j in (0..self.fields.len()).filter(|&j| self.fields[j] == key) {
                 if !matches!(caps[j], Tok::Absent) {
                     return None; // a duplicated key: the Python path keeps the last one
                 }
@@ -798,18 +805,8 @@ impl CopyEncoder {
     }
 }
 
-/// Base types (pg_type.typname) the encoder handles.
-#[pyfunction]
-fn supported_types() -> Vec<&'static str> {
-    vec![
-        "int2", "int4", "int8", "float4", "float8", "numeric", "bool", "text", "varchar", "bpchar",
-        "name", "timestamptz", "timestamp", "date", "uuid",
-    ]
-}
-
 #[pymodule]
 fn twophase_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<CopyEncoder>()?;
-    m.add_function(wrap_pyfunction!(supported_types, m)?)?;
     Ok(())
 }

@@ -36,6 +36,7 @@ __all__ = [
     "decoding",
     "open_writers",
     "quiet_gc",
+    "reads_raw",
     "retry_call",
     "write_batch",
 ]
@@ -86,9 +87,14 @@ def quiet_gc() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD, older, oldest)
 
 
+def reads_raw(sinks: Sequence[Sink]) -> bool:
+    """True when every sink reads the JSON values itself: batches are not decoded here."""
+    return all(sink.accepts_raw() for sink in sinks)
+
+
 def decoding(sinks: Sequence[Sink]) -> str:
     """How this participant's batches are decoded (for its start-up line)."""
-    if all(sink.accepts_raw() for sink in sinks):
+    if reads_raw(sinks):
         return "every sink reads the JSON values itself"
     return "JSON values decoded once for all sinks"
 
@@ -142,7 +148,7 @@ def write_batch(
     Raises what the sinks raise once ``retry`` gives up: the caller decides what a failed
     write costs (a rewind of the open part, or a re-read of the batch)."""
     txn = part.txn
-    raw_mode = all(sink.accepts_raw() for sink in sinks)
+    raw_mode = reads_raw(sinks)
     decoded = decode_batch(msgs, max_record_bytes, decode=not raw_mode)
     dead: dict[tuple[str, int], int] = {}
     for u in decoded.bad:

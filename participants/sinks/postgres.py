@@ -925,7 +925,7 @@ class PostgresSink(Sink):
     def write_raw(self, part: PartId, batch: RawBatch) -> Sequence[Rejected]:
         encoder = self._encoder
         if encoder is None:
-            return self.write(part, batch.records())
+            return super().write_raw(part, batch)
 
         def encode() -> tuple[bytes, int, Sequence[Record]]:
             # The values the encoder was unsure of, decoded (None: not JSON, the runtime's).
