@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import binascii
 import datetime as dt
-import json
 import math
 import re
 import uuid
@@ -22,8 +21,9 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-import orjson
 from psycopg.types.json import Json, Jsonb
+
+from participants.sdk import values
 
 __all__ = [
     "KNOWN_TYPES",
@@ -43,7 +43,6 @@ _INT_RANGES = {
     "int4": (-(2**31), 2**31 - 1),
     "int8": (-(2**63), 2**63 - 1),
 }
-_INT_STRING = re.compile(r"^[+-]?\d+$")
 #: Types we convert ourselves. Anything else (enums, inet, arrays, ranges, extensions) goes to the
 #: server as text and is validated there.
 KNOWN_TYPES = frozenset(
@@ -79,8 +78,8 @@ def binary_type(base_type: str) -> str | None:
     return _BINARY_TYPES.get(base_type, base_type)
 
 
-class BadValue(ValueError):
-    """The JSON value cannot be stored in the column; the message says why."""
+#: The JSON value cannot be stored in the column; the message says why (the SDK's shared rule).
+BadValue = values.BadValue
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,42 +122,14 @@ def _int_converter(type_name: str) -> Converter:
 
     def convert(value: Any) -> Any:
         # Exact class first: the common case, and bool (an int subclass) never matches it.
-        if value.__class__ is int:
-            number = value
-        elif isinstance(value, bool):
-            raise _wrong(value, "an integer")
-        elif isinstance(value, int):
-            number = value
-        elif isinstance(value, float) and value.is_integer():
-            number = int(value)
-        elif isinstance(value, str) and _INT_STRING.match(value):
-            # Large ids often travel as strings so JavaScript readers do not round them.
-            number = int(value)
-        else:
-            raise _wrong(value, "an integer")
-        if not low <= number <= high:
-            raise BadValue(f"{number} is out of range for {type_name}")
-        return number
+        if value.__class__ is int and low <= value <= high:
+            return value
+        return values.to_integer(value, low, high, type_name)
 
     return convert
 
 
-def _to_float(value: Any) -> float:
-    if isinstance(value, bool):
-        raise _wrong(value, "a number")
-    if isinstance(value, float):
-        return value
-    if isinstance(value, int):
-        try:
-            return float(value)
-        except OverflowError:
-            raise BadValue(f"{value} is out of range for double precision") from None
-    if isinstance(value, str):
-        try:
-            return float(value)  # also "NaN", "Infinity", which PostgreSQL accepts
-        except ValueError:
-            pass
-    raise _wrong(value, "a number")
+_to_float = values.to_float
 
 
 def _float8(value: Any) -> Any:
@@ -197,12 +168,7 @@ def _numeric(value: Any) -> Any:
     raise _wrong(value, "a number")
 
 
-def _bool(value: Any) -> Any:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    raise _wrong(value, "a boolean")
+_bool = values.to_bool
 
 
 def _text_converter(max_length: int | None) -> Converter:
@@ -225,12 +191,10 @@ def _text_converter(max_length: int | None) -> Converter:
     return convert
 
 
-def json_bytes(value: Any) -> bytes:
-    """JSON text of ``value``: orjson (C) when it can, the standard library past 64-bit ints."""
-    try:
-        return orjson.dumps(value)
-    except TypeError:  # orjson.JSONEncodeError: an integer wider than 64 bits
-        return json.dumps(value, separators=(",", ":")).encode()
+#: Exact JSON text, integers of any width included (the SDK's shared rule).
+json_bytes = values.json_text
+#: ``\u0000`` escaped by the encoder (not a literal backslash followed by "u0000").
+_NUL_ESCAPE = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
 
 
 def _encoded(data: bytes) -> bytes:
@@ -240,7 +204,12 @@ def _encoded(data: bytes) -> bytes:
 
 def _jsonb(value: Any) -> Any:
     # Encoding here, not in psycopg, keeps an unencodable value a per-record rejection.
-    return Jsonb(json_bytes(value), _encoded)
+    data = json_bytes(value)
+    if b"\\u0000" in data and _NUL_ESCAPE.search(data):
+        # The server refuses it (22P05); refused here it is a rejection the runtime can ask
+        # for before any sink writes (Sink.check), not a write-time refusal to retract.
+        raise BadValue("jsonb cannot hold a NUL character (\\u0000) in a string or a key")
+    return Jsonb(data, _encoded)
 
 
 def _json(value: Any) -> Any:
