@@ -23,6 +23,7 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 from participants.runtime.batch import (
     SOURCE_FETCH_DEFAULTS,
     SOURCE_GROUP_SETTINGS,
+    Retractions,
     decoding,
     open_writers,
     quiet_gc,
@@ -78,6 +79,9 @@ class AtLeastOnceRuntime:
         self.health = HealthServer(self.metrics, ready=lambda: self._assigned, status=self.status)
         self._txn = 0
         self.batches = 0
+        #: Records a later sink refused after earlier ones stored them: the re-read leaves them
+        #: out, so a record is in every sink or in none here too.
+        self.retractions = Retractions()
 
     def status(self) -> dict[str, Any]:
         return {
@@ -167,6 +171,7 @@ class AtLeastOnceRuntime:
                 metrics=self.metrics,
                 max_record_bytes=self.cfg.participant.max_record_bytes,
                 retry=self._retry,
+                retractions=self.retractions,
             )
             positions = {tp: last + 1 for tp, (last, _w, _d) in batch.items()}
             self.dlq.flush(CALL_TIMEOUT_S)
@@ -190,6 +195,7 @@ class AtLeastOnceRuntime:
             offsets=[TopicPartition(t, p, o) for (t, p), o in sorted(positions.items())],
             asynchronous=False,
         )
+        self.retractions.prune(positions)
         self.batches += 1
         self.metrics.cycles.labels(self.cfg.pipeline, "commit").inc()
 

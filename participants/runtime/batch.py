@@ -8,7 +8,8 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
@@ -17,6 +18,7 @@ from confluent_kafka import Message, Producer
 from participants.registry import build_sinks
 from participants.runtime.deadletter import DeadLetters, decode_batch, message_key
 from participants.sdk import (
+    AbortTransactionError,
     BackpressureError,
     PartId,
     Record,
@@ -33,6 +35,7 @@ __all__ = [
     "SOURCE_FETCH_DEFAULTS",
     "SOURCE_GROUP_SETTINGS",
     "BatchResult",
+    "Retractions",
     "decoding",
     "open_writers",
     "quiet_gc",
@@ -128,6 +131,55 @@ def open_writers(
     return built, producer, dlq
 
 
+#: Records retracted and not yet behind a committed position, at most (oldest forgotten first).
+#: Each is a few hundred bytes; forgetting one early costs a second rewind when it is met again,
+#: never a wrong result (it is refused again by the same sink).
+MAX_RETRACTIONS = 10_000
+
+
+class Retractions:
+    """Source records that a later sink refused at write time after earlier sinks had stored
+    them (PROTOCOL.md, "The record path"). The runtime rewinds the open part; this remembers
+    the records -- source coordinates and reasons -- so the replay leaves them out before any
+    sink writes. Owned by the runtime (it outlives the aborted part), pruned as positions
+    commit, bounded by :data:`MAX_RETRACTIONS`."""
+
+    def __init__(self, limit: int = MAX_RETRACTIONS) -> None:
+        self._limit = limit
+        self._reasons: OrderedDict[tuple[str, int, int], str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._reasons)
+
+    def add(self, topic: str, partition: int, offset: int, reason: str) -> None:
+        self._reasons[(topic, partition, offset)] = reason
+        while len(self._reasons) > self._limit:
+            self._reasons.popitem(last=False)
+
+    def reason(self, topic: str, partition: int, offset: int) -> str | None:
+        return self._reasons.get((topic, partition, offset))
+
+    def prune(self, positions: Mapping[tuple[str, int], int]) -> None:
+        """Forget records below committed ``positions`` (next offset per partition): a rewind
+        never goes behind a committed position, so they are never read again here."""
+        if not self._reasons:
+            return
+        for key in [k for k in self._reasons if k[2] < positions.get((k[0], k[1]), -1)]:
+            del self._reasons[key]
+
+    def split(self, msgs: Sequence[Message]) -> tuple[Sequence[Message], list[Message]]:
+        """``msgs`` less the retracted ones, and those."""
+        if not self._reasons:
+            return msgs, []
+        reasons = self._reasons
+        kept: list[Message] = []
+        out: list[Message] = []
+        for m in msgs:
+            key = (m.topic() or "", m.partition() or 0, m.offset() or 0)
+            (out if key in reasons else kept).append(m)
+        return (msgs, out) if not out else (kept, out)
+
+
 def write_batch(
     msgs: Sequence[Message],
     part: PartId,
@@ -137,24 +189,64 @@ def write_batch(
     metrics: Metrics,
     max_record_bytes: int,
     retry: Callable[[Callable[[], Any], str], Any],
+    retractions: Retractions | None = None,
 ) -> BatchResult:
     """Decode ``msgs``, dead-letter what no sink can take, write the rest into every sink in
-    order (a record one sink refuses is dead-lettered and not offered to the next ones).
+    order. A record is all-or-nothing across sinks (PROTOCOL.md, "The record path"):
+
+    1. records in ``retractions`` (refused by a sink during an earlier try of this part) are
+       left out -- dead-lettered already, counted as dead-lettered here;
+    2. every sink but the first is asked :meth:`Sink.check` before any sink writes; the union
+       of what they refuse is dead-lettered (naming the sink) and offered to no sink;
+    3. each sink writes the rest. A record the first sink refuses is dead-lettered and not
+       offered to the next ones. A record a *later* sink refuses at write time is already in
+       the earlier sinks: it is dead-lettered, remembered in ``retractions``, and
+       :class:`AbortTransactionError` makes the caller abort the part and re-read it.
 
     When every sink reads JSON itself (:meth:`Sink.accepts_raw`) nothing is decoded here: the
     sinks get the values (:meth:`Sink.write_raw`) and the values they found undecodable are
     dead-lettered afterwards, with the same reasons.
 
     Raises what the sinks raise once ``retry`` gives up: the caller decides what a failed
-    write costs (a rewind of the open part, or a re-read of the batch)."""
+    write costs (a rewind of the open part, or a re-read of the batch). Callers that rewind
+    pass the same ``retractions`` every time (a fresh one per call cannot end a rewind loop)."""
     txn = part.txn
+    if retractions is None:
+        retractions = Retractions()
+    msgs, retracted = retractions.split(msgs)
     raw_mode = reads_raw(sinks)
     decoded = decode_batch(msgs, max_record_bytes, decode=not raw_mode)
     dead: dict[tuple[str, int], int] = {}
+    for m in retracted:
+        # Dead-lettered when it was refused; this try only accounts for it.
+        tp = (m.topic() or "", m.partition() or 0)
+        dead[tp] = dead.get(tp, 0) + 1
+        decoded.last[tp] = max(decoded.last.get(tp, -1), m.offset() or 0)
     for u in decoded.bad:
         _dead_letter(dlq, u.msg, u.reason, txn, dead)
     refused: dict[tuple[str, int], int] = {}
     values: dict[str, bytes | None] = {}
+    checked = [s for s in sinks[1:] if getattr(type(s), "check", Sink.check) is not Sink.check]
+
+    def retract(sink: Sink, rejected: Sequence[Rejected]) -> AbortTransactionError:
+        """``sink`` refused at write time records that earlier sinks stored: rewind."""
+        refuse(sink, rejected)
+        for r in rejected:
+            rec = r.record
+            retractions.add(rec.topic, rec.partition, rec.offset, r.reason)
+        log.warning(
+            "txn=%s sink %s refused %d record(s) the sinks before it stored; the part is "
+            "aborted and re-read without them (first: %s)",
+            txn,
+            sink.name,
+            len(rejected),
+            rejected[0].reason,
+        )
+        return AbortTransactionError(
+            f"txn={txn}: {len(rejected)} record(s) refused by sink {sink.name} after earlier "
+            "sinks stored them: retracting by re-reading the part without them",
+            sink=sink.name,
+        )
 
     def refuse(sink: Sink, rejected: Sequence[Rejected]) -> tuple[set[str], int]:
         """Dead-letter what ``sink`` refused: the records' ids and their bytes."""
@@ -185,8 +277,21 @@ def write_batch(
     size = decoded.size
     if raw_mode:
         batch = decoded.raw_batch()
-        for sink in sinks:
+        if checked:
+            # Several sinks reading raw values: the checks need the records (decoded once,
+            # shared with every sink's write through the batch).
+            every = batch.records()
+            for sink in checked:
+                rejected = sink.check(every)
+                if rejected:
+                    ids, gone = refuse(sink, rejected)
+                    size -= gone
+                    batch = batch.without(ids)
+                    every = [r for r in every if r.record_id not in ids]
+        for i, sink in enumerate(sinks):
             rejected = retry(partial(sink.write_raw, part, batch), f"txn={txn} write {sink.name}")
+            if rejected and i > 0:
+                raise retract(sink, rejected)
             if rejected:
                 ids, gone = refuse(sink, rejected)
                 size -= gone
@@ -200,8 +305,16 @@ def write_batch(
             _dead_letter(dlq, m, reason, txn, refused)
     else:
         remaining: list[Record] = decoded.records
-        for sink in sinks:
+        for sink in checked:
+            rejected = sink.check(remaining)
+            if rejected:
+                ids, gone = refuse(sink, rejected)
+                size -= gone
+                remaining = [r for r in remaining if r.record_id not in ids]
+        for i, sink in enumerate(sinks):
             rejected = retry(partial(sink.write, part, remaining), f"txn={txn} write {sink.name}")
+            if rejected and i > 0:
+                raise retract(sink, rejected)
             if rejected:
                 ids, gone = refuse(sink, rejected)
                 size -= gone

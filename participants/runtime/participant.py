@@ -54,6 +54,7 @@ from participants.machine import (
 from participants.runtime.batch import (
     SOURCE_FETCH_DEFAULTS,
     SOURCE_GROUP_SETTINGS,
+    Retractions,
     decoding,
     open_writers,
     quiet_gc,
@@ -207,6 +208,10 @@ class ParticipantRuntime:
         )
         self._paused = False
         self._poisoned = False  # a write failed: read nothing until the rewind
+        #: Records a later sink refused after earlier ones stored them: the rewind leaves them
+        #: out (data thread only). Bounded; not pruned here, as commits reach the control thread
+        #: without positions -- forgetting one early costs one more rewind, never a wrong result.
+        self.retractions = Retractions()
         self._next_lag = 0.0
         #: Fault injection (tests): read nothing, vote empty parts -- what the stall alarm sees.
         self._stall_reads = stalled("reads")
@@ -773,6 +778,7 @@ class ParticipantRuntime:
                     metrics=self.metrics,
                     max_record_bytes=self.cfg.participant.max_record_bytes,
                     retry=self._retry,
+                    retractions=self.retractions,
                 )
         except FatalSinkError:
             raise

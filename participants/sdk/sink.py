@@ -71,6 +71,21 @@ against the real store; ``docs/write-a-sink.md`` walks through writing a sink th
   store's column or attribute), ``sqlstate`` (the server's error code, for SQL stores); a sink may
   add its own keys. All values are strings.
 
+**A record is all-or-nothing across sinks** -- one that any sink refuses reaches no sink:
+
+* ``check(records)`` (optional, default: refuses nothing) returns the records this sink would
+  refuse by its own rules -- conversion, naming, nesting depth, size -- without any store I/O
+  and without changing the sink's state. The runtime asks every sink but the first before any
+  sink writes a batch, dead-letters the union of what they refuse (naming the refusing sink and
+  the reason) and offers the rest to every sink. Implement it with the *same* code as ``write``
+  (never a second copy of the rules), so ``write`` of a checked record refuses only what the
+  store itself refuses (a CHECK constraint, a unique index). Cheap: it runs on the hot path.
+  Which records it refuses never depends on the other records of the batch or their order.
+* A record that a later sink's ``write`` refuses after earlier sinks stored it is retracted by
+  the runtime: the open part is aborted in every sink and re-read from its start, with that
+  record left out before any sink writes (``control-topic/PROTOCOL.md``, "The record path").
+  A sink needs nothing for this beyond the abort/rewind rules above.
+
 **Raw values** (optional): a sink that can read JSON bytes faster than the runtime can decode
 them overrides :meth:`accepts_raw` and :meth:`write_raw`. When every sink of a pipeline accepts
 raw values, the runtime skips decoding and calls ``write_raw`` with a :class:`RawBatch`; all the
@@ -183,6 +198,16 @@ class Sink(abc.ABC):
         :class:`RetriableSinkError` only when the call left the part as it was (it is repeated
         as is); :class:`AbortTransactionError` when the part is lost.
         """
+
+    def check(self, records: Sequence[Record]) -> Sequence[Rejected]:
+        """The records of ``records`` this sink's :meth:`write` would refuse by its own rules,
+        with the same reasons -- asked before any sink writes the batch, so that a record one
+        sink refuses reaches no sink. Pure: no store I/O, no change to the open part (it may be
+        asked with no part open). The default refuses nothing.
+
+        Use the same conversion code as :meth:`write`; refusals only the store can make (a
+        constraint, a unique index) stay in :meth:`write`, where the runtime retracts them."""
+        return ()
 
     def accepts_raw(self) -> bool:
         """True when :meth:`write_raw` is faster than decoding first (asked after setup)."""

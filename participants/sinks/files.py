@@ -39,13 +39,18 @@ lists the directories may see some of its files before others; the manifest is t
 read ``manifests/*.json`` and load exactly the files they list for a transactionally consistent
 snapshot.
 
-Schema (Parquet): with ``schema`` configured, each record is checked against it and a value that
-does not fit is returned as :class:`Rejected` naming the field; all files then share one schema.
-Without it, the schema is inferred per output file of a part (ints widen to floats, objects merge
-their keys); a value whose type conflicts with earlier records of the same output file is
-rejected naming the field. Inferred schemas can differ between parts, so configure ``schema`` for
-datasets that readers scan as one table. Parquet cannot store an empty group, so ``{}`` nested in
-a record is stored as null.
+Schema (Parquet): with ``schema`` configured, each record is checked against it (the SDK's
+shared conversion rules, :mod:`participants.sdk.values`) and a value that does not fit is
+returned as :class:`Rejected` naming the field; all files then share one schema. Without it, each
+column's type is decided when a file is written, from *all* of that file's values of the field,
+so no record is refused because of the records around it or their order (``docs/types.md``):
+Arrow's own inference when it is exact (ints with floats become doubles only when every int is
+exactly a double; objects merge their keys), integers outside int64 as ``decimal(38, 0)``, and
+anything else -- mixed types, nesting Parquet readers cannot read -- as the values' exact JSON
+text, the column named in the file's ``twophase.json_columns`` metadata. Inferred schemas can
+differ between files, so configure ``schema`` for datasets that readers scan as one table.
+Parquet cannot store an empty group, so ``{}`` nested in a record is stored as null. Buffered
+records wait as Python objects until their file is written (``max_buffered_records``).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ import errno
 import fcntl
 import hashlib
 import itertools
+import math
 import os
 import socket
 import threading
@@ -64,6 +70,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Self
 
@@ -88,6 +95,7 @@ from participants.sdk import (
     SinkError,
     TopicPartition,
     UnknownPartError,
+    values,
 )
 from participants.sdk.staging import (
     discard_tree,
@@ -230,12 +238,12 @@ _Key = tuple[str | None, str | None]
 
 @dataclass(slots=True)
 class _Buffer:
-    """Records of one output file not yet written: Arrow tables or encoded JSON lines."""
+    """Records of one output file not yet written: encoded JSON lines, or for Parquet the
+    records (converted rows with a configured schema), turned into one table when the file is
+    written -- so an inferred column type is decided from the whole file, not its first rows."""
 
     chunks: list[Any] = field(default_factory=list)
     rows: int = 0
-    #: Inferred Parquet only: the schema this output group has settled on so far in this part.
-    schema: Any = None
 
 
 @dataclass(slots=True)
@@ -281,24 +289,21 @@ def _to_int(bits: int) -> Callable[[Any], Any]:
     low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
 
     def convert(value: Any) -> Any:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"expected int{bits}, got {_describe(value)}")
-        if not low <= value <= high:
-            raise ValueError(f"out of the int{bits} range")
-        return value
+        try:
+            return values.to_integer(value, low, high, f"int{bits}")
+        except values.BadValue as exc:
+            raise ValueError(str(exc)) from None
 
     return convert
 
 
 def _to_float(bits: int, limit: float) -> Callable[[Any], Any]:
     def convert(value: Any) -> Any:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"expected float{bits}, got {_describe(value)}")
         try:
-            number = float(value)
-        except OverflowError:
-            raise ValueError(f"out of the float{bits} range") from None
-        if abs(number) > limit and abs(number) != float("inf"):
+            number = values.to_float(value)
+        except values.BadValue as exc:
+            raise ValueError(str(exc)) from None
+        if math.isfinite(number) and abs(number) > limit:
             raise ValueError(f"out of the float{bits} range")
         return number
 
@@ -306,9 +311,10 @@ def _to_float(bits: int, limit: float) -> Callable[[Any], Any]:
 
 
 def _to_bool(value: Any) -> Any:
-    if not isinstance(value, bool):
-        raise ValueError(f"expected bool, got {_describe(value)}")
-    return value
+    try:
+        return values.to_bool(value)
+    except values.BadValue as exc:
+        raise ValueError(str(exc)) from None
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -339,7 +345,7 @@ def _to_date(value: Any) -> Any:
 
 
 def _to_json(value: Any) -> Any:
-    return orjson.dumps(value).decode()
+    return values.json_text(value).decode()  # BadValue is a ValueError: the record is refused
 
 
 _CONVERTERS: dict[str, Callable[[Any], Any]] = {
@@ -388,8 +394,21 @@ class _SchemaCheck:
 # -- encoders --------------------------------------------------------------------------------
 
 
+class _Refused(ValueError):
+    """One record this sink cannot store; ``field_name`` when one field is at fault."""
+
+    def __init__(self, reason: str, field_name: str | None = None) -> None:
+        super().__init__(reason)
+        self.field_name = field_name
+
+
 class _Encoder(abc.ABC):
-    """Turns records into buffered chunks and chunks into the bytes of one file."""
+    """Turns records into buffered chunks and chunks into the bytes of one file.
+
+    :meth:`row` is the one place a record is judged: ``write`` (through :meth:`encode`) and
+    ``check`` both call it, so they refuse exactly the same records for the same reasons.
+    Nothing in it looks at other records: whether a record is refused never depends on the
+    batch it came with or on its place in it."""
 
     extension: ClassVar[str]
 
@@ -398,8 +417,22 @@ class _Encoder(abc.ABC):
         self.check = _SchemaCheck(config.schema_, config.unknown_fields) if config.schema_ else None
 
     @abc.abstractmethod
+    def row(self, record: Record) -> Any:
+        """What a chunk holds for ``record``; raises :class:`_Mismatch` / :class:`_Refused`."""
+
     def encode(self, records: Sequence[Record], buf: _Buffer) -> tuple[Any, list[Rejected]]:
         """A chunk of the accepted records (None when none is), and the rejected ones."""
+        rows: list[Any] = []
+        rejected: list[Rejected] = []
+        for record in records:
+            try:
+                rows.append(self.row(record))
+            except (_Mismatch, _Refused) as exc:
+                rejected.append(_rejected(record, str(exc), exc.field_name))
+        return (self.chunk(rows) if rows else None), rejected
+
+    def chunk(self, rows: list[Any]) -> Any:
+        return rows
 
     @abc.abstractmethod
     def serialize(self, chunks: list[Any], part: PartId) -> memoryview:
@@ -409,48 +442,72 @@ class _Encoder(abc.ABC):
     def rows(chunk: Any) -> int:
         return len(chunk)
 
-    @abc.abstractmethod
     def cut(self, chunk: Any, start: int, length: int) -> Any:
         """Rows ``start .. start+length`` of ``chunk``."""
+        return chunk[start : start + length]
+
+
+def _source_clash(value: Mapping[str, Any]) -> None:
+    if clash := next((c for c in SOURCE_COLUMNS if c in value), None):
+        raise _Mismatch(clash, "collides with a source column")
 
 
 class _JsonLinesEncoder(_Encoder):
     extension = "jsonl"
 
-    def encode(self, records: Sequence[Record], buf: _Buffer) -> tuple[Any, list[Rejected]]:
-        lines: list[bytes] = []
-        rejected: list[Rejected] = []
-        check, source = self.check, self.config.source_columns
-        drop = check is not None and not check.reject_unknown
-        for record in records:
-            value: dict[str, Any] = record.value
-            try:
-                if check is not None:
-                    check.convert(value)
-                    if drop and not value.keys() <= check.names:
-                        value = {k: v for k, v in value.items() if k in check.names}
-                if source:
-                    if clash := next((c for c in SOURCE_COLUMNS if c in value), None):
-                        raise _Mismatch(clash, "collides with a source column")
-                    value = {
-                        **value,
-                        "_topic": record.topic,
-                        "_partition": record.partition,
-                        "_offset": record.offset,
-                        "_timestamp_ms": record.timestamp_ms,
-                    }
-                lines.append(orjson.dumps(value, option=orjson.OPT_APPEND_NEWLINE))
-            except _Mismatch as exc:
-                rejected.append(_rejected(record, str(exc), exc.field_name))
-            except orjson.JSONEncodeError as exc:
-                rejected.append(_rejected(record, f"value cannot be written as JSON: {exc}", None))
-        return (lines or None), rejected
+    def row(self, record: Record) -> Any:
+        value: dict[str, Any] = record.value
+        check = self.check
+        if check is not None:
+            check.convert(value)
+            if not check.reject_unknown and not value.keys() <= check.names:
+                value = {k: v for k, v in value.items() if k in check.names}
+        if self.config.source_columns:
+            _source_clash(value)
+            value = {
+                **value,
+                "_topic": record.topic,
+                "_partition": record.partition,
+                "_offset": record.offset,
+                "_timestamp_ms": record.timestamp_ms,
+            }
+        try:
+            return orjson.dumps(value, option=orjson.OPT_APPEND_NEWLINE)
+        except orjson.JSONEncodeError:
+            pass
+        try:  # integers wider than 64 bits: the exact text (docs/types.md)
+            return values.json_text(value) + b"\n"
+        except values.BadValue as exc:
+            raise _Refused(f"value cannot be written as JSON: {exc}") from None
 
     def serialize(self, chunks: list[Any], part: PartId) -> memoryview:
         return memoryview(b"".join(itertools.chain.from_iterable(chunks)))
 
-    def cut(self, chunk: Any, start: int, length: int) -> Any:
-        return chunk[start : start + length]
+
+#: Deepest value a file may hold, in nesting levels: beyond it the JSON text of a value (the
+#: fallback below) is no longer safe to produce. Also refused by the MongoDB sink (100 levels).
+MAX_NESTING = 255
+#: Parquet readers refuse a schema nested 100 levels deep (pyarrow/parquet-cpp: "Parquet schema
+#: too deeply nested"; a struct is one level, a list two): such columns are stored as JSON text.
+_PARQUET_MAX_LEVELS = 100
+#: Digits of Parquet's widest decimal (decimal128 with precision 38).
+_DECIMAL_DIGITS = 38
+#: File metadata key naming the columns stored as JSON text (a JSON list of names).
+JSON_COLUMNS_KEY = "twophase.json_columns"
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """True when ``value`` nests more than ``limit`` levels (without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, dict | list))
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item if isinstance(v, dict | list))
+    return False
 
 
 class _ParquetEncoder(_Encoder):
@@ -461,114 +518,78 @@ class _ParquetEncoder(_Encoder):
         schema = config.schema_ or {}
         self.arrow_schema = pa.schema([(name, _ARROW_TYPES[kind]) for name, kind in schema.items()])
 
-    def encode(self, records: Sequence[Record], buf: _Buffer) -> tuple[Any, list[Rejected]]:
+    def row(self, record: Record) -> Any:
+        value = record.value
+        source = self.config.source_columns
         if self.check is not None:
-            return self._encode_configured(records, self.check)
-        return self._encode_inferred(records, buf)
+            row = self.check.convert(value)
+            if source:
+                _source_clash(value)
+            return (row, record)
+        if source:
+            _source_clash(value)
+        elif not value:
+            raise _Refused("empty object: a Parquet row needs a column (or set source_columns)")
+        # A value of n levels is at least 2n bytes of JSON: most records skip the walk.
+        if (record.size == 0 or record.size > 2 * MAX_NESTING) and _deeper_than(value, MAX_NESTING):
+            raise _Refused(f"nested deeper than {MAX_NESTING} levels")
+        return record
 
     def cut(self, chunk: Any, start: int, length: int) -> Any:
-        return chunk.slice(start, length)
+        return chunk[start : start + length]
 
     def serialize(self, chunks: list[Any], part: PartId) -> memoryview:
-        table = (
-            chunks[0]
-            if len(chunks) == 1
-            else pa.concat_tables(chunks, promote_options="permissive")
-        )
+        rows = chunks[0] if len(chunks) == 1 else list(itertools.chain.from_iterable(chunks))
+        json_columns: list[str] = []
+        if self.check is not None:
+            table = self._configured_table(rows)
+        else:
+            table, json_columns = self._inferred_table(rows)
         table = _without_empty_structs(table)
-        table = table.replace_schema_metadata({"twophase.part": part.token})
+        metadata = {"twophase.part": part.token}
+        if json_columns:
+            metadata[JSON_COLUMNS_KEY] = orjson.dumps(json_columns).decode()
+        table = table.replace_schema_metadata(metadata)
         out = pa.BufferOutputStream()
         pq.write_table(table, out, compression=self.config.parquet_compression)
         return memoryview(out.getvalue())
 
-    # -- configured schema --
-
-    def _encode_configured(
-        self, records: Sequence[Record], check: _SchemaCheck
-    ) -> tuple[Any, list[Rejected]]:
-        columns: list[list[Any]] = [[] for _ in check.fields]
-        kept: list[Record] = []
-        rejected: list[Rejected] = []
-        source = self.config.source_columns
-        for record in records:
-            try:
-                row = check.convert(record.value)
-                if source and (
-                    clash := next((c for c in SOURCE_COLUMNS if c in record.value), None)
-                ):
-                    raise _Mismatch(clash, "collides with a source column")
-            except _Mismatch as exc:
-                rejected.append(_rejected(record, str(exc), exc.field_name))
-                continue
+    def _configured_table(self, rows: list[tuple[list[Any], Record]]) -> Any:
+        columns: list[list[Any]] = [[] for _ in self.arrow_schema]
+        for row, _record in rows:
             for column, value in zip(columns, row, strict=True):
                 column.append(value)
-            kept.append(record)
-        if not kept:
-            return None, rejected
         arrays = [
             pa.array(column, type=f.type)
             for column, f in zip(columns, self.arrow_schema, strict=True)
         ]
         names = list(self.arrow_schema.names)
-        if source:
-            arrays.extend(_source_arrays(kept))
+        if self.config.source_columns:
+            arrays.extend(_source_arrays([record for _row, record in rows]))
             names.extend(SOURCE_COLUMNS)
-        return pa.Table.from_arrays(arrays, names=names), rejected
+        return pa.Table.from_arrays(arrays, names=names)
 
-    # -- inferred schema --
-
-    def _encode_inferred(
-        self, records: Sequence[Record], buf: _Buffer
-    ) -> tuple[Any, list[Rejected]]:
-        source = self.config.source_columns
-        bad: dict[int, tuple[str | None, str]] = {}  # row -> (field, reason); first reason wins
-        values: list[dict[str, Any]] = [r.value for r in records]
-        for i, value in enumerate(values):
-            if not value and not source:
-                bad[i] = (
-                    None,
-                    "empty object: a Parquet row needs a column (or set source_columns)",
-                )
-            elif source and (clash := next((c for c in SOURCE_COLUMNS if c in value), None)):
-                bad[i] = (clash, f"field {clash!r}: collides with a source column")
-        if bad:
-            values = [{} if i in bad else v for i, v in enumerate(values)]
-
+    def _inferred_table(self, records: list[Record]) -> tuple[Any, list[str]]:
+        """One file's table, each column's type decided from all of the file's values of that
+        field (``docs/types.md``): never from the first records, so no record is refused for
+        the company it keeps, and no value is changed on the way."""
+        objs = [r.value for r in records]
         try:
-            batch = pa.RecordBatch.from_struct_array(pa.array(values))
+            batch = pa.RecordBatch.from_struct_array(pa.array(objs))
             columns: dict[str, Any] = dict(zip(batch.schema.names, batch.columns, strict=True))
         except _ARROW_VALUE_ERRORS:
-            columns = _columns_one_by_one(values, bad)
-
-        if buf.schema is not None:
-            for name, column in list(columns.items()):
-                index = buf.schema.get_field_index(name)
-                if index < 0 or column.type == buf.schema.field(index).type:
-                    continue
-                settled = buf.schema.field(index).type
-                if _mergeable(buf.chunks, name, settled, column):
-                    continue
-                reason = f"field {name!r}: {column.type} does not fit {settled} of earlier records"
-                for i in _valid_rows(column):
-                    bad.setdefault(i, (name, reason))
-                columns[name] = pa.nulls(len(column), type=settled)
-
+            columns = {
+                name: _column([v.get(name) for v in objs])
+                for name in dict.fromkeys(k for v in objs for k in v)
+            }
+        json_columns = [n for n, c in columns.items() if c is None or not _parquet_ok(c.type)]
+        for name in json_columns:
+            columns[name] = _json_column([v.get(name) for v in objs])
         arrays, names = list(columns.values()), list(columns)
-        if source:
+        if self.config.source_columns:
             arrays.extend(_source_arrays(records))
             names.extend(SOURCE_COLUMNS)
-        rejected = [_rejected(records[i], reason, f) for i, (f, reason) in sorted(bad.items())]
-        if len(bad) == len(records) or not arrays:
-            return None, rejected
-        table = pa.Table.from_arrays(arrays, names=names)
-        if bad:
-            table = table.take([i for i in range(len(records)) if i not in bad])
-        buf.schema = (
-            table.schema
-            if buf.schema is None
-            else pa.unify_schemas([buf.schema, table.schema], promote_options="permissive")
-        )
-        return table, rejected
+        return pa.Table.from_arrays(arrays, names=names), json_columns
 
 
 def _source_arrays(records: Sequence[Record]) -> list[Any]:
@@ -580,75 +601,49 @@ def _source_arrays(records: Sequence[Record]) -> list[Any]:
     ]
 
 
-def _valid_rows(column: Any) -> list[int]:
-    return [i for i, ok in enumerate(column.is_valid().to_pylist()) if ok]
+#: Type of a column stored as JSON text.
+_JSON_TEXT = pa.string()
 
 
-def _unify_types(a: Any, b: Any) -> Any:
-    merged = pa.unify_schemas(
-        [pa.schema([("f", a)]), pa.schema([("f", b)])], promote_options="permissive"
-    )
-    return merged.field(0).type
-
-
-def _mergeable(chunks: list[Any], name: str, settled: Any, column: Any) -> bool:
-    """Can ``column`` join the buffered chunks (and the files already written) of its group?"""
+def _column(column: list[Any]) -> Any | None:
+    """The Arrow array of one field's values (None where absent or null), by the rule of
+    ``docs/types.md``: Arrow's own inference over all of them when it is exact (it refuses
+    rather than round: an integer past 2**53 next to a float fails); integers that do not all
+    fit int64 as decimal(38, 0) when they fit 38 digits; None: anything else, stored as JSON
+    text by the caller."""
     try:
-        _unify_types(settled, column.type)
-        parts = [pa.table({name: c.column(name)}) for c in chunks if name in c.column_names]
-        # The cast that serialize() will do, tried now: int64 -> double fails past 2**53.
-        pa.concat_tables([*parts, pa.table({name: column})], promote_options="permissive")
+        return pa.array(column)
     except _ARROW_VALUE_ERRORS:
-        return False
-    return True
+        pass
+    present = [v for v in column if v is not None]
+    if all(v.__class__ is int for v in present) and all(
+        len(str(abs(v))) <= _DECIMAL_DIGITS for v in present
+    ):
+        return pa.array(
+            [None if v is None else Decimal(v) for v in column],
+            type=pa.decimal128(_DECIMAL_DIGITS, 0),
+        )
+    return None
 
 
-def _columns_one_by_one(
-    values: list[dict[str, Any]], bad: dict[int, tuple[str | None, str]]
-) -> dict[str, Any]:
-    """Slow path when the batch does not convert at once: find the values that break it.
+def _json_column(column: list[Any]) -> Any:
+    """Each value as its exact JSON text (``"12"`` and ``12`` stay apart: ``"\"12\""``, ``"12"``)."""
+    return pa.array(
+        [None if v is None else values.json_text(v).decode() for v in column], type=_JSON_TEXT
+    )
 
-    The first value of a field sets its type; later values must merge with it (ints widen to
-    floats, objects merge keys) or their record is rejected, naming the field.
-    """
-    columns: dict[str, Any] = {}
-    for name in dict.fromkeys(k for v in values for k in v):
-        column = [v.get(name) for v in values]
-        try:
-            columns[name] = pa.array(column)
-            continue
-        except _ARROW_VALUE_ERRORS:
-            pass
-        settled: Any = None
-        for i, value in enumerate(column):
-            if value is None:
-                continue
-            try:
-                kind = pa.array([value]).type
-            except _ARROW_VALUE_ERRORS as exc:
-                bad.setdefault(i, (name, f"field {name!r}: not storable in Parquet: {exc}"[:300]))
-                column[i] = None
-                continue
-            try:
-                settled = kind if settled is None else _unify_types(settled, kind)
-            except _ARROW_VALUE_ERRORS:
-                bad.setdefault(
-                    i, (name, f"field {name!r}: {kind} does not fit {settled} of earlier records")
-                )
-                column[i] = None
-        try:
-            columns[name] = pa.array(column, type=settled)
-        except _ARROW_VALUE_ERRORS:
-            for i, value in enumerate(column):
-                try:
-                    pa.array([value], type=settled)
-                except _ARROW_VALUE_ERRORS as exc:
-                    bad.setdefault(
-                        i, (name, f"field {name!r}: does not fit {settled}: {exc}"[:300])
-                    )
-                    column[i] = None
-            columns[name] = pa.array(column, type=settled)
-    return columns
+
+def _levels(kind: Any) -> int:
+    """Parquet schema levels of an Arrow type (a struct adds one, a list two)."""
+    if pa.types.is_struct(kind):
+        return 1 + max((_levels(kind.field(i).type) for i in range(kind.num_fields)), default=0)
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return 2 + _levels(kind.value_type)
+    return 1
+
+
+def _parquet_ok(kind: Any) -> bool:
+    return bool(_levels(kind) < _PARQUET_MAX_LEVELS)
 
 
 def _has_empty_struct(kind: Any) -> bool:
@@ -911,6 +906,22 @@ class FileSink(Sink):
             remove_tree(building)
             raise
         return fd
+
+    def check(self, records: Sequence[Record]) -> Sequence[Rejected]:
+        """What :meth:`write` would refuse: the same per-record code (the output group, then
+        :meth:`_Encoder.row`), without buffering anything."""
+        rejected: list[Rejected] = []
+        row = self._encoder.row
+        for record in records:
+            key = self._key(record)
+            if isinstance(key, str):
+                rejected.append(_rejected(record, key, None))
+                continue
+            try:
+                row(record)
+            except (_Mismatch, _Refused) as exc:
+                rejected.append(_rejected(record, str(exc), exc.field_name))
+        return rejected
 
     def write(self, part: PartId, records: Sequence[Record]) -> Sequence[Rejected]:
         with self._lock:

@@ -490,6 +490,19 @@ class MongoSink(Sink):
             self._open = _OpenPart(part, pk)
         self.log.debug("part %s: open", part.token)
 
+    def check(self, records: Sequence[Record]) -> Sequence[Rejected]:
+        """What :meth:`write` would refuse: the same staging code on a stand-in part of the
+        same token length (so the staged size is the same), without writing anything."""
+        part = PartId(self.context.pipeline, 0, self.context.participant)
+        op = _OpenPart(part, self._pk(part))
+        rejected: list[Rejected] = []
+        for record in records:
+            try:
+                self._stage(op, record, 0)
+            except _Reject as exc:
+                rejected.append(Rejected(record, str(exc), {"sink": self.name}))
+        return rejected
+
     def write(self, part: PartId, records: Sequence[Record]) -> Sequence[Rejected]:
         batch = tuple(r.record_id for r in records)
         with self._lock:
@@ -809,7 +822,12 @@ class MongoSink(Sink):
                 body[self.cfg.version_field] = {"pipeline": op.part.pipeline, "txn": op.part.txn}
         staged = {"_id": f"{op.pk}|{record.record_id}", "part": op.pk, "seq": seq, "doc": body}
         try:
-            raw = bson.encode(staged)
+            try:
+                raw = bson.encode(staged)
+            except OverflowError:
+                # An integer outside int64 (rare: checked only when BSON says so).
+                staged["doc"] = _wide_ints_as_decimal(body, "")
+                raw = bson.encode(staged)
         except (bson.InvalidDocument, OverflowError, TypeError, ValueError) as exc:
             raise _Reject(f"value cannot be stored as BSON: {exc}") from None
         if len(raw) > self._max_bson:
@@ -1163,6 +1181,34 @@ def _check_fields(value: Mapping[Any, Any] | Sequence[Any], path: str, depth: in
         for i, inner in enumerate(value):
             if isinstance(inner, Mapping | list | tuple):
                 _check_fields(inner, f"{path}[{i}]", depth + 1)
+
+
+#: Digits of a BSON Decimal128 (IEEE 754 decimal128): an integer with more has no exact form.
+_DECIMAL128_DIGITS = 34
+
+
+def _wide_ints_as_decimal(value: Any, path: str) -> Any:
+    """``value`` with every integer outside int64 as an exact Decimal128 (the documented rule,
+    ``docs/types.md``); one with more than 34 digits has no exact BSON form: refused."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if -(2**63) <= value < 2**63:
+            return value
+        digits = len(str(abs(value)))
+        if digits > _DECIMAL128_DIGITS:
+            raise _Reject(
+                f"field {path or 'value'!r}: integer of {digits} digits has no exact BSON form "
+                f"(int64, or Decimal128 up to {_DECIMAL128_DIGITS} digits)"
+            )
+        return bson.Decimal128(str(value))
+    if isinstance(value, Mapping):
+        return {
+            k: _wide_ints_as_decimal(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [_wide_ints_as_decimal(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    return value
 
 
 def _id_key(value: Any) -> bytes:

@@ -919,6 +919,13 @@ class PostgresSink(Sink):
     def accepts_raw(self) -> bool:
         return self._encoder is not None
 
+    def check(self, records: Sequence[Record]) -> Sequence[Rejected]:
+        """What the client-side conversion of :meth:`write` refuses (the same code); what the
+        server refuses (constraints, ``numeric(p, s)`` overflow) shows only in ``write``."""
+        self._require_ready()
+        convert = self._convert_one
+        return [row for r in records if (row := convert(r)).__class__ is Rejected]
+
     def write(self, part: PartId, records: Sequence[Record]) -> Sequence[Rejected]:
         return self._write(part, lambda: (b"", 0, records), lambda: records)
 

@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import bson
 import pytest
 from pydantic import ValidationError
 from pymongo import MongoClient
@@ -711,11 +712,15 @@ def test_rejected_records_are_reported_and_the_rest_commit(
         3: {"id": None, "v": 1},
         4: {"v": 1},
         5: {"id": [1, 2]},
-        6: {"id": 6, "big": 2**70},
+        6: {"id": 6, "big": 10**40},  # 41 digits: no exact BSON form
         7: {"id": 7, "list": [{"$oid": "x"}]},
         8: {"id": 8, "blob": "x" * (17 * 1024 * 1024)},
     }
-    good = {10: {"id": 10, "v": "ok"}, 11: {"id": 11, "v": "ok", "": "empty names are fine"}}
+    good = {
+        10: {"id": 10, "v": "ok"},
+        11: {"id": 11, "v": "ok", "": "empty names are fine"},
+        12: {"id": 12, "big": 2**70},  # past int64: an exact Decimal128 (docs/types.md)
+    }
     records = [rec(off, value) for off, value in sorted({**bad, **good}.items())]
     rejected = run_part(sink, PartId("p1", 1, "w1"), records)
 
@@ -726,10 +731,13 @@ def test_rejected_records_are_reported_and_the_rest_commit(
     assert "'id' is null" in reasons[3]
     assert "'id' is missing" in reasons[4]
     assert "array" in reasons[5]
-    assert "BSON" in reasons[6]
+    assert "BSON" in reasons[6] and "41 digits" in reasons[6]
     assert "list[0].$oid" in reasons[7]
     assert "bytes" in reasons[8]
-    assert ids(db.target) == [10, 11]
+    assert ids(db.target) == [10, 11, 12]
+    assert db.target.find_one({"id": 12})["big"] == bson.Decimal128(str(2**70))  # type: ignore[index]
+    # check() refuses the same records for the same reasons, writing nothing.
+    assert {r.record.offset: r.reason for r in sink.check(records)} == reasons
 
 
 def test_insert_mode_rejects_own_id_and_non_objects(make_sink: MakeSink, db: Database[Doc]) -> None:

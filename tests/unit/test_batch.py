@@ -12,9 +12,9 @@ import orjson
 import pytest
 from confluent_kafka import Message
 
-from participants.runtime.batch import write_batch
+from participants.runtime.batch import Retractions, write_batch
 from participants.runtime.deadletter import DeadLetters, decode_batch
-from participants.sdk import PartId, RawBatch, Record, Rejected, Sink
+from participants.sdk import AbortTransactionError, PartId, RawBatch, Record, Rejected, Sink
 from twophase.observability import Metrics
 
 
@@ -83,13 +83,22 @@ class _Dlq:
 
 
 class _Refusing:
-    """A sink that refuses records whose id is in ``refuse`` and keeps the rest."""
+    """A sink that refuses records whose id is in ``refuse`` and keeps the rest; with
+    ``checks`` it says so in check() too (as built-in sinks do for their own rules)."""
 
-    def __init__(self, name: str, refuse: set[int], twice: bool = False) -> None:
+    def __init__(
+        self, name: str, refuse: set[int], twice: bool = False, checks: bool = True
+    ) -> None:
         self.name = name
         self.refuse = refuse
         self.twice = twice
+        self.checks = checks
         self.got: list[Record] = []
+
+    def check(self, records: Sequence[Record]) -> list[Rejected]:
+        if not self.checks:
+            return []
+        return [Rejected(r, "no") for r in records if r.value["id"] in self.refuse]
 
     def accepts_raw(self) -> bool:
         return False
@@ -136,22 +145,66 @@ def test_write_batch_counts_written_and_dead_per_partition(raw: bool) -> None:
         ("orders", 1): (8, 1, 3),  # 8 written; 6, 7 undecodable; 5 refused by pg
         ("refunds", 0): (14, 1, 0),
     }
-    assert [r.offset for r in first.got] == [10, 11, 8, 14]
-    assert [r.offset for r in second.got] == [10, 8, 14]  # never offered what pg refused
+    # 11, refused by the second sink's check, reached no sink; 5, refused by the first sink's
+    # write, was never offered to the second.
+    assert [r.offset for r in first.got] == [10, 8, 14]
+    assert [r.offset for r in second.got] == [10, 8, 14]
     reasons = sorted((s["offset"], s["reason"]) for s in dlq.sent)
     assert [o for o, _ in reasons] == [5, 6, 7, 11, 12, 13]
     assert dict(reasons)[5] == "rejected by sink pg: no"
     assert dict(reasons)[11] == "rejected by sink files: no"
     sizes = {r.offset: r.size for r in decode_batch(BATCH, 64).records}
     written = metrics.registry.get_sample_value
-    assert written("twophase_sink_records_total", {"pipeline": "p", "sink": "pg"}) == 4
+    assert written("twophase_sink_records_total", {"pipeline": "p", "sink": "pg"}) == 3
     assert written("twophase_sink_records_total", {"pipeline": "p", "sink": "files"}) == 3
     assert written("twophase_sink_bytes_total", {"pipeline": "p", "sink": "pg"}) == sum(
-        sizes[o] for o in (10, 11, 8, 14)
+        sizes[o] for o in (10, 8, 14)
     )
     assert written("twophase_sink_bytes_total", {"pipeline": "p", "sink": "files"}) == sum(
         sizes[o] for o in (10, 8, 14)
     )
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["decoded-here", "sinks-read-raw"])
+def test_a_later_sinks_write_refusal_is_retracted_by_a_rewind(raw: bool) -> None:
+    """A record the second sink refuses only at write time is already in the first: the batch
+    fails (the caller rewinds), and the re-read leaves the record out of every sink, counted
+    as dead-lettered and not dead-lettered again."""
+    sink = _RawRefusing if raw else _Refusing
+    dlq = _Dlq()
+    retractions = Retractions()
+
+    def run() -> tuple[Any, Any, Any]:
+        first, second = sink("pg", set()), sink("mongo", {11}, checks=False)
+        result = write_batch(
+            BATCH,
+            PartId("p", 3, "w1"),
+            cast(list[Sink], [first, second]),
+            dlq=cast(DeadLetters, dlq),
+            metrics=Metrics("p", "participant"),
+            max_record_bytes=64,
+            retry=lambda fn, what: fn(),
+            retractions=retractions,
+        )
+        return result, first, second
+
+    with pytest.raises(AbortTransactionError, match="refused by sink mongo"):
+        run()
+    assert retractions.reason("orders", 0, 11) == "no"
+    assert [s["reason"] for s in dlq.sent if s["offset"] == 11] == ["rejected by sink mongo: no"]
+    result, first, second = run()  # the re-read of the part
+    assert [r.offset for r in first.got] == [r.offset for r in second.got] == [10, 5, 8, 14]
+    assert result[("orders", 0)] == (13, 1, 3)  # 11 counted as dead-lettered
+    assert len([s for s in dlq.sent if s["offset"] == 11]) == 1  # not sent a second time
+    retractions.prune({("orders", 0): 12})
+    assert len(retractions) == 0
+
+
+def test_retractions_are_bounded() -> None:
+    r = Retractions(limit=2)
+    for offset in range(3):
+        r.add("t", 0, offset, "x")
+    assert len(r) == 2 and r.reason("t", 0, 0) is None and r.reason("t", 0, 2) == "x"
 
 
 def test_write_batch_decodes_only_for_sinks_that_do_not_read_raw() -> None:
