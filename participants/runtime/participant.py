@@ -208,6 +208,9 @@ class ParticipantRuntime:
         )
         self._paused = False
         self._poisoned = False  # a write failed: read nothing until the rewind
+        #: The part whose write failed: its PREPARE fails here, whatever the sinks would say --
+        #: a write the runtime itself gave up (a record to retract) leaves every sink willing.
+        self._failed_txn: int | None = None
         #: Records a later sink refused after earlier ones stored them: the rewind leaves them
         #: out (data thread only). Bounded; not pruned here, as commits reach the control thread
         #: without positions -- forgetting one early costs one more rewind, never a wrong result.
@@ -712,6 +715,16 @@ class ParticipantRuntime:
     def _prepare(self, action: PreparePart) -> None:
         part = PartId(self.cfg.pipeline, action.txn, self.me)
         started = time.monotonic()
+        if self._failed_txn == action.txn:
+            reason = "a write of this part failed: it is aborted and re-read"
+            log.warning(
+                "txn=%s prepare refused: %s",
+                action.txn,
+                reason,
+                extra=self._txn_extra(action.txn, tps=action.positions),
+            )
+            self._run(self._feed(PrepareFailed(action.txn, reason)), Thread.DATA)
+            return
         try:
             with log_context(self._txn_extra(action.txn, tps=action.positions)):
                 self.dlq.flush(CALL_TIMEOUT_S)
@@ -790,6 +803,7 @@ class ParticipantRuntime:
                 exc,
                 extra=fields,
             )
+            self._failed_txn = part_txn
             self._poisoned = True
             self._pause()
             return
@@ -813,6 +827,7 @@ class ParticipantRuntime:
             TopicPartition(t, p, o) for (t, p), o in sorted(offsets.items()) if (t, p) in owned
         ]
         self._poisoned = False
+        self._failed_txn = None
         self._resume()
         for tp in targets:
             try:
