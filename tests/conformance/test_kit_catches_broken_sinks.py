@@ -369,6 +369,38 @@ class RawForgetsRejections(SqliteSink):
         return []
 
 
+class CheckRefusesByCompany(SqliteSink):
+    """A check with its own copy of the rules, judging a record by the batch around it: after
+    the first record it sees, anything with a different text prefix is "not like the others"
+    (the files sink's old schema inference did this)."""
+
+    def check(self, records: Sequence[Record]) -> Sequence[Rejected]:
+        first = records[0].value.get("text", "")[:3] if records else ""
+        return [Rejected(r, "unlike the first") for r in records if r.value["text"][:3] != first]
+
+
+class CheckRefusesWhatWriteStores(SqliteSink):
+    """A check stricter than write (a second, drifted copy of the rules)."""
+
+    def check(self, records: Sequence[Record]) -> Sequence[Rejected]:
+        return [Rejected(r, "odd") for r in records if r.value.get("n", 0) % 2]
+
+
+class CheckStages(SqliteSink):
+    """A check that writes: it stages what it accepts into the open part."""
+
+    def check(self, records: Sequence[Record]) -> Sequence[Rejected]:
+        if self._open_part is not None:
+            self.stage(self._open_part, records)
+        return []
+
+    _open_part: PartId | None = None
+
+    def begin(self, part: PartId) -> None:
+        super().begin(part)
+        self._open_part = part
+
+
 #: mutant -> the cases it must fail ("name[param]" for one parameter of a parametrized case).
 MUTANTS: dict[type[SqliteSink], set[str]] = {
     VisibleBeforeCommit: {
@@ -421,6 +453,9 @@ MUTANTS: dict[type[SqliteSink], set[str]] = {
     ForgetDropsTheLastCommitted: {"test_last_committed"},
     RawSkipsWhatItCannotRead: {"test_write_raw_stores_what_write_stores"},
     RawForgetsRejections: {"test_write_raw_stores_what_write_stores"},
+    CheckRefusesByCompany: {"test_check_refuses_only_what_write_refuses_and_writes_nothing"},
+    CheckRefusesWhatWriteStores: {"test_check_refuses_only_what_write_refuses_and_writes_nothing"},
+    CheckStages: {"test_check_refuses_only_what_write_refuses_and_writes_nothing"},
 }
 
 

@@ -367,6 +367,38 @@ class SinkConformance:
         sink.commit(part)
         assert kit.visible() == ids(good + more)
 
+    def test_check_refuses_only_what_write_refuses_and_writes_nothing(
+        self, twophase_kit: Kit
+    ) -> None:
+        """``check`` is asked before any sink writes, so that a record any sink refuses reaches
+        no sink: it is pure (writes nothing, needs no open part), judges each record on its own
+        (the same refusals whatever the order or company of the batch), and never refuses a
+        record that ``write`` stores. Runs the default (refuses nothing) for sinks without it."""
+        kit = twophase_kit
+        batch = records(0, 20)
+        if kit.factory.bad_value is not None:
+            bad = Record(
+                TOPIC, 0, 1000, record(1000).timestamp_ms, None, dict(kit.factory.bad_value)
+            )
+            batch.insert(7, bad)
+        sink = kit.sink()
+
+        def refused(rs: list[Record]) -> set[str]:
+            return {r.record.record_id for r in sink.check(rs)}
+
+        checked = refused(batch)  # no part open
+        assert refused(batch[::-1]) == checked, "check depends on the order of the batch"
+        alone = set().union(*(refused([r]) for r in batch))
+        assert alone == checked, "check of a record depends on the records around it"
+        part = kit.part(1)
+        sink.begin(part)
+        assert refused(batch) == checked
+        written = {r.record.record_id for r in sink.write(part, batch)}
+        assert checked <= written, f"check refused records that write stores: {checked - written}"
+        sink.prepare(part, positions_of(batch))
+        sink.commit(part)
+        assert kit.visible() == ids([r for r in batch if r.record_id not in written])
+
     def test_write_raw_stores_what_write_stores(self, twophase_kit: Kit) -> None:
         """When every sink of a pipeline accepts raw values the runtime hands them JSON bytes
         (``write_raw``): exactly what ``write`` would store must be stored -- every object,
