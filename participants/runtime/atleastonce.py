@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
 from participants.runtime.batch import (
     SOURCE_FETCH_DEFAULTS,
@@ -204,8 +204,11 @@ class AtLeastOnceRuntime:
         if not assignment:
             return
         for c in self.consumer.committed(assignment, timeout=CALL_TIMEOUT_S):
-            if c.offset >= 0:
-                self.consumer.seek(c)
+            # Nothing committed yet: from the start, as auto.offset.reset = earliest read it
+            # (without this seek the failed batch was skipped, not re-read).
+            self.consumer.seek(
+                c if c.offset >= 0 else TopicPartition(c.topic, c.partition, OFFSET_BEGINNING)
+            )
 
     def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._assigned = True
