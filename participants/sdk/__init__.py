@@ -8,6 +8,8 @@ in a pipeline's ``sinks[].type``.
 * :class:`BatchingSink` -- the contract built on six store operations, for stores with local
   transactions but no two-phase commit (:mod:`participants.sdk.batching`).
 * the durable file-system steps of :mod:`participants.sdk.staging`, for sinks that stage files.
+* :mod:`participants.sdk.values` -- the value conversions the built-in sinks share
+  (``docs/types.md``), so a record meets the same rule in every sink.
 * :mod:`participants.sdk.testkit` -- the conformance kit, a pytest plugin (imported on its own:
   it needs pytest, a sink at run time does not).
 
