@@ -50,7 +50,8 @@ anything else -- mixed types, nesting Parquet readers cannot read -- as the valu
 text, the column named in the file's ``twophase.json_columns`` metadata. Inferred schemas can
 differ between files, so configure ``schema`` for datasets that readers scan as one table.
 Parquet cannot store an empty group, so ``{}`` nested in a record is stored as null. Buffered
-records wait as Python objects until their file is written (``max_buffered_records``).
+records wait as Arrow arrays, typed per write; a field whose writes disagree is re-typed from
+all of its values when the file is written.
 """
 
 from __future__ import annotations
@@ -535,16 +536,20 @@ class _ParquetEncoder(_Encoder):
             raise _Refused(f"nested deeper than {MAX_NESTING} levels")
         return record
 
+    def chunk(self, rows: list[Any]) -> Any:
+        if self.check is not None:
+            return self._configured_table(rows)
+        return _Columns.of(rows, self.config.source_columns)
+
     def cut(self, chunk: Any, start: int, length: int) -> Any:
-        return chunk[start : start + length]
+        return chunk.slice(start, length)
 
     def serialize(self, chunks: list[Any], part: PartId) -> memoryview:
-        rows = chunks[0] if len(chunks) == 1 else list(itertools.chain.from_iterable(chunks))
         json_columns: list[str] = []
         if self.check is not None:
-            table = self._configured_table(rows)
+            table = chunks[0] if len(chunks) == 1 else pa.concat_tables(chunks)
         else:
-            table, json_columns = self._inferred_table(rows)
+            table, json_columns = _Columns.table(chunks)
         table = _without_empty_structs(table)
         metadata = {"twophase.part": part.token}
         if json_columns:
@@ -569,25 +574,84 @@ class _ParquetEncoder(_Encoder):
             names.extend(SOURCE_COLUMNS)
         return pa.Table.from_arrays(arrays, names=names)
 
-    def _inferred_table(self, records: list[Record]) -> tuple[Any, list[str]]:
-        """One file's table, each column's type decided from all of the file's values of that
-        field (``docs/types.md``): never from the first records, so no record is refused for
-        the company it keeps, and no value is changed on the way."""
+
+@dataclass(slots=True)
+class _Columns:
+    """A chunk of inferred Parquet: one write's records of one file, per field an Arrow array
+    (Arrow's exact inference over the chunk) or, where the chunk's values have no exact Arrow
+    type, the values themselves. Arrays keep the buffer small (~150 bytes a record, against
+    ~800 as Python objects); the file's column types are decided from all chunks when the file
+    is written (:meth:`table`), so a record is never judged by the chunk it came in."""
+
+    rows: int
+    fields: dict[str, Any]
+    #: The source columns (arrays), when configured.
+    source: list[Any] | None
+
+    def __len__(self) -> int:
+        return self.rows
+
+    @classmethod
+    def of(cls, records: list[Record], source_columns: bool) -> _Columns:
         objs = [r.value for r in records]
         try:
             batch = pa.RecordBatch.from_struct_array(pa.array(objs))
-            columns: dict[str, Any] = dict(zip(batch.schema.names, batch.columns, strict=True))
+            fields: dict[str, Any] = dict(zip(batch.schema.names, batch.columns, strict=True))
         except _ARROW_VALUE_ERRORS:
-            columns = {
-                name: _column([v.get(name) for v in objs])
-                for name in dict.fromkeys(k for v in objs for k in v)
-            }
-        json_columns = [n for n, c in columns.items() if c is None or not _parquet_ok(c.type)]
-        for name in json_columns:
-            columns[name] = _json_column([v.get(name) for v in objs])
-        arrays, names = list(columns.values()), list(columns)
-        if self.config.source_columns:
-            arrays.extend(_source_arrays(records))
+            fields = {}
+            for name in dict.fromkeys(k for v in objs for k in v):
+                values = [v.get(name) for v in objs]
+                try:
+                    fields[name] = pa.array(values)
+                except _ARROW_VALUE_ERRORS:
+                    fields[name] = values
+        return cls(len(objs), fields, _source_arrays(records) if source_columns else None)
+
+    def slice(self, start: int, length: int) -> _Columns:
+        fields = {
+            name: (f[start : start + length] if isinstance(f, list) else f.slice(start, length))
+            for name, f in self.fields.items()
+        }
+        source = None if self.source is None else [a.slice(start, length) for a in self.source]
+        return _Columns(length, fields, source)
+
+    def values(self, name: str) -> list[Any]:
+        """This chunk's values of ``name`` as Python objects (None where absent)."""
+        f = self.fields.get(name)
+        if f is None:
+            return [None] * self.rows
+        return f if isinstance(f, list) else f.to_pylist()
+
+    @staticmethod
+    def table(chunks: list[_Columns]) -> tuple[Any, list[str]]:
+        """One file's table and its JSON-text columns. A field whose chunks agree on one Arrow
+        type is concatenated as is; otherwise its type is decided from all of its values
+        (:func:`_column`), which gives what one inference over the whole file would."""
+        names = list(dict.fromkeys(n for c in chunks for n in c.fields))
+        arrays: list[Any] = []
+        json_columns: list[str] = []
+        for name in names:
+            pieces = [c.fields.get(name) for c in chunks]
+            kinds = {p.type for p in pieces if p is not None and not isinstance(p, list)}
+            column: Any = None
+            if len(kinds) == 1 and not any(isinstance(p, list) for p in pieces):
+                kind = kinds.pop()
+                column = pa.chunked_array(
+                    [
+                        p if p is not None else pa.nulls(c.rows, kind)
+                        for p, c in zip(pieces, chunks, strict=True)
+                    ],
+                    type=kind,
+                )
+            else:
+                column = _column([v for c in chunks for v in c.values(name)])
+            if column is None or not _parquet_ok(column.type):
+                column = _json_column([v for c in chunks for v in c.values(name)])
+                json_columns.append(name)
+            arrays.append(column)
+        if chunks[0].source is not None:
+            for i in range(len(SOURCE_COLUMNS)):
+                arrays.append(pa.chunked_array([c.source[i] for c in chunks if c.source]))
             names.extend(SOURCE_COLUMNS)
         return pa.Table.from_arrays(arrays, names=names), json_columns
 

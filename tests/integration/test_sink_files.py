@@ -766,12 +766,17 @@ def test_inferred_schema_does_not_depend_on_record_order(tmp_path: Path, seed: i
     """The case of #14: a string "12" first in a batch of integers refused the integers after
     it. Now every order gives the same files' values and refuses nothing."""
     values = [{"id": 0, "i": "12"}] + [{"id": i, "i": i} for i in range(1, 31)]
-    random.Random(seed).shuffle(values)
+    rng = random.Random(seed)
+    rng.shuffle(values)
     base = tmp_path / "out"
     sink = make_sink(base)
     p = part(1)
     sink.begin(p)
-    assert sink.write(p, [rec(n, value=v) for n, v in enumerate(values)]) == []
+    batch = [rec(n, value=v) for n, v in enumerate(values)]
+    while batch:  # in writes of random sizes: one file's chunks, whatever their types
+        size = rng.randint(1, 10)
+        assert sink.write(p, batch[:size]) == []
+        batch = batch[size:]
     sink.prepare(p, {("orders", 0): len(values)})
     sink.commit(p)
     rows = {r["id"]: r["i"] for r in parquet_rows(base)}

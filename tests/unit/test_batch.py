@@ -13,7 +13,7 @@ import pytest
 from confluent_kafka import Message
 
 from participants.runtime.batch import Retractions, write_batch
-from participants.runtime.deadletter import DeadLetters, decode_batch
+from participants.runtime.deadletter import DeadLetters, decode_batch, decode_message
 from participants.sdk import AbortTransactionError, PartId, RawBatch, Record, Rejected, Sink
 from twophase.observability import Metrics
 
@@ -245,3 +245,24 @@ def test_raw_batch_decodes_each_value_once_and_views_share_it() -> None:
     assert [r.offset for r in rest.records()] == [2]  # offsets stay those of the first batch
     assert rest.undecodable() == batch.undecodable() == {1: "undecodable 1", 3: "undecodable 3"}
     assert decoded == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b'{"i": 18446744073709551617}',
+        b'{"i": -9223372036854775809, "j": 1.5}',
+        b'{"a": [{"b": 100000000000000000000000000000}]}',
+        b'{"f": 1e19, "s": "12345678901234567890123"}',
+    ],
+)
+def test_integers_of_any_width_decode_exactly(text: bytes) -> None:
+    """orjson alone rounds an integer outside -2**63..2**64-1 to a double (#14)."""
+    import json
+
+    m = msg(0, 1, text)
+    [got] = decode_batch([m], max_record_bytes=1000).records
+    assert got.value == json.loads(text)
+    one = decode_message(m)
+    assert isinstance(one, Record) and one.value == json.loads(text)
+    assert repr(got.value) == repr(json.loads(text))  # 1e19 stays a float, ints stay ints
