@@ -1,0 +1,165 @@
+"""Collapse librdkafka's repeated lines: one line per broker and kind of message per interval.
+
+While a broker is down every client of a process reports every failed connect -- through its
+log and its ``error_cb`` -- a few times a second: a Kafka restart once produced thousands of
+``Connection refused`` lines in 16 s across five processes. Here the first such line of an
+interval is logged as it comes; the repeats within the interval are only counted, and one line
+when the interval ends says how many there were (``... (x 212 more like this in the last
+10 s)``), stamped when it is logged.
+
+Lines are "the same" when they come from the same logger at the same level about the same
+broker and differ only in numbers and in which client or librdkafka thread reported them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["REPEAT_INTERVAL_S", "CollapseRepeats", "RepeatCollapser", "repeat_key"]
+
+#: librdkafka retries a broker connection at most every ``reconnect.backoff.max.ms`` (10 s by
+#: default), so an outage still shows up once per retry round, and a restart of a few seconds
+#: costs a line or two per broker.
+REPEAT_INTERVAL_S = 10.0
+
+# "127.0.0.1:9092/1", "127.0.0.1:9092/bootstrap", "sasl_ssl://kafka-0.kafka:9093/0"
+_BROKER = re.compile(r"(?:[a-z_]+://)?[\w.\-]+:\d+/(?:\d+|bootstrap)")
+# "[twophase-orders-consumer#consumer-2]", "[rdkafka#producer-1]", "[thrd:127.0.0.1:9092/1]:"
+_CLIENT = re.compile(r"\[[^\]\s]*#(?:producer|consumer)-\d+\]")
+_THREAD = re.compile(r"\[thrd:[^\]]*\]:?")
+_NUMBER = re.compile(r"\d+")
+
+Key = tuple[str, int, str, str]
+
+
+def repeat_key(logger: str, level: int, text: str) -> Key:
+    """What makes two lines repeats of each other: logger, level, broker, and the text without
+    its numbers, client name and thread name."""
+    m = _BROKER.search(text)
+    broker = m.group(0) if m else ""
+    rest = _BROKER.sub("<broker>", _THREAD.sub("", _CLIENT.sub("", text)))
+    return logger, level, broker, _NUMBER.sub("#", rest).strip()
+
+
+@dataclass
+class _Window:
+    started: float
+    suppressed: int = 0
+    last: logging.LogRecord | None = None
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The repeats of one interval: how many, over how long, and the last of them."""
+
+    count: int
+    span_s: float
+    last: logging.LogRecord
+
+
+class RepeatCollapser:
+    """Which lines to log now and which to count; no I/O, no clock of its own."""
+
+    def __init__(self, interval_s: float = REPEAT_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self._windows: dict[Key, _Window] = {}
+
+    def admit(self, key: Key, record: logging.LogRecord, now: float) -> bool:
+        """True: log ``record`` now (the first of its kind this interval). False: counted."""
+        window = self._windows.get(key)
+        if window is None or now - window.started >= self.interval_s:
+            # A window that ended with repeats is handed out by due() first (the caller calls
+            # it before admit), so replacing it here loses no count.
+            self._windows[key] = _Window(started=now)
+            return True
+        window.suppressed += 1
+        window.last = record
+        return False
+
+    def due(self, now: float) -> list[Summary]:
+        """Windows that ended with repeats, as summaries, oldest first; ended windows without
+        repeats are forgotten (memory stays bounded by the kinds seen in one interval)."""
+        out: list[tuple[float, Summary]] = []
+        for key, window in list(self._windows.items()):
+            if now - window.started < self.interval_s:
+                continue
+            del self._windows[key]
+            if window.suppressed and window.last is not None:
+                summary = Summary(window.suppressed, self.interval_s, window.last)
+                out.append((window.started, summary))
+        return [summary for _, summary in sorted(out, key=lambda item: item[0])]
+
+    def next_due(self) -> float | None:
+        """When the earliest window with repeats ends (to flush it when no more lines come)."""
+        ends = [w.started + self.interval_s for w in self._windows.values() if w.suppressed]
+        return min(ends) if ends else None
+
+
+class CollapseRepeats(logging.Filter):
+    """A logger filter applying :class:`RepeatCollapser` to the records ``applies`` selects.
+
+    The summary of an interval is logged when the next line of any kind arrives after it ended,
+    or by a timer when none does; it goes through the logger of the lines it sums up.
+    """
+
+    def __init__(
+        self,
+        interval_s: float = REPEAT_INTERVAL_S,
+        applies: Callable[[logging.LogRecord], bool] = lambda record: True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        self._collapser = RepeatCollapser(interval_s)
+        self._applies = applies
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "repeats", None) is not None or not self._applies(record):
+            return True
+        key = repeat_key(record.name, record.levelno, record.getMessage())
+        with self._lock:
+            now = self._clock()
+            summaries = self._collapser.due(now)
+            admitted = self._collapser.admit(key, record, now)
+            self._arm_timer_locked(now)
+        _log_summaries(summaries)
+        return admitted
+
+    def flush(self) -> None:
+        """Log the summaries of every interval that has ended."""
+        with self._lock:
+            now = self._clock()
+            self._timer = None
+            summaries = self._collapser.due(now)
+            self._arm_timer_locked(now)
+        _log_summaries(summaries)
+
+    def _arm_timer_locked(self, now: float) -> None:
+        if self._timer is not None:
+            return
+        due = self._collapser.next_due()
+        if due is None:
+            return
+        # A little after the end, so the window has surely ended when the timer fires.
+        self._timer = threading.Timer(max(0.0, due - now) + 0.05, self.flush)
+        self._timer.daemon = True
+        self._timer.start()
+
+
+def _log_summaries(summaries: list[Summary]) -> None:
+    for s in summaries:
+        logging.getLogger(s.last.name).log(
+            s.last.levelno,
+            "%s (x %d more like this in the last %.0f s)",
+            s.last.getMessage(),
+            s.count,
+            s.span_s,
+            extra={"repeats": s.count},
+        )
