@@ -24,7 +24,9 @@ def main() -> int:
     except ValueError:
         lifetime = 0.0
     if lifetime <= 0:
-        print(f"secantusd: TWOPHASE_MONGO_TXN_LIFETIME_S={raw!r}: want seconds > 0", file=sys.stderr)
+        print(
+            f"secantusd: TWOPHASE_MONGO_TXN_LIFETIME_S={raw!r}: want seconds > 0", file=sys.stderr
+        )
         return 2
     # cli.main builds its server through this module-level name.
     cli.SecantusDBServer = functools.partial(  # type: ignore[misc]
