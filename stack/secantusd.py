@@ -28,7 +28,11 @@ def main() -> int:
             f"secantusd: TWOPHASE_MONGO_TXN_LIFETIME_S={raw!r}: want seconds > 0", file=sys.stderr
         )
         return 2
-    # cli.main builds its server through this module-level name.
+    # cli.main builds its server through this module-level name (SecantusDB 0.7, pinned in
+    # stack.sh); a version that does not would silently ignore the lifetime, so refuse it.
+    if getattr(cli, "SecantusDBServer", None) is not SecantusDBServer:
+        print("secantusd: this SecantusDB cannot be given a transaction lifetime", file=sys.stderr)
+        return 2
     cli.SecantusDBServer = functools.partial(  # type: ignore[misc]
         SecantusDBServer, transaction_lifetime_seconds=lifetime
     )
