@@ -3,9 +3,10 @@
 While a broker is down every client of a process reports every failed connect -- through its
 log and its ``error_cb`` -- a few times a second: a Kafka restart once produced thousands of
 ``Connection refused`` lines in 16 s across five processes. Here the first such line of an
-interval is logged as it comes; the repeats within the interval are only counted, and one line
-when the interval ends says how many there were (``... (x 212 more like this in the last
-10 s)``), stamped when it is logged.
+interval is logged as it comes; the repeats within the interval are only counted. The first
+line after the interval says how many there were (``... (x 212 more like this in the last
+10 s)``) and starts the next interval, so a lasting outage costs one line per interval; when
+no such line comes, a timer logs the count on its own. Every line is stamped when it is logged.
 
 Lines are "the same" when they come from the same logger at the same level about the same
 broker and differ only in numbers and in which client or librdkafka thread reported them.
@@ -69,17 +70,16 @@ class RepeatCollapser:
         self.interval_s = interval_s
         self._windows: dict[Key, _Window] = {}
 
-    def admit(self, key: Key, record: logging.LogRecord, now: float) -> bool:
-        """True: log ``record`` now (the first of its kind this interval). False: counted."""
+    def admit(self, key: Key, record: logging.LogRecord, now: float) -> int | None:
+        """None: ``record`` is a repeat, counted. A number: log ``record`` now, as the first of
+        its kind in a new interval, saying that many repeats of the interval before it."""
         window = self._windows.get(key)
         if window is None or now - window.started >= self.interval_s:
-            # A window that ended with repeats is handed out by due() first (the caller calls
-            # it before admit), so replacing it here loses no count.
             self._windows[key] = _Window(started=now)
-            return True
+            return window.suppressed if window is not None else 0
         window.suppressed += 1
         window.last = record
-        return False
+        return None
 
     def due(self, now: float) -> list[Summary]:
         """Windows that ended with repeats, as summaries, oldest first; ended windows without
@@ -95,7 +95,7 @@ class RepeatCollapser:
         return [summary for _, summary in sorted(out, key=lambda item: item[0])]
 
     def next_due(self) -> float | None:
-        """When the earliest window with repeats ends (to flush it when no more lines come)."""
+        """When the earliest window with repeats ends (to flush it if no more lines come)."""
         ends = [w.started + self.interval_s for w in self._windows.values() if w.suppressed]
         return min(ends) if ends else None
 
@@ -126,11 +126,18 @@ class CollapseRepeats(logging.Filter):
         key = repeat_key(record.name, record.levelno, record.getMessage())
         with self._lock:
             now = self._clock()
+            # This key's own ended window first: its count rides on this record.
+            repeats = self._collapser.admit(key, record, now)
             summaries = self._collapser.due(now)
-            admitted = self._collapser.admit(key, record, now)
             self._arm_timer_locked(now)
         _log_summaries(summaries)
-        return admitted
+        if repeats is None:
+            return False
+        if repeats:
+            record.msg = _with_count(record.getMessage(), repeats, self._collapser.interval_s)
+            record.args = ()
+            record.repeats = repeats
+        return True
 
     def flush(self) -> None:
         """Log the summaries of every interval that has ended."""
@@ -147,19 +154,25 @@ class CollapseRepeats(logging.Filter):
         due = self._collapser.next_due()
         if due is None:
             return
-        # A little after the end, so the window has surely ended when the timer fires.
-        self._timer = threading.Timer(max(0.0, due - now) + 0.05, self.flush)
+        # A second after the end: a line that keeps coming is usually back by then and carries
+        # the count itself (one line instead of two).
+        self._timer = threading.Timer(max(0.0, due - now) + _TIMER_LAG_S, self.flush)
         self._timer.daemon = True
         self._timer.start()
+
+
+_TIMER_LAG_S = 1.0
+
+
+def _with_count(message: str, repeats: int, span_s: float) -> str:
+    return f"{message} (x {repeats} more like this in the last {span_s:.0f} s)"
 
 
 def _log_summaries(summaries: list[Summary]) -> None:
     for s in summaries:
         logging.getLogger(s.last.name).log(
             s.last.levelno,
-            "%s (x %d more like this in the last %.0f s)",
-            s.last.getMessage(),
-            s.count,
-            s.span_s,
+            "%s",
+            _with_count(s.last.getMessage(), s.count, s.span_s),
             extra={"repeats": s.count},
         )

@@ -55,20 +55,31 @@ def test_one_line_per_interval_then_a_count() -> None:
     c = RepeatCollapser(interval_s=10)
     key = repeat_key("l", logging.WARNING, refused())
     admitted = [c.admit(key, _record(refused(ms=i)), 100 + i * 0.01) for i in range(500)]
-    assert admitted.count(True) == 1 and admitted[0]
+    assert admitted[0] == 0 and admitted[1:] == [None] * 499
     assert c.due(109.9) == []
     assert c.next_due() == 110
     [summary] = c.due(110.0)
     assert summary.count == 499 and summary.span_s == 10
     assert summary.last.getMessage() == refused(ms=499)
     assert c.due(200) == [] and c.next_due() is None
-    # The next interval starts with a line logged again.
-    assert c.admit(key, _record(refused()), 200)
+    # The next interval starts with a line logged again, with nothing to report.
+    assert c.admit(key, _record(refused()), 200) == 0
+
+
+def test_a_line_after_the_interval_carries_the_count_of_the_one_before() -> None:
+    c = RepeatCollapser(interval_s=10)
+    key = repeat_key("l", logging.WARNING, refused())
+    assert c.admit(key, _record(refused()), 100) == 0
+    for i in range(40):
+        assert c.admit(key, _record(refused(ms=i)), 100.5 + i * 0.2) is None
+    assert c.admit(key, _record(refused()), 110.5) == 40
+    assert c.due(110.5) == []  # counted once, on that line
+    assert c.admit(key, _record(refused()), 111) is None
 
 
 def test_a_line_without_repeats_leaves_no_summary_and_no_state() -> None:
     c = RepeatCollapser(interval_s=10)
-    assert c.admit(("l", 30, "", "x"), _record("x"), 0)
+    assert c.admit(("l", 30, "", "x"), _record("x"), 0) == 0
     assert c.due(11) == [] and c.next_due() is None
 
 
@@ -93,9 +104,18 @@ def test_the_filter_logs_first_lines_and_summaries_through_the_same_logger() -> 
             f"{refused(c=4, ms=299)} (x 299 more like this in the last 10 s)",
             f"{refused(c=4, b='bootstrap', ms=299)} (x 299 more like this in the last 10 s)",
         ]
+        clock.now = 5000.0  # exact steps of 0.25 s from here
         logger.warning("%s", refused(ms=1))
         assert capture.lines[-1] == refused(ms=1)
         assert len(capture.lines) == 5
+        # An outage that lasts: one line per interval, each with the count of the one before.
+        for k in range(1, 101):
+            clock.now = 5000.0 + k * 0.25
+            logger.warning("%s", refused(c=k % 3, ms=k))
+        assert capture.lines[5:] == [
+            f"{refused(c=1, ms=40)} (x 39 more like this in the last 10 s)",
+            f"{refused(c=2, ms=80)} (x 39 more like this in the last 10 s)",
+        ]
     finally:
         logger.removeFilter(flt)
 
@@ -109,3 +129,7 @@ def test_the_filter_leaves_other_records_alone() -> None:
         "twophase.kafka", logging.WARNING, __file__, 1, "Kafka: %s", ("down",), None
     )
     assert flt.filter(first) and not flt.filter(first)
+    clock.now += 10
+    assert flt.filter(first) and first.getMessage().endswith(
+        "(x 1 more like this in the last 10 s)"
+    )
