@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["REPEAT_INTERVAL_S", "CollapseRepeats", "RepeatCollapser", "repeat_key"]
+__all__ = ["REPEAT_INTERVAL_S", "CollapseRepeats", "RepeatCollapser", "Summary", "repeat_key"]
 
 #: librdkafka retries a broker connection at most every ``reconnect.backoff.max.ms`` (10 s by
 #: default), so an outage still shows up once per retry round, and a restart of a few seconds
@@ -103,8 +103,9 @@ class RepeatCollapser:
 class CollapseRepeats(logging.Filter):
     """A logger filter applying :class:`RepeatCollapser` to the records ``applies`` selects.
 
-    The summary of an interval is logged when the next line of any kind arrives after it ended,
-    or by a timer when none does; it goes through the logger of the lines it sums up.
+    The count of an interval rides on the next line of its kind; when none comes, it is logged
+    on a line of its own (by the next line of another kind, or a timer), through the logger of
+    the lines it counts.
     """
 
     def __init__(
