@@ -11,7 +11,7 @@ export TWOPHASE_STACK_DIR ?= $(CURDIR)/.stack
 # Downloads and builds (jars, helm, SecantusDB) are shared by every clone on the machine.
 export TWOPHASE_CACHE_DIR ?= $(HOME)/.cache/twophase
 
-.PHONY: help venv stack-up stack-down stack-status test test-fast lint demo bench chaos helm clean
+.PHONY: help venv stack-up stack-down stack-status test test-fast lint demo bench chaos helm clean config-doc
 
 help:
 	@echo "make demo         set everything up and run the main pipeline end to end"
@@ -22,6 +22,7 @@ help:
 	@echo "make lint         ruff and mypy --strict"
 	@echo "make bench        benchmarks -> bench/results/latest.json"
 	@echo "make chaos        fault injection on the real stack -> chaos/results/latest.json"
+	@echo "make config-doc   regenerate docs/config.md from the config models"
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,6 +66,10 @@ test-fast: venv
 demo: venv stack-up
 	$(PY) -m twophase.demo
 	$(PY) -m jobs.demo
+
+# docs/config.md, every pipeline option, generated from the config models.
+config-doc: venv
+	$(PY) -m twophase.configdoc --write
 
 bench: venv stack-up
 	$(PY) -m bench.run

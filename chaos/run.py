@@ -50,7 +50,6 @@ from twophase.harness import (
     Cluster,
     Scenario,
     SinkReport,
-    TransactionReaper,
     control_summary,
     end_offsets,
     group_offsets,
@@ -566,8 +565,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for i in range(3):
         chaos.start(f"p-{i}", "participant")
     feeder = Feeder(s, args.records, max(20.0, est * 0.85), args.seed)
-    reaper = TransactionReaper(s.mongo_uri)
-    reaper.start()
     phases: dict[str, float] = {}
     caught_up = settled = False
     source_dups = 0
@@ -633,7 +630,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         phases["settled_s"] = round(time.monotonic() - started, 1)
     finally:
         chaos.cluster.stop_all()
-        reaper.stop.set()
     after_stop = verify(s, expected)
     control = control_summary(s)
     sinks = {k: {**_counts(r), "rows": r.rows, "distinct": r.distinct} for k, r in reports.items()}

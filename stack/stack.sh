@@ -15,6 +15,8 @@
 #   TWOPHASE_KAFKA_PORT (9092)  TWOPHASE_KAFKA_CONTROLLER_PORT (9093)
 #   TWOPHASE_PG_PORT (55432)    TWOPHASE_MONGO_PORT (27018)
 #   TWOPHASE_KAFKA_HEAP (1g)    TWOPHASE_PYTHON (python3, for the SecantusDB venv)
+#   TWOPHASE_MONGO_TXN_LIFETIME_S (60)   idle MongoDB transactions are aborted after this
+#   TWOPHASE_MONGO_REAP_INTERVAL_S (5)   how often the reaper makes SecantusDB check
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -33,6 +35,10 @@ PG_PORT=${TWOPHASE_PG_PORT:-55432}
 MONGO_PORT=${TWOPHASE_MONGO_PORT:-27018}
 KAFKA_HEAP=${TWOPHASE_KAFKA_HEAP:-1g}
 PYTHON=${TWOPHASE_PYTHON:-python3}
+# mongod's transactionLifetimeLimitSeconds default: the tests see the recovery time a real
+# deployment has, not a shorter one the product could come to depend on.
+MONGO_TXN_LIFETIME_S=${TWOPHASE_MONGO_TXN_LIFETIME_S:-60}
+MONGO_REAP_INTERVAL_S=${TWOPHASE_MONGO_REAP_INTERVAL_S:-5}
 
 RUN_DIR=$STACK_DIR/run
 LOG_DIR=$STACK_DIR/logs
@@ -47,6 +53,7 @@ M2=$CACHE_DIR/m2
 KAFKA_LOG=$LOG_DIR/kafka.log
 PG_LOG=$LOG_DIR/postgres.log
 MONGO_LOG=$LOG_DIR/mongo.log
+REAPER_LOG=$LOG_DIR/mongo-reaper.log
 
 PG_USER=twophase
 PG_PASSWORD=twophase
@@ -418,7 +425,11 @@ mongo_start() {
   # An explicit (empty) config file turns off SecantusDB's search of ./, ~/.secantus and
   # /etc/secantus, so nothing on the machine changes how the test server behaves.
   printf '# Empty on purpose: settings are command-line flags in stack/stack.sh.\n' >"$MONGO_DIR/secantusd.toml"
-  (cd "$MONGO_DIR" && spawn "$MONGO_LOG" "$MONGO_PID" "$SECANTUS_VENV/bin/secantusd-py" \
+  [[ $MONGO_TXN_LIFETIME_S =~ ^[0-9]+(\.[0-9]+)?$ ]] ||
+    die "TWOPHASE_MONGO_TXN_LIFETIME_S=$MONGO_TXN_LIFETIME_S: want a number of seconds"
+  # stack/secantusd.py = secantusd-py with the transaction lifetime set (the daemon has no flag).
+  (cd "$MONGO_DIR" && TWOPHASE_MONGO_TXN_LIFETIME_S=$MONGO_TXN_LIFETIME_S \
+    spawn "$MONGO_LOG" "$MONGO_PID" "$SECANTUS_VENV/bin/python" "$HERE/secantusd.py" \
     --config "$MONGO_DIR/secantusd.toml" --host 127.0.0.1 --port "$MONGO_PORT" \
     --log-level INFO --storage-path "$MONGO_DATA")
   pid=$(head -n1 "$MONGO_PID")
@@ -455,6 +466,34 @@ mongo_stop() { # [KILL]
   stop_pid "$MONGO_PID" "--storage-path $MONGO_DATA" mongo KILL
 }
 
+# ---------------------------------------------------------------------------- MongoDB reaper
+
+# mongod aborts a dead client's transaction after its lifetime from a background thread;
+# SecantusDB only when a transaction statement arrives. The reaper sends one every few seconds
+# (see stack/mongo_reaper.py), for everyone using the stack. The product never relies on it.
+REAPER_PID=$RUN_DIR/mongo-reaper.pid
+
+reaper_pid() { live_pid "$REAPER_PID" "$HERE/mongo_reaper.py $MONGO_URI"; }
+
+reaper_start() {
+  local pid
+  if pid=$(reaper_pid); then
+    log "mongo-reaper: already running (pid $pid)"
+    return 0
+  fi
+  secantus_install
+  TWOPHASE_MONGO_TXN_LIFETIME_S=$MONGO_TXN_LIFETIME_S TWOPHASE_MONGO_REAP_INTERVAL_S=$MONGO_REAP_INTERVAL_S \
+    spawn "$REAPER_LOG" "$REAPER_PID" "$SECANTUS_VENV/bin/python" "$HERE/mongo_reaper.py" "$MONGO_URI"
+  pid=$(head -n1 "$REAPER_PID")
+  sleep 0.5
+  kill -0 "$pid" 2>/dev/null || { show_log_tail "$REAPER_LOG"; die "mongo-reaper: exited during start-up (log: $REAPER_LOG)"; }
+  log "mongo-reaper: up (pid $pid, every ${MONGO_REAP_INTERVAL_S}s, lifetime ${MONGO_TXN_LIFETIME_S}s, log $REAPER_LOG)"
+}
+
+reaper_stop() {
+  stop_pid "$REAPER_PID" "$HERE/mongo_reaper.py $MONGO_URI" mongo-reaper TERM
+}
+
 # ---------------------------------------------------------------------------- Spark
 
 spark_jars() {
@@ -482,6 +521,8 @@ TWOPHASE_PG_BIN='$PG_BIN'
 TWOPHASE_PG_LOG='$PG_LOG'
 TWOPHASE_MONGO_URI='$MONGO_URI'
 TWOPHASE_MONGO_LOG='$MONGO_LOG'
+TWOPHASE_MONGO_REAPER_LOG='$REAPER_LOG'
+TWOPHASE_MONGO_TXN_LIFETIME_S='$MONGO_TXN_LIFETIME_S'
 TWOPHASE_SECANTUS_VERSION='$SECANTUS_VERSION'
 TWOPHASE_SPARK_VERSION='$SPARK_VERSION'
 TWOPHASE_SPARK_JARS='$(spark_jar_list)'
@@ -530,6 +571,7 @@ cmd_up() {
   kafka_start
   pg_start
   mongo_start
+  reaper_start
   write_env
   log "stack up in $((SECONDS - t0))s; settings in $STACK_DIR/stack.env"
   cmd_status
@@ -537,6 +579,7 @@ cmd_up() {
 
 cmd_down() {
   lock
+  reaper_stop
   mongo_stop TERM
   kafka_stop TERM
   pg_stop TERM
@@ -556,6 +599,12 @@ cmd_status() {
   status_line kafka "$(kafka_pid || true)" "$KAFKA_PORT" "$KAFKA_LOG"
   status_line postgres "$(pg_pid || true)" "$PG_PORT" "$PG_LOG"
   status_line mongo "$(mongo_pid || true)" "$MONGO_PORT" "$MONGO_LOG"
+  local rp
+  if rp=$(reaper_pid); then
+    printf '%-9s up    pid %-8s %-16s log %s\n' reaper "$rp" "lifetime ${MONGO_TXN_LIFETIME_S}s" "$REAPER_LOG"
+  else
+    printf '%-9s down  %-12s %-16s log %s\n' reaper "" "" "$REAPER_LOG"
+  fi
   if [[ -f $STACK_DIR/stack.env ]]; then
     echo "--- $STACK_DIR/stack.env"
     grep -v '^#' "$STACK_DIR/stack.env"

@@ -99,7 +99,21 @@ def mongo_uri(stack_env: dict[str, str]) -> str:
     uri = _setting(stack_env, "TWOPHASE_MONGO_URI")
     parts = urlsplit(uri)
     _require_listening(f"{parts.hostname}:{parts.port or 27017}", "SecantusDB")
+    _require_mongo_reaper(stack_env)
     return uri
+
+
+def _require_mongo_reaper(env: dict[str, str]) -> None:
+    """Without the stack's reaper a test that kills a process inside a MongoDB transaction
+    stalls for minutes instead of failing (stack/README.md): say so at once."""
+    pid_file = Path(env.get("TWOPHASE_STACK_DIR", "")) / "run" / "mongo-reaper.pid"
+    try:
+        pid = pid_file.read_text().split()[0]
+        alive = "mongo_reaper.py" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+    except (OSError, IndexError):
+        alive = False
+    if not alive:
+        _stack_down("the MongoDB transaction reaper is not running")
 
 
 @pytest.fixture(scope="session")

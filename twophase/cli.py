@@ -677,5 +677,74 @@ def sinks_list(as_json: bool) -> None:
     _emit(available_sinks(), as_json, _table)
 
 
+@main.command("init")
+@click.argument("path", default="pipeline.yaml", type=click.Path(dir_okay=False))
+@click.option(
+    "--name",
+    default="orders",
+    show_default=True,
+    help="Pipeline name; also the source topic, the table and the collection.",
+)
+@click.option(
+    "--stack-env",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="The local stack's stack.env (default $TWOPHASE_STACK_DIR/stack.env, else ./.stack).",
+)
+@click.option("--force", is_flag=True, help="Overwrite PATH if it exists.")
+def init(path: str, name: str, stack_env: str | None, force: bool) -> None:
+    """Write a starter pipeline for the local stack (`make stack-up`) to PATH.
+
+    It reads JSON records from the topic NAME into PostgreSQL, MongoDB and Parquet files
+    (next to PATH), at the addresses of the running stack. An existing PATH is kept unless
+    --force.
+
+    \b
+    Example: twophase init pipeline.yaml --name orders
+    """
+    # Local imports: this command is the only user, and edits stay out of the module header.
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from participants.registry import build_sinks
+    from twophase.config import parse_config
+    from twophase.starter import find_stack_env, read_stack_env, starter_pipeline
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,47}", name):
+        raise click.BadParameter(
+            "1-48 of [A-Za-z0-9_.-], starting with a letter or digit", param_hint="--name"
+        )
+    target = Path(path)
+    if target.exists() and not force:
+        raise click.ClickException(f"{target} exists; keeping it (use --force to overwrite)")
+    try:
+        env = read_stack_env(find_stack_env(stack_env))
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    files_dir = target.resolve().parent / f"{name}-files"
+    text = starter_pipeline(name, env, files_dir, target)
+    # Checked before writing: a starter that does not validate must never reach the disk.
+
+    try:
+        cfg = parse_config(yaml.safe_load(text), source=str(target), env={})
+        build_sinks(cfg.sinks, pipeline=cfg.pipeline, participant="init", source=str(target))
+    except ConfigError as exc:
+        raise click.ClickException(f"internal error, starter invalid: {exc}") from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text)
+    click.echo(f"wrote {target}: pipeline {name}, source topic {name}, sinks pg, mongo, files")
+    click.echo("next:")
+    for step in (
+        f"twophase validate {target}",
+        f"twophase topics create {target}",
+        f"twophase coordinator run {target}    # one terminal",
+        f"twophase participant run {target}    # another",
+        f"twophase status {target}",
+    ):
+        click.echo(f"  {step}")
+
+
 if __name__ == "__main__":
     main()

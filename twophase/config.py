@@ -44,39 +44,59 @@ class _Strict(BaseModel):
 
 
 class KafkaConfig(_Strict):
+    #: ``host:port[,host:port...]`` of the Kafka cluster (librdkafka's ``bootstrap.servers``).
     bootstrap_servers: str
     #: librdkafka settings for every client (security.protocol, sasl.*, ssl.*, ...).
     config: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    #: librdkafka settings for the consumers only (source and control readers), over ``config``.
     consumer: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    #: librdkafka settings for the producers only (control, decisions, dead letters), over ``config``.
     producer: dict[str, str | int | float | bool] = Field(default_factory=dict)
 
 
 class ControlConfig(_Strict):
+    #: The control topic; empty: ``twophase.control.<pipeline>``.
     topic: str = ""
     #: HMAC-SHA256 key for control messages; with it, unauthenticated messages are rejected.
     hmac_key: SecretStr | None = None
+    #: Not used: the control topic is always made with one partition (the protocol needs one
+    #: total order of control messages).
     partitions: int = 1
+    #: Replication factor of the control topic when ``twophase topics create`` makes it.
     replication_factor: int = Field(default=3, ge=1)
+    #: Topic settings over those of ``control-topic/topics.yaml`` (e.g. ``min.insync.replicas``).
     topic_config: dict[str, str] = Field(default_factory=dict)
 
 
 class SourceConfig(_Strict):
+    #: A source topic the participants consume (one consumer group for the whole pipeline).
     topic: str = Field(min_length=1)
+    #: How record values are decoded: one JSON object per record (others go to the dead letters).
     format: Literal["json"] = "json"
+    #: Partitions when ``twophase topics create`` makes the topic (an existing one is kept).
     partitions: int = Field(default=4, ge=1)
+    #: Replication factor when ``twophase topics create`` makes the topic.
     replication_factor: int = Field(default=3, ge=1)
 
 
 class DeadLetterConfig(_Strict):
+    #: The dead-letter topic (records no sink can take, with the reason); empty: ``<pipeline>.dlq``.
     topic: str = ""
+    #: Partitions when ``twophase topics create`` makes the topic.
     partitions: int = Field(default=1, ge=1)
+    #: Replication factor when ``twophase topics create`` makes the topic.
     replication_factor: int = Field(default=3, ge=1)
 
 
 class CommitConfig(_Strict):
+    #: How often the leading coordinator starts a commit cycle (PREPARE): the batching latency.
     interval_ms: int = Field(default=1000, ge=50)
+    #: A cycle whose votes are not all in after this long is aborted (its records are retried).
     vote_timeout_ms: int = Field(default=10_000, ge=100)
+    #: Consecutive failed cycles before the alarm (``twophase_alarm`` = 1, an ERROR line).
     max_failed_cycles: int = Field(default=5, ge=1)
+    #: Decisions between two CHECKPOINT messages: bounds the tail of the control log a
+    #: restarting process reads.
     checkpoint_every: int = Field(default=20, ge=1)
     #: A source partition whose records have waited this long while no commit moved its
     #: position raises the stall alarm (``twophase_stalled_partitions``), even if every cycle
@@ -85,6 +105,7 @@ class CommitConfig(_Strict):
 
 
 class ParticipantConfig(_Strict):
+    #: This participant's stable id; empty: ``$TWOPHASE_PARTICIPANT_ID``, else the host name.
     id: str = ""
     #: ``exactly_once`` (default): parts prepared on the coordinator's PREPARE, committed on its
     #: decision. ``at_least_once``: no coordinator and no control topic -- each batch is written,
@@ -92,8 +113,12 @@ class ParticipantConfig(_Strict):
     #: replays the batch (duplicates unless the sinks upsert). For comparison and for sinks that
     #: dedupe by key; it keeps none of the all-or-nothing guarantees.
     mode: Literal["exactly_once", "at_least_once"] = "exactly_once"
+    #: Most records taken from Kafka and written to the sinks in one batch.
     max_batch_records: int = Field(default=5000, ge=1)
+    #: A record value larger than this goes to the dead-letter topic (``oversize``).
     max_record_bytes: int = Field(default=1_048_576, ge=1)
+    #: How often a participant looks for in-doubt parts of dead participants and forgets old
+    #: markers (``keep_decided_txns``).
     sweep_interval_ms: int = Field(default=15_000, ge=100)
     #: The sinks keep the markers of this many decided transactions below the last decided one
     #: (``twophase txn show`` reads them); each sweep forgets older ones, never a commit still
@@ -102,18 +127,28 @@ class ParticipantConfig(_Strict):
 
 
 class MetricsConfig(_Strict):
+    #: Address the HTTP server (``/metrics``, ``/healthz``, ``/readyz``) listens on.
     host: str = "0.0.0.0"
+    #: Its port; 0 picks a free one (tests).
     port: int = Field(default=9400, ge=0, le=65535)
 
 
 class PipelineConfig(_Strict):
+    #: The pipeline's name: part of its topic, group and transactional ids, and of every marker.
     pipeline: str = Field(pattern=_NAME)
+    #: Kafka connection (section ``kafka``).
     kafka: KafkaConfig
+    #: The control topic (section ``control``).
     control: ControlConfig = ControlConfig()
+    #: The source topics (section ``sources[]``).
     sources: list[SourceConfig] = Field(min_length=1)
+    #: The dead-letter topic (section ``dead_letter``).
     dead_letter: DeadLetterConfig = DeadLetterConfig()
+    #: The commit cycle (section ``commit``).
     commit: CommitConfig = CommitConfig()
+    #: The participants (section ``participant``).
     participant: ParticipantConfig = ParticipantConfig()
+    #: Metrics and health endpoints (section ``metrics``).
     metrics: MetricsConfig = MetricsConfig()
     #: Each entry is validated by its sink's own model (see participants.registry).
     sinks: list[dict[str, Any]] = Field(min_length=1)

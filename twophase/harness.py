@@ -13,7 +13,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -198,45 +197,12 @@ def wait_until(pred: Callable[[], bool], timeout_s: float, what: str, every_s: f
     raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
 
 
-class TransactionReaper(threading.Thread):
-    """Stands in for mongod's background sweeper of abandoned transactions.
-
-    A MongoDB transaction left open by a process killed with -9 is aborted by mongod after
-    ``transactionLifetimeLimitSeconds`` (60 s) in the background. SecantusDB 0.7 (the test
-    server) reaps such transactions only when some transaction statement reaches its registry;
-    a plain write that meets the dead transaction's uncommitted write retries forever without
-    ever getting there -- so once every live writer waits like that, the store stalls for good.
-    An empty transaction every few seconds gives SecantusDB mongod's behaviour back.
-    """
-
-    def __init__(self, uri: str, every_s: float = 5.0) -> None:
-        super().__init__(name="txn-reaper", daemon=True)
-        self.uri, self.every_s = uri, every_s
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        from pymongo import MongoClient
-        from pymongo.errors import PyMongoError
-
-        client: MongoClient[dict[str, Any]] = MongoClient(
-            self.uri, serverSelectionTimeoutMS=3000, socketTimeoutMS=10_000
-        )
-        while not self.stop.wait(self.every_s):
-            try:
-                with client.start_session() as session, session.start_transaction():
-                    client["twophase_reaper"]["nudge"].find_one({}, session=session)
-            except PyMongoError:
-                pass  # the store restarting, say: the next round will do
-        client.close()
-
-
 class Cluster:
     """Coordinator and participant processes of one scenario."""
 
     def __init__(self, scenario: Scenario) -> None:
         self.s = scenario
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.reaper: TransactionReaper | None = None
         self.logs = scenario.workdir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
 
@@ -257,10 +223,6 @@ class Cluster:
         return proc
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        if sig == signal.SIGKILL and self.s.mongo and self.reaper is None:
-            # A process killed inside a MongoDB transaction: see TransactionReaper.
-            self.reaper = TransactionReaper(self.s.mongo_uri)
-            self.reaper.start()
         proc = self.procs[name]
         if proc.poll() is None:
             proc.send_signal(sig)
@@ -270,8 +232,6 @@ class Cluster:
         return self.procs[name].poll() is None
 
     def stop_all(self) -> None:
-        if self.reaper is not None:
-            self.reaper.stop.set()
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

@@ -26,6 +26,7 @@ from confluent_kafka.cimpl import NewTopic
 
 from twophase.config import PipelineConfig
 from twophase.errors import FatalError, RetriableError
+from twophase.logrepeat import CollapseRepeats
 from twophase.protocol.codec import DecodeError, decode, encode, new_envelope
 from twophase.protocol.messages import Envelope, Payload
 
@@ -47,6 +48,15 @@ log = logging.getLogger(__name__)
 #: librdkafka's own log lines go through Python logging (so ``TWOPHASE_LOG_FORMAT=json`` stays
 #: JSON); confluent-kafka serves them from the client's poll calls.
 librdkafka_log = logging.getLogger("twophase.librdkafka")
+#: How _on_error logs what librdkafka recovers from by itself (the lines that repeat).
+_ERROR_CB_LINE = "Kafka: %s"
+#: A broker that is down makes every client report every failed connect, several times a
+#: second, through its log and its error_cb: repeats are collapsed into one line per interval.
+_collapse_repeats = CollapseRepeats(
+    applies=lambda r: r.name == librdkafka_log.name or r.msg == _ERROR_CB_LINE
+)
+librdkafka_log.addFilter(_collapse_repeats)
+log.addFilter(_collapse_repeats)
 
 #: How long a blocking Kafka call may take before we call it a failure. Broker restarts take
 #: a few seconds; longer than this and the caller's own retry/abort logic should decide.
@@ -176,7 +186,7 @@ def _on_error(err: KafkaError) -> None:
         if err.fatal():
             log.error("Kafka: %s", err.str())  # surfaces again from the failing call
         else:
-            log.warning("Kafka: %s", err.str())
+            log.warning(_ERROR_CB_LINE, err.str())
         return
     definite, hint = found
     if not definite and not _access.suspect():

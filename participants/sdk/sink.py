@@ -136,7 +136,9 @@ class SinkConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    #: The sink's name, unique in the pipeline; metrics, log lines and markers carry it.
     name: str
+    #: The sink type: a built-in (``postgres``, ``mongodb``, ``files``) or an installed plugin's.
     type: str
 
 

@@ -161,6 +161,7 @@ class FileSinkConfig(SinkConfig):
     type: Literal["files"]
     #: Base directory of the dataset; must be one local (POSIX) file system.
     path: Path
+    #: ``parquet``, or ``jsonl`` (JSON Lines: one record per line).
     format: Literal["parquet", "jsonl"] = "parquet"
     #: Parquet codec. Default snappy for Parquet; JSON Lines supports only ``none``.
     compression: Literal["snappy", "zstd", "none"] | None = None

@@ -190,7 +190,9 @@ class MongoSinkConfig(SinkConfig):
     #: ``mongodb://`` or ``mongodb+srv://`` URI of a replica set or mongos. It may hold a password,
     #: so it is a secret: never logged, never shown in a config dump.
     uri: SecretStr
+    #: Database of the target collection (1-63 bytes, no ``/\. "$``).
     database: str
+    #: The target collection.
     collection: str
     #: ``insert``: one document per record, ``_id`` = record id. ``upsert``: one document per key.
     mode: Literal["insert", "upsert"] = "insert"
@@ -227,6 +229,7 @@ class MongoSinkConfig(SinkConfig):
     #: delays the rest of its part by at most this long (a dead client's open transaction blocks
     #: the marker for that long on the server anyway). Safety never depends on it.
     commit_lease_s: float = Field(60.0, gt=0)
+    #: The client's ``appName``, as the server's logs and ``currentOp`` show it.
     app_name: str = "twophase"
 
     @field_validator("database")

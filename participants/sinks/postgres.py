@@ -165,9 +165,11 @@ class PostgresSinkConfig(SinkConfig):
     #: libpq connection string or URI. Prefer ``password`` (or PGPASSWORD / .pgpass) over a
     #: password inside the DSN; either way neither is ever logged.
     dsn: str = Field(min_length=1, repr=False)
+    #: Password of the DSN's user, kept out of the DSN (``${ENV:...}``, ``${FILE:...}``).
     password: SecretStr | None = None
     #: Target table, optionally ``schema.table``. Names are exact (case-sensitive), not folded.
     table: str = Field(min_length=1)
+    #: ``insert``: one row per record. ``upsert``: one row per ``key``, the latest record wins.
     mode: Literal["insert", "upsert"] = "insert"
     #: Upsert key: target columns with a unique index or primary key on exactly these columns.
     key: list[str] = Field(default_factory=list, validate_default=True)
