@@ -54,6 +54,7 @@ __all__ = [
     "PublishFailed",
     "Published",
     "Received",
+    "Skipped",
     "SourcePartitions",
     "StepDown",
     "Tick",
@@ -175,7 +176,17 @@ class Log:
     txn: int = 0
 
 
-Action = Publish | Alarm | StepDown | Log
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """A control message read but not acted on, because it cannot follow from the log (``kind``
+    ``out_of_sequence``): counted with the skips the reader makes and logged."""
+
+    kind: str
+    message: str
+    txn: int = 0
+
+
+Action = Publish | Alarm | StepDown | Log | Skipped
 
 
 class Phase(enum.Enum):
@@ -296,8 +307,20 @@ class CoordinatorMachine:
     def _on_received(self, event: Received) -> list[Action]:
         msg = event.env.payload
         if self.phase is Phase.RECOVERING:
-            self.log.apply(event.env)
-            return []
+            if self.log.apply(event.env):
+                return []
+            # Folded in, it would move the transaction counter past numbers never prepared.
+            # (Live, the leader folds only its own decisions, on Published: nothing to refuse.)
+            assert isinstance(msg, Decision)  # the only kind the view refuses
+            return [
+                Skipped(
+                    "out_of_sequence",
+                    f"DECISION {msg.txn} ({msg.outcome.value}) from {event.env.sender!r} skipped: "
+                    f"never prepared and not the next transaction (last prepared "
+                    f"{self.log.last_txn}, last decided {self.log.last_decided})",
+                    msg.txn,
+                )
+            ]
         if isinstance(msg, Vote):
             return self._on_vote(msg, event.now_ms)
         if isinstance(msg, Applied):

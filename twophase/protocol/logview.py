@@ -22,6 +22,7 @@ from twophase.protocol.messages import (
     Envelope,
     Outcome,
     Part,
+    Payload,
     PendingCommit,
     Position,
     Prepare,
@@ -61,9 +62,26 @@ class LogView:
     undecided: set[int] = field(default_factory=set)
     decisions: OrderedDict[int, Decision] = field(default_factory=OrderedDict)
 
-    def apply(self, env: Envelope) -> None:
-        """Fold one message in. Duplicates and replays are harmless."""
+    def out_of_sequence(self, msg: Payload) -> bool:
+        """Whether ``msg`` cannot follow from the log folded so far: a DECISION for a transaction
+        above the last decided one that was never prepared (no PREPARE read, undecided) and is
+        not the next number either. The next number is legitimate without a PREPARE: a
+        coordinator whose PREPARE write failed decides abort for it whether or not it landed,
+        and a reader starting at a CHECKPOINT has not read the PREPARE that followed it.
+        Folding anything else in would move ``last_decided`` past transactions still to be
+        prepared, and every PREPARE up to it would then be taken as already decided."""
+        if not isinstance(msg, Decision) or msg.txn <= self.last_decided:
+            return False  # at or below the last decided: a replay, ignored by the fold anyway
+        return (
+            msg.txn not in self.undecided and msg.txn != max(self.last_txn, self.last_decided) + 1
+        )
+
+    def apply(self, env: Envelope) -> bool:
+        """Fold one message in; False (and nothing changed) when it is out of sequence.
+        Duplicates and replays are harmless."""
         msg = env.payload
+        if self.out_of_sequence(msg):
+            return False
         if isinstance(msg, Prepare):
             if msg.txn > self.last_decided:
                 self.undecided.add(msg.txn)
@@ -78,6 +96,7 @@ class LogView:
             self.pending.pop(msg.txn, None)
         elif isinstance(msg, Checkpoint):
             self.apply_checkpoint(msg)
+        return True
 
     def apply_decision(self, d: Decision) -> None:
         if d.txn in self.decisions or (d.txn <= self.last_decided and d.txn not in self.undecided):
