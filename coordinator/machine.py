@@ -216,7 +216,7 @@ class CoordinatorMachine:
     def _reset(self) -> None:
         """Forget everything but configuration and the partition set: the log is the only truth."""
         self.phase = Phase.STANDBY
-        self.log = LogView()
+        self.log = LogView(prepare_in_sequence=True)
         self.cycle: Cycle | None = None
         self.deciding: Decision | None = None
         self.next_cycle_ms = 0
@@ -311,14 +311,11 @@ class CoordinatorMachine:
                 return []
             # Folded in, it would move the transaction counter past numbers never prepared.
             # (Live, the leader folds only its own decisions, on Published: nothing to refuse.)
-            assert isinstance(msg, Decision)  # the only kind the view refuses
             return [
                 Skipped(
                     "out_of_sequence",
-                    f"DECISION {msg.txn} ({msg.outcome.value}) from {event.env.sender!r} skipped: "
-                    f"never prepared and not the next transaction (last prepared "
-                    f"{self.log.last_txn}, last decided {self.log.last_decided})",
-                    msg.txn,
+                    self.log.why_out_of_sequence(event.env),
+                    getattr(msg, "txn", 0),
                 )
             ]
         if isinstance(msg, Vote):

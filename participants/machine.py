@@ -304,7 +304,7 @@ class ParticipantMachine:
     def __init__(self, settings: ParticipantSettings) -> None:
         self.settings = settings
         self.me = settings.participant
-        self.log = LogView()
+        self.log = LogView(prepare_in_sequence=True)
         self.caught_up = False
         self.generation = -1
         self.member_id = ""
@@ -403,14 +403,11 @@ class ParticipantMachine:
     def _on_received(self, event: Received) -> list[Action]:
         msg = event.env.payload
         if not self.log.apply(event.env):
-            assert isinstance(msg, Decision)  # the only kind the view refuses
             return [
                 Skipped(
                     "out_of_sequence",
-                    f"DECISION {msg.txn} ({msg.outcome.value}) from {event.env.sender!r} skipped: "
-                    f"never prepared and not the next transaction (last prepared "
-                    f"{self.log.last_txn}, last decided {self.log.last_decided})",
-                    msg.txn,
+                    self.log.why_out_of_sequence(event.env),
+                    getattr(msg, "txn", 0),
                 )
             ]
         if event.replay or not self.caught_up:

@@ -528,11 +528,9 @@ class CoordinatedWriter:
                     )
                 if not view.apply(env):
                     log.warning(
-                        "pipeline %s: skipping control message: out_of_sequence: %s from %s "
-                        "was never prepared",
+                        "pipeline %s: skipping control message: out_of_sequence: %s",
                         self.pipeline,
-                        env.payload,
-                        env.sender,
+                        view.why_out_of_sequence(env),
                     )
                     continue
                 if isinstance(env.payload, Checkpoint):
