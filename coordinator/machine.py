@@ -54,6 +54,7 @@ __all__ = [
     "PublishFailed",
     "Published",
     "Received",
+    "Skipped",
     "SourcePartitions",
     "StepDown",
     "Tick",
@@ -175,7 +176,17 @@ class Log:
     txn: int = 0
 
 
-Action = Publish | Alarm | StepDown | Log
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """A control message read but not acted on, because it cannot follow from the log (``kind``
+    ``out_of_sequence``): counted with the skips the reader makes and logged."""
+
+    kind: str
+    message: str
+    txn: int = 0
+
+
+Action = Publish | Alarm | StepDown | Log | Skipped
 
 
 class Phase(enum.Enum):
@@ -205,7 +216,7 @@ class CoordinatorMachine:
     def _reset(self) -> None:
         """Forget everything but configuration and the partition set: the log is the only truth."""
         self.phase = Phase.STANDBY
-        self.log = LogView()
+        self.log = LogView(prepare_in_sequence=True)
         self.cycle: Cycle | None = None
         self.deciding: Decision | None = None
         self.next_cycle_ms = 0
@@ -296,8 +307,17 @@ class CoordinatorMachine:
     def _on_received(self, event: Received) -> list[Action]:
         msg = event.env.payload
         if self.phase is Phase.RECOVERING:
-            self.log.apply(event.env)
-            return []
+            if self.log.apply(event.env):
+                return []
+            # Folded in, it would move the transaction counter past numbers never prepared.
+            # (Live, the leader folds only its own decisions, on Published: nothing to refuse.)
+            return [
+                Skipped(
+                    "out_of_sequence",
+                    self.log.why_out_of_sequence(event.env),
+                    getattr(msg, "txn", 0),
+                )
+            ]
         if isinstance(msg, Vote):
             return self._on_vote(msg, event.now_ms)
         if isinstance(msg, Applied):

@@ -41,6 +41,7 @@ from coordinator.machine import (
     Published,
     PublishFailed,
     Received,
+    Skipped,
     SourcePartitions,
     StepDown,
     Tick,
@@ -335,6 +336,15 @@ class CoordinatorRuntime:
                     f"txn={action.txn} " if action.txn else "",
                     action.message,
                     extra=self._txn_extra(action.txn) if action.txn else self._extra,
+                )
+            elif isinstance(action, Skipped):
+                self.metrics.control_skipped.labels(self.cfg.pipeline, action.kind).inc()
+                log.warning(
+                    "txn=%d skipping control message: %s: %s",
+                    action.txn,
+                    action.kind,
+                    action.message,
+                    extra=self._txn_extra(action.txn),
                 )
             elif isinstance(action, Alarm):
                 self.metrics.alarm.labels(self.cfg.pipeline).set(1 if action.active else 0)

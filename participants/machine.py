@@ -49,6 +49,7 @@ __all__ = [
     "Revoked",
     "Seek",
     "SendApplied",
+    "Skipped",
     "SendVote",
     "Sweep",
     "Tick",
@@ -243,8 +244,28 @@ class Log:
     txn: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """A control message read but not acted on, because it cannot follow from the log (``kind``
+    ``out_of_sequence``): counted with the skips the reader makes and logged."""
+
+    kind: str
+    message: str
+    txn: int = 0
+    thread: Thread = Thread.CONTROL
+
+
 Action = (
-    BeginPart | PreparePart | CommitPart | AbortPart | Seek | SendVote | SendApplied | Sweep | Log
+    BeginPart
+    | PreparePart
+    | CommitPart
+    | AbortPart
+    | Seek
+    | SendVote
+    | SendApplied
+    | Sweep
+    | Log
+    | Skipped
 )
 
 
@@ -283,7 +304,7 @@ class ParticipantMachine:
     def __init__(self, settings: ParticipantSettings) -> None:
         self.settings = settings
         self.me = settings.participant
-        self.log = LogView()
+        self.log = LogView(prepare_in_sequence=True)
         self.caught_up = False
         self.generation = -1
         self.member_id = ""
@@ -381,7 +402,14 @@ class ParticipantMachine:
 
     def _on_received(self, event: Received) -> list[Action]:
         msg = event.env.payload
-        self.log.apply(event.env)
+        if not self.log.apply(event.env):
+            return [
+                Skipped(
+                    "out_of_sequence",
+                    self.log.why_out_of_sequence(event.env),
+                    getattr(msg, "txn", 0),
+                )
+            ]
         if event.replay or not self.caught_up:
             return []
         if isinstance(msg, Prepare):
@@ -392,11 +420,27 @@ class ParticipantMachine:
 
     def _on_prepare(self, msg: Prepare) -> list[Action]:
         if msg.txn <= self.log.last_decided:
-            return []  # decided already (a slow reader); nothing to vote on
-        if msg.txn == self.pending_prepare or msg.txn <= self.last_cut:
+            # Decided already: a redelivery, or a stray PREPARE. Nothing to vote on; said out
+            # loud, never silently (a participant that ignores every PREPARE must show why).
+            return [
+                Log(
+                    "warning",
+                    f"PREPARE ignored: every transaction up to {self.log.last_decided} is decided",
+                    msg.txn,
+                )
+            ]
+        if msg.txn == self.pending_prepare or msg.txn == self.last_cut:
             # A re-read. Cutting again would replace the part we voted on, or (after a failed
             # prepare) begin a part under the same id the control thread may still abort.
-            return []
+            return [Log("info", "PREPARE read again: already cut, not cut twice", msg.txn)]
+        if msg.txn < self.last_cut:
+            return [
+                Log(
+                    "warning",
+                    f"PREPARE ignored: transaction {self.last_cut} is cut already",
+                    msg.txn,
+                )
+            ]
         self.pending_prepare = msg.txn
         part = self.open
         if part is not None and part.begun and part.txn != msg.txn:

@@ -526,7 +526,13 @@ class CoordinatedWriter:
                         "number transactions only within one query's checkpoint: give a new "
                         "query (or a new checkpoint) a pipeline of its own"
                     )
-                view.apply(env)
+                if not view.apply(env):
+                    log.warning(
+                        "pipeline %s: skipping control message: out_of_sequence: %s",
+                        self.pipeline,
+                        view.why_out_of_sequence(env),
+                    )
+                    continue
                 if isinstance(env.payload, Checkpoint):
                     since_checkpoint = 0
                 elif isinstance(env.payload, Decision):

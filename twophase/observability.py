@@ -76,7 +76,8 @@ class Metrics:
         )
         self.control_skipped = Counter(
             "twophase_control_messages_skipped",
-            "Control messages skipped (malformed, unknown type, future version, bad HMAC)",
+            "Control messages skipped (malformed, unknown type, future version, bad HMAC, "
+            "foreign pipeline, out of sequence)",
             ["pipeline", "kind"],
             registry=r,
         )

@@ -172,6 +172,9 @@ def fold_log(
                     )
                 continue
             last_progress = time.monotonic()
+            if fold.view.out_of_sequence(env.payload):
+                skipped.append("out_of_sequence")  # a decision nothing led to: not folded
+                continue
             _fold_one(fold, env, txn)
             if fold.messages % 500 == 0:
                 progress(f"reading the control log: {fold.messages} messages")

@@ -45,6 +45,7 @@ from participants.machine import (
     Seek,
     SendApplied,
     SendVote,
+    Skipped,
     Sweep,
     Thread,
     Tick,
@@ -262,7 +263,8 @@ class ParticipantRuntime:
                 self._retry(sink.setup, f"setup {sink.name}", budget_s=APPLY_RETRY_BUDGET_S)
             reader = ControlReader(self.cfg, on_skip=self._count_skip)
             for env in reader.replay():
-                self._feed(Received(env, replay=True))
+                # A replayed message acts on nothing; what comes back is an out-of-sequence skip.
+                self._run(self._feed(Received(env, replay=True)), Thread.DATA)
             self._feed(CaughtUp())
             # Recovery runs to completion before anything new is written.
             self._abort_stale()
@@ -459,6 +461,15 @@ class ParticipantRuntime:
             self._prepare(action)
         elif isinstance(action, Seek):
             self._seek(action.offsets)
+        elif isinstance(action, Skipped):
+            self._count_skip(action.kind)
+            log.warning(
+                "txn=%d skipping control message: %s: %s",
+                action.txn,
+                action.kind,
+                action.message,
+                extra=self._txn_extra(action.txn),
+            )
         elif isinstance(action, Log):
             getattr(log, action.level)(
                 "%s%s",

@@ -324,6 +324,10 @@ class Participant:
                 w.trace(f"{' ' * len(self.member_id)}      -> {_show(a)}")
         inline: list[pm.Action] = []
         for a in actions:
+            if isinstance(a, pm.Skipped):
+                # Every message here was written by the real machines: refusing one as out of
+                # sequence would be refusing a legitimate log.
+                raise SimViolation(f"{self.member_id}: refused a legitimate message: {a!r}")
             if isinstance(a, pm.Log):
                 continue
             if a.thread is pm.Thread.DATA:
@@ -596,6 +600,8 @@ class Coordinator:
                     w.alarms.append((self.label, a))
                 elif isinstance(a, cm.StepDown):
                     self.reading = False
+                elif isinstance(a, cm.Skipped):
+                    raise SimViolation(f"{self.label}: refused a legitimate message: {a!r}")
             if (
                 isinstance(ev, cm.Published)
                 and isinstance(ev.payload, Decision)

@@ -35,6 +35,8 @@ from twophase.protocol.messages import (
     Envelope,
     MessageType,
     Payload,
+    read_int,
+    read_str,
 )
 
 __all__ = ["AUTH_HEADER", "DecodeError", "decode", "encode", "new_envelope", "schema_dir"]
@@ -133,6 +135,24 @@ def encode(env: Envelope, key: bytes | None = None) -> tuple[bytes, list[tuple[s
     return value, headers
 
 
+def _auth_tag(headers: object) -> bytes | None:
+    """The one ``twophase-auth`` value, or None when there is none, more than one, or it is not
+    bytes. Whatever the header list holds (None values, duplicates, keys as bytes, non-tuples),
+    this never raises: a reader must skip such a message, not stop."""
+    if not isinstance(headers, (list, tuple)):
+        return None
+    found: list[object] = []
+    for header in headers:
+        if not isinstance(header, (list, tuple)) or len(header) != 2:
+            continue
+        name = header[0]
+        if name == AUTH_HEADER or name == AUTH_HEADER.encode():
+            found.append(header[1])
+    if len(found) != 1 or not isinstance(found[0], bytes):
+        return None  # a writer sends exactly one tag; two are a forgery or a bug, not a choice
+    return found[0]
+
+
 def decode(
     value: bytes | None,
     headers: Sequence[tuple[str, bytes | None]] | None = None,
@@ -140,26 +160,29 @@ def decode(
     key: bytes | None = None,
     pipeline: str | None = None,
 ) -> Envelope:
-    """Parse leniently; raise :class:`DecodeError` for anything to skip and count."""
+    """Parse leniently; raise :class:`DecodeError` for anything to skip and count.
+
+    Lenient means unknown fields are ignored; every field we use is checked for its type and its
+    schema range (an integer is a JSON integer, not a bool or a float; see ``messages.read_int``).
+    Nothing else is ever raised, whatever the value bytes and the header list hold."""
     if value is None:
         raise DecodeError("malformed", "empty message")
+    if not isinstance(value, bytes):
+        raise DecodeError("malformed", f"value is {type(value).__name__}, not bytes")
     if key is not None:
-        given = next((v for k, v in headers or () if k == AUTH_HEADER and v is not None), None)
-        if given is None or not hmac.compare_digest(
-            given.decode(errors="replace"), _mac(key, value)
-        ):
-            raise DecodeError("bad_auth", "missing or invalid HMAC")
+        given = _auth_tag(headers)
+        # Bytes against bytes: compare_digest refuses str with non-ASCII characters (TypeError).
+        if given is None or not hmac.compare_digest(given, _mac(key, value).encode()):
+            raise DecodeError("bad_auth", "missing, repeated or invalid HMAC")
     try:
         raw = orjson.loads(value)
     except orjson.JSONDecodeError as exc:
         raise DecodeError("malformed", f"not JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise DecodeError("malformed", "not a JSON object")
-    try:
-        version = int(raw.get("version", 0))
-        type_num = int(raw["type"])
-    except (KeyError, TypeError, ValueError):
-        raise DecodeError("malformed", "missing or invalid 'type'/'version'") from None
+    version, type_num = raw.get("version"), raw.get("type")
+    if type(version) is not int or type(type_num) is not int:
+        raise DecodeError("malformed", "missing or invalid 'type'/'version'")
     if version > PROTOCOL_VERSION:
         raise DecodeError("future_version", f"version {version} > {PROTOCOL_VERSION}")
     if version < 1:
@@ -169,19 +192,19 @@ def decode(
     except ValueError:
         raise DecodeError("unknown_type", f"type {type_num}") from None
     if pipeline is not None and raw.get("pipeline") != pipeline:
-        raise DecodeError("foreign_pipeline", f"pipeline {raw.get('pipeline')!r}")
+        raise DecodeError("foreign_pipeline", f"pipeline {str(raw.get('pipeline'))[:80]!r}")
     try:
         body = raw["payload"]
         if not isinstance(body, dict):
             raise TypeError("payload is not an object")
         payload = PAYLOAD_TYPES[mtype].from_json(body)
         return Envelope(
-            id=str(raw["id"]),
-            pipeline=str(raw["pipeline"]),
-            sender=str(raw.get("sender", "")),
-            ts_ms=int(raw.get("ts", 0)),
+            id=read_str(raw, "id", min_len=1),
+            pipeline=read_str(raw, "pipeline", min_len=1),
+            sender=read_str(raw, "sender", ""),
+            ts_ms=read_int(raw, "ts", 0, default=0),
             payload=payload,
             version=version,
         )
     except (KeyError, TypeError, ValueError) as exc:
-        raise DecodeError("malformed", f"{mtype.name} payload: {exc!r}") from None
+        raise DecodeError("malformed", f"{mtype.name} payload: {exc!r}"[:500]) from None

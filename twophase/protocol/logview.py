@@ -22,6 +22,7 @@ from twophase.protocol.messages import (
     Envelope,
     Outcome,
     Part,
+    Payload,
     PendingCommit,
     Position,
     Prepare,
@@ -60,10 +61,57 @@ class LogView:
     pending: dict[int, Pending] = field(default_factory=dict)
     undecided: set[int] = field(default_factory=set)
     decisions: OrderedDict[int, Decision] = field(default_factory=OrderedDict)
+    #: Refuse a PREPARE past the next transaction number. Not for Spark pipelines, whose
+    #: driver numbers transactions by batch id (a direct call may pass any id).
+    prepare_in_sequence: bool = False
 
-    def apply(self, env: Envelope) -> None:
-        """Fold one message in. Duplicates and replays are harmless."""
+    def out_of_sequence(self, msg: Payload) -> bool:
+        """Whether ``msg`` cannot follow from the log folded so far, so folding it would move
+        the view somewhere no writer of this pipeline can have taken it:
+
+        * a DECISION above the last decided transaction that was never prepared (no PREPARE
+          read, undecided) and is not the next number either. The next number is legitimate
+          without its PREPARE: a coordinator whose PREPARE write failed decides abort for it
+          whether or not it landed. Folded in, a jump would make every PREPARE up to it look
+          decided already, and participants would ignore them all;
+        * a CHECKPOINT (not the first message read) claiming more transactions decided than
+          this view has seen: its writer wrote it after the decisions it covers, so a reader
+          that started before it has read them all;
+        * with ``prepare_in_sequence`` (coordinator pipelines, where one coordinator numbers
+          every PREPARE as the next transaction): a PREPARE past the next number.
+
+        A view that has folded nothing yet accepts anything: its first message is where the
+        reader starts (a checkpoint, or whatever retention left), not a sequence to check."""
+        if self.last_txn == 0 and self.last_decided == 0:
+            return False
+        following = max(self.last_txn, self.last_decided) + 1
+        if isinstance(msg, Decision):
+            if msg.txn <= self.last_decided:
+                return False  # a replay, ignored by the fold anyway
+            return msg.txn not in self.undecided and msg.txn != following
+        if isinstance(msg, Checkpoint):
+            return msg.last_txn >= following
+        if isinstance(msg, Prepare):
+            return self.prepare_in_sequence and msg.txn > following
+        return False
+
+    def why_out_of_sequence(self, env: Envelope) -> str:
+        """The log line for a message :meth:`out_of_sequence` refused."""
         msg = env.payload
+        what = f"{type(msg).__name__.upper()} {getattr(msg, 'txn', getattr(msg, 'last_txn', 0))}"
+        return (
+            f"{what} from {env.sender!r} skipped: it cannot follow from the log (last prepared "
+            f"txn {self.last_txn}, last decided {self.last_decided}, undecided "
+            f"{sorted(self.undecided) or 'none'})"
+        )
+
+    def apply(self, env: Envelope) -> bool:
+        """Fold one message in; False (and nothing changed) when it is out of sequence
+        (:meth:`out_of_sequence`).
+        Duplicates and replays are harmless."""
+        msg = env.payload
+        if self.out_of_sequence(msg):
+            return False
         if isinstance(msg, Prepare):
             if msg.txn > self.last_decided:
                 self.undecided.add(msg.txn)
@@ -78,6 +126,7 @@ class LogView:
             self.pending.pop(msg.txn, None)
         elif isinstance(msg, Checkpoint):
             self.apply_checkpoint(msg)
+        return True
 
     def apply_decision(self, d: Decision) -> None:
         if d.txn in self.decisions or (d.txn <= self.last_decided and d.txn not in self.undecided):

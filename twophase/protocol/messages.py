@@ -34,6 +34,46 @@ __all__ = [
 PROTOCOL_VERSION = 1
 
 
+#: Largest integer any field may hold on read: Kafka offsets and every counter here are 64-bit.
+INT_MAX = 2**63 - 1
+
+
+def read_int(d: dict[str, Any], key: str, minimum: int, default: int | None = None) -> int:
+    """A schema integer: a JSON integer (not a bool, not a float such as 3.7 or 1e300) within
+    ``[minimum, INT_MAX]``. Raises ValueError/KeyError, which the reader counts as malformed."""
+    value = d[key] if default is None or key in d else default
+    if type(value) is not int:
+        raise ValueError(f"{key} must be an integer, got {type(value).__name__}")
+    if not minimum <= value <= INT_MAX:
+        raise ValueError(f"{key} {value} is outside [{minimum}, {INT_MAX}]")
+    return value
+
+
+def read_str(d: dict[str, Any], key: str, default: str | None = None, min_len: int = 0) -> str:
+    value = d[key] if default is None or key in d else default
+    if not isinstance(value, str):
+        raise ValueError(f"{key} must be a string, got {type(value).__name__}")
+    if len(value) < min_len:
+        raise ValueError(f"{key} must not be empty")
+    return value
+
+
+def _objects(d: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    """A list of JSON objects (absent: empty)."""
+    value = d.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ValueError(f"{key} must be a list of objects")
+    return value
+
+
+def _strings(d: dict[str, Any], key: str) -> tuple[str, ...]:
+    """A list of non-empty strings (absent: empty)."""
+    value = d.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"{key} must be a list of non-empty strings")
+    return tuple(value)
+
+
 class MessageType(enum.IntEnum):
     PREPARE = 1
     VOTE = 2
@@ -66,7 +106,9 @@ class Position:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Position:
-        return cls(str(d["topic"]), int(d["partition"]), int(d["offset"]))
+        return cls(
+            read_str(d, "topic", min_len=1), read_int(d, "partition", 0), read_int(d, "offset", 0)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,12 +135,12 @@ class PartitionRange:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> PartitionRange:
         return cls(
-            str(d["topic"]),
-            int(d["partition"]),
-            int(d["start"]),
-            int(d["end"]),
-            int(d.get("records", 0)),
-            int(d.get("dead_lettered", 0)),
+            read_str(d, "topic", min_len=1),
+            read_int(d, "partition", 0),
+            read_int(d, "start", 0),
+            read_int(d, "end", 0),
+            read_int(d, "records", 0, default=0),
+            read_int(d, "dead_lettered", 0, default=0),
         )
 
 
@@ -119,7 +161,11 @@ class Part:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Part:
-        return cls(str(d["participant"]), int(d["generation"]), tuple(d.get("sinks", ())))
+        return cls(
+            read_str(d, "participant", min_len=1),
+            read_int(d, "generation", -1),
+            _strings(d, "sinks"),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +181,7 @@ class Prepare:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Prepare:
-        return cls(int(d["txn"]), int(d["deadline_ms"]))
+        return cls(read_int(d, "txn", 1), read_int(d, "deadline_ms", 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,14 +215,14 @@ class Vote:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Vote:
         return cls(
-            int(d["txn"]),
-            str(d["participant"]),
-            int(d["generation"]),
-            str(d.get("member_id", "")),
-            VoteValue(d["vote"]),
-            tuple(PartitionRange.from_json(p) for p in d.get("partitions", ())),
-            tuple(str(s) for s in d.get("sinks", ())),
-            str(d.get("reason", "")),
+            read_int(d, "txn", 1),
+            read_str(d, "participant", min_len=1),
+            read_int(d, "generation", -1),
+            read_str(d, "member_id", ""),
+            VoteValue(read_str(d, "vote")),
+            tuple(PartitionRange.from_json(p) for p in _objects(d, "partitions")),
+            _strings(d, "sinks"),
+            read_str(d, "reason", ""),
         )
 
 
@@ -206,11 +252,11 @@ class Decision:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Decision:
         return cls(
-            int(d["txn"]),
-            Outcome(d["outcome"]),
-            tuple(Part.from_json(p) for p in d.get("parts", ())),
-            tuple(Position.from_json(p) for p in d.get("positions", ())),
-            str(d.get("reason", "")),
+            read_int(d, "txn", 1),
+            Outcome(read_str(d, "outcome")),
+            tuple(Part.from_json(p) for p in _objects(d, "parts")),
+            tuple(Position.from_json(p) for p in _objects(d, "positions")),
+            read_str(d, "reason", ""),
         )
 
     def includes(self, participant: str) -> Part | None:
@@ -235,7 +281,8 @@ class Applied:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Applied:
-        return cls(int(d["txn"]), str(d["part"]), str(d.get("applied_by", d["part"])))
+        part = read_str(d, "part", min_len=1)
+        return cls(read_int(d, "txn", 1), part, read_str(d, "applied_by", part, min_len=1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,7 +297,7 @@ class Complete:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Complete:
-        return cls(int(d["txn"]))
+        return cls(read_int(d, "txn", 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,9 +318,9 @@ class PendingCommit:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> PendingCommit:
         return cls(
-            int(d["txn"]),
-            tuple(Part.from_json(p) for p in d.get("parts", ())),
-            tuple(str(a) for a in d.get("acked", ())),
+            read_int(d, "txn", 1),
+            tuple(Part.from_json(p) for p in _objects(d, "parts")),
+            _strings(d, "acked"),
         )
 
 
@@ -301,9 +348,9 @@ class Checkpoint:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Checkpoint:
         return cls(
-            int(d["last_txn"]),
-            tuple(Position.from_json(p) for p in d.get("positions", ())),
-            tuple(PendingCommit.from_json(p) for p in d.get("pending", ())),
+            read_int(d, "last_txn", 0),
+            tuple(Position.from_json(p) for p in _objects(d, "positions")),
+            tuple(PendingCommit.from_json(p) for p in _objects(d, "pending")),
         )
 
 
