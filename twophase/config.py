@@ -99,6 +99,12 @@ class ParticipantConfig(_Strict):
     #: (``twophase txn show`` reads them); each sweep forgets older ones, never a commit still
     #: pending nor the newest committed one. 0 keeps only what recovery and status need.
     keep_decided_txns: int = Field(default=1000, ge=0)
+    #: How long a sink call whose failure the participant survives (a prepare: it votes abort;
+    #: a write: the part is re-read; a sweep: the next one tries again) is retried before it is
+    #: given up. Calls the process cannot go on without (set-up, start-up recovery, applying a
+    #: decision) are not bounded by it: they wait for the store until it answers or the process
+    #: is stopped.
+    sink_retry_s: float = Field(default=60.0, gt=0)
 
 
 class MetricsConfig(_Strict):
@@ -301,6 +307,19 @@ def load_yaml(path: str | Path) -> Any:
 
 def load_config(path: str | Path) -> PipelineConfig:
     return parse_config(load_yaml(path), source=str(path))
+
+
+def check_config(cfg: PipelineConfig) -> PipelineConfig:
+    """``cfg`` once every sink section has passed its own sink's model (an unknown type, a
+    missing field): the one validation every entry point runs before it acts. Builds the sinks
+    without connecting and drops them; :class:`ConfigError` names ``sinks[i].field``."""
+    # Here, not at import: the registry imports this module (for validation_error).
+    from participants.registry import build_sinks
+
+    build_sinks(
+        cfg.sinks, pipeline=cfg.pipeline, participant=cfg.participant_id, source=cfg.source_file
+    )
+    return cfg
 
 
 def redact(settings: Mapping[str, Any]) -> dict[str, Any]:
