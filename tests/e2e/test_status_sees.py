@@ -14,13 +14,15 @@ latest checkpoint hides, and it answers in bounded time whatever a store does.
 from __future__ import annotations
 
 import json
-import os
-import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from tests.e2e.e2e_support import http_get, metric, scenario, scrape, start
 from twophase.harness import Cluster, load_stack_env, produce, wait_until
@@ -108,17 +110,80 @@ def test_status_says_unhealthy_when_a_commit_stays_unapplied(tmp_path: Path) -> 
         c.stop_all()
 
 
+class _StallingProxy:
+    """A TCP proxy in front of the stack's MongoDB that forwards until a client sends
+    ``trigger`` (a command name), then forwards nothing more, keeping every connection open: a
+    server that was found and then stopped answering -- operations wait on the socket (the
+    driver's socket time-out, 120 s by default), not on server selection. SIGSTOP on the
+    server can't be timed to land after the client has found it."""
+
+    def __init__(self, target: tuple[str, int], trigger: bytes) -> None:
+        self.target = target
+        self.trigger = trigger
+        self.stalled = threading.Event()
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.port = int(self.listener.getsockname()[1])
+        self.sockets: list[socket.socket] = [self.listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            self.sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                return
+            if not data:
+                return
+            if self.trigger in data:
+                self.stalled.set()
+            while self.stalled.is_set():  # hold it: the peer waits for an answer forever
+                time.sleep(0.5)
+            try:
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+
+
 def test_status_is_bounded_while_mongodb_answers_nothing(tmp_path: Path) -> None:
     s = scenario(tmp_path, "stmstop", partitions=1, files=False)
-    pid = int((Path(load_stack_env()["TWOPHASE_STACK_DIR"]) / "run" / "mongo.pid").read_text())
-    os.kill(pid, signal.SIGSTOP)
+    env = load_stack_env()
+    host_port = env["TWOPHASE_MONGO_URI"].split("//", 1)[1].split("/")[0]
+    proxy = _StallingProxy(("127.0.0.1", int(host_port.split(":")[1])), trigger=b"listCollections")
+    raw = s.config()
+    for sink in raw["sinks"]:
+        if sink["type"] == "mongodb":
+            # Only through the proxy: the replica set's own member address would bypass it.
+            sink["uri"] = f"mongodb://127.0.0.1:{proxy.port}/?directConnection=true"
+            # A patient client (a slow network): the driver's own time-outs alone would keep
+            # status waiting for minutes.
+            sink["connect_timeout_s"] = 60
+    s.config_path.write_text(yaml.safe_dump(raw, sort_keys=False))
     try:
-        _code, st, elapsed = _status(s.config_path, timeout_s=90)
+        code, st, elapsed = _status(s.config_path, timeout_s=100)
     finally:
-        os.kill(pid, signal.SIGCONT)
-    # Kafka answers; the stopped store is reported as the sink's error, within the probe's limit.
-    assert elapsed < 45, elapsed
+        proxy.close()
+    assert proxy.stalled.is_set()
+    # Kafka answers; the silent store is reported as the sink's error, within the probe's limit.
+    assert elapsed < 30, elapsed  # the probe limit (10 s) and the Kafka reads
     mongo = next(e for e in st["sinks"] if e["name"] == "mongo")
     assert "error" in mongo, mongo
     pg = next(e for e in st["sinks"] if e["name"] == "pg")
     assert "error" not in pg, pg
+    del code  # health is the log's and Kafka's: not what this test is about
