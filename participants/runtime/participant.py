@@ -69,7 +69,7 @@ from participants.sdk import (
     UnknownPartError,
 )
 from twophase.config import PipelineConfig
-from twophase.errors import FatalError, RetriableError
+from twophase.errors import FatalError, RetriableError, TwophaseError
 from twophase.faults import crash_point as _crash_point
 from twophase.faults import stalled
 from twophase.kafka import (
@@ -314,7 +314,9 @@ class ParticipantRuntime:
         def run() -> None:
             try:
                 fn(*args)
-            except FatalError as exc:  # run() re-raises it: one line, said once, by the caller
+            except (TwophaseError, SinkError) as exc:
+                # run() re-raises it: one line, said once, by the caller (the CLI), with the
+                # exit status its class calls for -- no traceback for an error we named.
                 self.fatal = exc
                 self.stop_event.set()
             except BaseException as exc:  # a dead control thread must stop the process
