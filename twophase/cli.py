@@ -423,8 +423,11 @@ def status(config: str, as_json: bool, max_commit_age: float, read_sinks: bool) 
     """Pipeline status from the control log, Kafka and the sinks; exit 1 when unhealthy.
 
     Shows the leader, the last transaction and commit, lag per partition and per participant,
-    and each sink's committed positions. Health is judged from the control log and Kafka only;
-    a sink that cannot be read is a warning.
+    and each sink's committed positions. Health is judged from the control log and Kafka only:
+    unhealthy when no coordinator leads, no participant holds a partition, records wait behind
+    a commit older than --max-commit-age, a partition has not moved for commit.stall_alarm_s
+    while records wait, or a commit stays unapplied for longer than --max-commit-age. A sink
+    that cannot be read (each is given at most 10 s) is a warning.
 
     \b
     Example: twophase status pipeline.yaml --json

@@ -48,7 +48,8 @@ def test_participant_waits_out_a_store_that_stops_answering_during_recovery(
 ) -> None:
     s = scenario(tmp_path, "storewait", partitions=2, files=False)
     raw = s.config()
-    raw["participant"] = {"sweep_interval_ms": 15_000, "sink_retry_s": BUDGET_S}
+    # Sweeps every second: several of them run into the stopped store in the second phase.
+    raw["participant"] = {"sweep_interval_ms": 1_000, "sink_retry_s": BUDGET_S}
     for sink in raw["sinks"]:
         if sink["type"] == "mongodb":
             # Each attempt against the stopped server ends quickly: many attempts, many budgets.
@@ -85,9 +86,26 @@ def test_participant_waits_out_a_store_that_stops_answering_during_recovery(
         wait_until(lambda: http_get(pport, "/readyz")[0] == 200, 90, "the participant's readiness")
         reports = settle(s, c, set(range(n)), 120)
         assert all(r.ok for r in reports.values()), reports
+
+        # Second phase, while running: records arrive and the store stops again. Writes,
+        # prepares, sweeps and the apply worker all meet it; the ones the participant
+        # survives give up after the budget (abort votes, re-reads, skipped sweeps), the
+        # others wait. Nothing ends the process, and everything arrives once.
+        produce(s.bootstrap, s.topic, n, n)
+        os.kill(mongo, signal.SIGSTOP)
+        stopped = True
+        stopped_at = time.monotonic()
+        while time.monotonic() - stopped_at < STOP_S:
+            assert c.alive("p-0"), c.log_tail("p-0", 60)
+            time.sleep(0.5)
+        os.kill(mongo, signal.SIGCONT)
+        stopped = False
+        reports = settle(s, c, set(range(2 * n)), 180)
+        assert all(r.ok for r in reports.values()), reports
         assert c.alive("p-0"), c.log_tail("p-0", 60)
         text = log.read_text(errors="replace")
         assert "Traceback" not in text, text[-3000:]
+        assert "sweep: cannot list in-doubt parts" in text, text[-3000:]
     finally:
         if stopped:
             os.kill(mongo, signal.SIGCONT)
