@@ -13,9 +13,25 @@ from tests.e2e.e2e_support import scenario
 from twophase.harness import Cluster
 
 
-@pytest.mark.parametrize("role", ["coordinator", "participant"])
-def test_a_taken_metrics_port_is_one_line_and_status_2(tmp_path: Path, role: str) -> None:
-    s = scenario(tmp_path, f"port-{role[:5]}", partitions=1, mongo=False, files=False)
+@pytest.mark.parametrize(
+    ("role", "mode"),
+    [
+        ("coordinator", "exactly_once"),
+        ("participant", "exactly_once"),
+        ("participant", "at_least_once"),
+    ],
+)
+def test_a_taken_metrics_port_is_one_line_and_status_2(
+    tmp_path: Path, role: str, mode: str
+) -> None:
+    s = scenario(
+        tmp_path,
+        f"port-{role[:5]}",
+        partitions=1,
+        mongo=False,
+        files=False,
+        extra={"participant": {"mode": mode}},
+    )
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
     holder.listen(1)
