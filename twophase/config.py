@@ -319,7 +319,47 @@ def check_config(cfg: PipelineConfig) -> PipelineConfig:
     build_sinks(
         cfg.sinks, pipeline=cfg.pipeline, participant=cfg.participant_id, source=cfg.source_file
     )
+    _check_kafka_settings(cfg)
     return cfg
+
+
+def _check_kafka_settings(cfg: PipelineConfig) -> None:
+    """librdkafka checks its settings when a client is made, not before: make a producer and a
+    consumer with every passthrough setting, and no bootstrap servers so they connect to
+    nothing. An unknown property or a bad value is a :class:`ConfigError` naming the section,
+    never a KafkaException traceback from the first client a process makes."""
+    from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+
+    from twophase.kafka import client_settings
+
+    for section, role, kind in (
+        ("kafka.producer", "producer", Producer),
+        ("kafka.consumer", "check-consumer", Consumer),
+    ):
+        settings = {**client_settings(cfg, role), "bootstrap.servers": ""}
+        if kind is Consumer:
+            settings["group.id"] = cfg.group_id
+        try:
+            client = kind(settings)
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            message = str(err.str()) if isinstance(err, KafkaError) else str(exc)
+            own = cfg.kafka.producer if kind is Producer else cfg.kafka.consumer
+            field = next(
+                (
+                    f"{name}.{key}"
+                    for name, values in ((section, own), ("kafka.config", cfg.kafka.config))
+                    for key in values
+                    if f'"{key}"' in message
+                ),
+                "kafka.config",
+            )
+            secrets = [*_secret_strings(cfg.kafka.config, False), *_secret_strings(own, False)]
+            for value in sorted(set(secrets), key=len, reverse=True):
+                message = message.replace(value, "***")
+            raise ConfigError(field, message, source=cfg.source_file) from None
+        if isinstance(client, Consumer):
+            client.close()
 
 
 def redact(settings: Mapping[str, Any]) -> dict[str, Any]:

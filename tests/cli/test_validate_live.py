@@ -154,6 +154,29 @@ def test_every_entry_point_rejects_what_validate_rejects(tmp_path: Path) -> None
         _one_line_refusal(done.stdout + done.stderr, done.returncode)
 
 
+def test_a_bad_librdkafka_setting_is_refused_by_every_entry_point(tmp_path: Path) -> None:
+    """librdkafka checks its settings only when a client is made: `validate` passed them and
+    `coordinator run` died on a KafkaException traceback."""
+    s = scenario(tmp_path, "vlkafka", partitions=1, mongo=False, files=False)
+    raw = s.config()
+    raw["kafka"]["config"] = {"no.such.setting": "x"}
+    path = _write(s, raw)
+    field = "kafka.config.no.such.setting"
+    result = run_cli("validate", str(path))
+    assert result.exit_code != 0 and field in result.output, result.output
+    for role in ("coordinator", "participant"):
+        done = subprocess.run(
+            [sys.executable, "-m", "twophase.cli", role, "run", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        out = done.stdout + done.stderr
+        assert done.returncode == 2, (role, out)
+        assert "Traceback" not in out, out
+        assert len([line for line in out.splitlines() if field in line]) == 1, out
+
+
 def test_coordinator_warns_when_control_messages_are_not_authenticated(tmp_path: Path) -> None:
     s = scenario(tmp_path, "vlhmac", partitions=1, mongo=False, files=False)
     raw = s.config()
