@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 from confluent_kafka import KafkaError, KafkaException
@@ -21,6 +21,7 @@ from twophase.config import PipelineConfig, check_config, load_config
 from twophase.errors import ConfigError, FatalError, RetriableError, TwophaseError
 
 log = logging.getLogger("twophase.cli")
+_R = TypeVar("_R")
 
 
 def _load(path: str) -> PipelineConfig:
@@ -69,6 +70,22 @@ def _warn_unauthenticated(cfg: PipelineConfig) -> None:
             "who can write to %s can decide this pipeline's transactions",
             cfg.control_topic,
         )
+
+
+def _build(make: Callable[[], _R]) -> _R:
+    """A runtime, or one line and an exit status when it cannot be made (a sink or Kafka
+    client refusing its settings)."""
+    try:
+        return make()
+    except FatalError as exc:
+        log.error("fatal: %s", exc)
+        sys.exit(EXIT_FATAL)
+    except KafkaException as exc:
+        log.error("fatal: Kafka: %s", _kafka_reason(exc))
+        sys.exit(EXIT_FATAL)
+    except (TwophaseError, SinkError) as exc:
+        log.error("cannot start: %s", exc)
+        sys.exit(EXIT_FAILED)
 
 
 def _run_until_signal(runtime: Any) -> None:
@@ -222,7 +239,7 @@ def coordinator_run(config: str) -> None:
 
     cfg = _load_to_run(config)
     _warn_unauthenticated(cfg)
-    _run_until_signal(CoordinatorRuntime(cfg))
+    _run_until_signal(_build(lambda: CoordinatorRuntime(cfg)))
 
 
 @main.group()
@@ -254,10 +271,9 @@ def participant_run(config: str, participant_id: str) -> None:
     if cfg.participant.mode == "exactly_once":  # at-least-once reads no control messages
         _warn_unauthenticated(cfg)
     kind = AtLeastOnceRuntime if cfg.participant.mode == "at_least_once" else ParticipantRuntime
-    try:
-        runtime: AtLeastOnceRuntime | ParticipantRuntime = kind(cfg, participant_id=participant_id)
-    except TwophaseError as exc:
-        raise click.ClickException(str(exc)) from None
+    runtime: AtLeastOnceRuntime | ParticipantRuntime = _build(
+        lambda: kind(cfg, participant_id=participant_id)
+    )
     _run_until_signal(runtime)
 
 
