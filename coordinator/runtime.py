@@ -192,7 +192,11 @@ class CoordinatorRuntime:
         note_broker_contact()
 
     def run(self) -> None:
-        self.health.start(self.cfg.metrics.host, self.cfg.metrics.port)
+        try:
+            self.health.start(self.cfg.metrics.host, self.cfg.metrics.port)
+        except FatalError:  # the port is taken (ConfigError naming metrics.port): say so and end
+            self.close()
+            raise
         # Fails fast (BrokerAuthError) when the broker refuses our credentials; a broker that is
         # merely down is waited for by the loop below, as before.
         if await_broker(self.admin, CALL_TIMEOUT_S, self.stop_event):

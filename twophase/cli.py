@@ -11,23 +11,36 @@ import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 from confluent_kafka import KafkaError, KafkaException
 
 from participants.sdk import SinkError
-from twophase.config import PipelineConfig, load_config
-from twophase.errors import ConfigError, FatalError, TwophaseError
+from twophase.config import PipelineConfig, check_config, load_config
+from twophase.errors import ConfigError, FatalError, RetriableError, TwophaseError
 
 log = logging.getLogger("twophase.cli")
+_R = TypeVar("_R")
 
 
 def _load(path: str) -> PipelineConfig:
+    """The config, validated the one way every command validates it: the pipeline model and
+    every sink section with its sink's own model (a sink type ``validate`` rejects is rejected
+    by ``coordinator run`` too). Connects to nothing."""
     try:
-        return load_config(path)
+        return check_config(load_config(path))
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def _load_to_run(path: str) -> PipelineConfig:
+    """:func:`_load` for a long-running process: a bad config is one line and EXIT_FATAL."""
+    try:
+        return check_config(load_config(path))
+    except ConfigError as exc:
+        log.error("fatal: %s", exc)
+        sys.exit(EXIT_FATAL)
 
 
 def _operator_logs() -> None:
@@ -43,21 +56,76 @@ def _operator_logs() -> None:
 EXIT_REFUSED = 3
 
 
+#: Exit status of a process that stopped on an error it could not recover from (a
+#: configuration, authentication or store-settings problem: retrying cannot help).
+EXIT_FATAL = 2
+#: Exit status of a process that stopped on anything else (a bug, or an error with no rule).
+EXIT_FAILED = 1
+
+
+def _warn_unauthenticated(cfg: PipelineConfig) -> None:
+    if cfg.hmac_key is None:
+        log.warning(
+            "control.hmac_key is not set: control messages are not authenticated, so anyone "
+            "who can write to %s can decide this pipeline's transactions",
+            cfg.control_topic,
+        )
+
+
+def _build(make: Callable[[], _R]) -> _R:
+    """A runtime, or one line and an exit status when it cannot be made (a sink or Kafka
+    client refusing its settings)."""
+    try:
+        return make()
+    except FatalError as exc:
+        log.error("fatal: %s", exc)
+        sys.exit(EXIT_FATAL)
+    except KafkaException as exc:
+        log.error("fatal: Kafka: %s", _kafka_reason(exc))
+        sys.exit(EXIT_FATAL)
+    except (TwophaseError, SinkError) as exc:
+        log.error("cannot start: %s", exc)
+        sys.exit(EXIT_FAILED)
+
+
 def _run_until_signal(runtime: Any) -> None:
+    """Run a coordinator or participant; every way it can end is one line and a status.
+
+    0: stopped by a signal. 2 (EXIT_FATAL): configuration, authentication, a store that cannot
+    do the work -- retrying cannot help. 1: anything else (with the traceback at DEBUG).
+    """
+    stopping = threading.Event()
+
     def stop(signum: int, _frame: Any) -> None:
         log.info("signal %s: stopping", signum)
+        stopping.set()
         runtime.stop()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    debug = log.isEnabledFor(logging.DEBUG)
     try:
         runtime.run()
     except FatalError as exc:
         log.error("fatal: %s", exc)
-        sys.exit(2)
+        sys.exit(EXIT_FATAL)
     except KafkaException as exc:  # a Kafka call the runtime has no answer for: say which
-        log.error("fatal: Kafka: %s", _kafka_reason(exc), exc_info=log.isEnabledFor(logging.DEBUG))
-        sys.exit(2)
+        log.error("fatal: Kafka: %s", _kafka_reason(exc), exc_info=debug)
+        sys.exit(EXIT_FATAL)
+    except (RetriableError, SinkError) as exc:
+        if stopping.is_set():  # a wait cut short by the signal: a clean stop
+            log.info("stopped while waiting: %s", exc)
+            return
+        log.error("stopped: %s", exc, exc_info=debug)
+        sys.exit(EXIT_FAILED)
+    except Exception as exc:  # last resort: one line, never a traceback an operator must parse
+        log.error(
+            "stopped on an unexpected error: %s: %s (TWOPHASE_LOG_LEVEL=DEBUG shows where)",
+            type(exc).__name__,
+            exc,
+            exc_info=debug,
+        )
+        sys.exit(EXIT_FAILED)
 
 
 def _kafka_reason(exc: KafkaException) -> str:
@@ -169,7 +237,9 @@ def coordinator_run(config: str) -> None:
     """
     from coordinator.runtime import CoordinatorRuntime
 
-    _run_until_signal(CoordinatorRuntime(_load(config)))
+    cfg = _load_to_run(config)
+    _warn_unauthenticated(cfg)
+    _run_until_signal(_build(lambda: CoordinatorRuntime(cfg)))
 
 
 @main.group()
@@ -197,12 +267,13 @@ def participant_run(config: str, participant_id: str) -> None:
     """
     from participants.runtime import AtLeastOnceRuntime, ParticipantRuntime
 
-    cfg = _load(config)
+    cfg = _load_to_run(config)
+    if cfg.participant.mode == "exactly_once":  # at-least-once reads no control messages
+        _warn_unauthenticated(cfg)
     kind = AtLeastOnceRuntime if cfg.participant.mode == "at_least_once" else ParticipantRuntime
-    try:
-        runtime: AtLeastOnceRuntime | ParticipantRuntime = kind(cfg, participant_id=participant_id)
-    except TwophaseError as exc:
-        raise click.ClickException(str(exc)) from None
+    runtime: AtLeastOnceRuntime | ParticipantRuntime = _build(
+        lambda: kind(cfg, participant_id=participant_id)
+    )
     _run_until_signal(runtime)
 
 
@@ -291,23 +362,61 @@ def topics_describe(config: str, as_json: bool) -> None:
 
 @main.command()
 @click.argument("config", type=click.Path(exists=True, dir_okay=False))
-def validate(config: str) -> None:
+@click.option(
+    "--live",
+    is_flag=True,
+    help="Also run the start-up checks of a coordinator and a participant against the real "
+    "Kafka and stores (credentials, topics, each sink's set-up: tables, server settings).",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0.1),
+    default=30.0,
+    show_default=True,
+    help="With --live: seconds to wait for Kafka and for each store.",
+)
+@click.option("--json", "as_json", is_flag=True, help="With --live: machine-readable output.")
+def validate(config: str, live: bool, timeout_s: float, as_json: bool) -> None:
     """Validate a pipeline config, including every sink section.
 
-    Connects to nothing. Errors name the field and the file, e.g.
-    "config field 'commit.interval_ms' in pipeline.yaml: ...".
+    Without --live it connects to nothing. Errors name the field and the file, e.g.
+    "config field 'commit.interval_ms' in pipeline.yaml: ...". With --live it also checks what
+    the processes check at start-up, with the same code: Kafka answers and accepts the
+    credentials, the topics exist, and every sink's set-up passes (PostgreSQL
+    max_prepared_transactions > 0, the target table and its columns, a MongoDB replica set,
+    ...). Like a participant, set-up creates what a sink creates when missing (marker tables).
+    Exit 1 on any problem.
 
     \b
-    Example: twophase validate pipeline.yaml
+    Example: twophase validate pipeline.yaml --live
     """
-    from participants.registry import build_sinks
-
     cfg = _load(config)
+    if not live:
+        click.echo(f"{config}: ok (pipeline {cfg.pipeline}, {len(cfg.sinks)} sinks)")
+        return
+    from twophase.preflight import live_checks
+
+    _operator_logs()
     try:
-        build_sinks(cfg.sinks, pipeline=cfg.pipeline, participant=cfg.participant_id, source=config)
-    except ConfigError as exc:
+        with _Spinner() as spinner:
+            result = live_checks(cfg, timeout_s=timeout_s, progress=spinner)
+    except (TwophaseError, SinkError) as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(f"{config}: ok (pipeline {cfg.pipeline}, {len(cfg.sinks)} sinks)")
+
+    def human(d: dict[str, Any]) -> None:
+        click.echo(f"kafka   {d['kafka']}")
+        for name, state in sorted(d["topics"].items()):
+            click.echo(f"topic   {name}: {state}")
+        for name, state in sorted(d["sinks"].items()):
+            click.echo(f"sink    {name}: {state}")
+        for problem in d["problems"]:
+            click.echo(f"problem {problem}")
+        verdict = "ok" if not d["problems"] else f"{len(d['problems'])} problem(s)"
+        click.echo(f"{config}: {verdict} against the live stack (pipeline {d['pipeline']})")
+
+    _emit(result, as_json, human)
+    sys.exit(1 if result["problems"] else 0)
 
 
 @main.command()
@@ -330,8 +439,11 @@ def status(config: str, as_json: bool, max_commit_age: float, read_sinks: bool) 
     """Pipeline status from the control log, Kafka and the sinks; exit 1 when unhealthy.
 
     Shows the leader, the last transaction and commit, lag per partition and per participant,
-    and each sink's committed positions. Health is judged from the control log and Kafka only;
-    a sink that cannot be read is a warning.
+    and each sink's committed positions. Health is judged from the control log and Kafka only:
+    unhealthy when no coordinator leads, no participant holds a partition, records wait behind
+    a commit older than --max-commit-age, a partition has not moved for commit.stall_alarm_s
+    while records wait, or a commit stays unapplied for longer than --max-commit-age. A sink
+    that cannot be read (each is given at most 10 s) is a warning.
 
     \b
     Example: twophase status pipeline.yaml --json

@@ -124,6 +124,12 @@ class ParticipantConfig(_Strict):
     #: (``twophase txn show`` reads them); each sweep forgets older ones, never a commit still
     #: pending nor the newest committed one. 0 keeps only what recovery and status need.
     keep_decided_txns: int = Field(default=1000, ge=0)
+    #: How long a sink call whose failure the participant survives (a prepare: it votes abort;
+    #: a write: the part is re-read; a sweep: the next one tries again) is retried before it is
+    #: given up. Calls the process cannot go on without (set-up, start-up recovery, applying a
+    #: decision) are not bounded by it: they wait for the store until it answers or the process
+    #: is stopped.
+    sink_retry_s: float = Field(default=60.0, gt=0)
 
 
 class MetricsConfig(_Strict):
@@ -336,6 +342,59 @@ def load_yaml(path: str | Path) -> Any:
 
 def load_config(path: str | Path) -> PipelineConfig:
     return parse_config(load_yaml(path), source=str(path))
+
+
+def check_config(cfg: PipelineConfig) -> PipelineConfig:
+    """``cfg`` once every sink section has passed its own sink's model (an unknown type, a
+    missing field): the one validation every entry point runs before it acts. Builds the sinks
+    without connecting and drops them; :class:`ConfigError` names ``sinks[i].field``."""
+    # Here, not at import: the registry imports this module (for validation_error).
+    from participants.registry import build_sinks
+
+    build_sinks(
+        cfg.sinks, pipeline=cfg.pipeline, participant=cfg.participant_id, source=cfg.source_file
+    )
+    _check_kafka_settings(cfg)
+    return cfg
+
+
+def _check_kafka_settings(cfg: PipelineConfig) -> None:
+    """librdkafka checks its settings when a client is made, not before: make a producer and a
+    consumer with every passthrough setting, and no bootstrap servers so they connect to
+    nothing. An unknown property or a bad value is a :class:`ConfigError` naming the section,
+    never a KafkaException traceback from the first client a process makes."""
+    from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+
+    from twophase.kafka import client_settings
+
+    for section, role, kind in (
+        ("kafka.producer", "producer", Producer),
+        ("kafka.consumer", "check-consumer", Consumer),
+    ):
+        settings = {**client_settings(cfg, role), "bootstrap.servers": ""}
+        if kind is Consumer:
+            settings["group.id"] = cfg.group_id
+        try:
+            client = kind(settings)
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            message = str(err.str()) if isinstance(err, KafkaError) else str(exc)
+            own = cfg.kafka.producer if kind is Producer else cfg.kafka.consumer
+            field = next(
+                (
+                    f"{name}.{key}"
+                    for name, values in ((section, own), ("kafka.config", cfg.kafka.config))
+                    for key in values
+                    if f'"{key}"' in message
+                ),
+                "kafka.config",
+            )
+            secrets = [*_secret_strings(cfg.kafka.config, False), *_secret_strings(own, False)]
+            for value in sorted(set(secrets), key=len, reverse=True):
+                message = message.replace(value, "***")
+            raise ConfigError(field, message, source=cfg.source_file) from None
+        if isinstance(client, Consumer):
+            client.close()
 
 
 def redact(settings: Mapping[str, Any]) -> dict[str, Any]:

@@ -34,6 +34,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from twophase.errors import ConfigError
+
 __all__ = ["HealthServer", "Metrics", "configure_logging", "log_context", "txn_extra"]
 
 #: A main loop that has not ticked for this long is reported dead: well above the slowest
@@ -190,7 +192,16 @@ class HealthServer:
             def log_message(self, format: str, *args: Any) -> None:
                 pass  # probes every few seconds would drown the real logs
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        try:
+            self._server = ThreadingHTTPServer((host, port), Handler)
+        except OSError as exc:
+            # The one port every process opens: say which setting to change, in one line
+            # (a raw OSError traceback named neither the port nor the setting).
+            raise ConfigError(
+                "metrics.port",
+                f"cannot listen on {host}:{port}: {exc.strerror or exc} "
+                "(another process holds the port? set metrics.port or TWOPHASE__METRICS__PORT)",
+            ) from None
         threading.Thread(target=self._server.serve_forever, daemon=True, name="health").start()
         self.port = int(self._server.server_address[1])
         return self.port

@@ -4,6 +4,7 @@ down, which is when they are needed most)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import suppress
 from typing import Any
@@ -13,12 +14,14 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 # Public, but re-exported there without __all__, which mypy --strict treats as private.
 from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType  # type: ignore[attr-defined]
 
+from participants.registry import build_sinks
+from participants.runtime.batch import retry_call
 from participants.sdk import Sink, SinkError
 from twophase.config import PipelineConfig
 from twophase.errors import RetriableError
 from twophase.kafka import CALL_TIMEOUT_S, client_settings
 from twophase.protocol.topics import topic_settings
-from twophase.txn import Progress, fold_log, open_sinks
+from twophase.txn import CLI_PARTICIPANT, Progress, fold_log
 
 __all__ = ["describe_topics", "pipeline_status"]
 
@@ -61,47 +64,79 @@ def _participant_id(cfg: PipelineConfig, client_id: str) -> str:
 
 #: Status reports a sink it cannot reach rather than waiting for it: a probe must answer quickly.
 SINK_RETRY_S = 5.0
+#: The whole probe of every sink (connect, set-up, positions, last commit) ends by then. A
+#: store that accepts connections and never answers (a stopped MongoDB server) would otherwise
+#: hold `status` for the driver's socket time-out (minutes); a driver call cannot be cut short
+#: from outside, so each sink is probed on a thread and left behind past the deadline.
+SINK_PROBE_S = 10.0
 
 
-def _sinks_status(cfg: PipelineConfig, log_positions: dict[tuple[str, int], int]) -> list[Any]:
-    sinks, errors = open_sinks(cfg, retry_s=SINK_RETRY_S)
-    out: list[dict[str, Any]] = []
+def _probe_sink(sink: Sink, log_positions: dict[tuple[str, int], int]) -> dict[str, Any]:
+    entry: dict[str, Any] = {"name": sink.name, "type": sink.config.type}
+    reports = type(sink).last_committed is not Sink.last_committed
     try:
-        for sink in sinks:
-            entry: dict[str, Any] = {"name": sink.name, "type": sink.config.type}
-            reports = type(sink).last_committed is not Sink.last_committed
-            try:
-                positions = sink.committed_positions()
-                last = sink.last_committed() if reports else None
-            except SinkError as exc:
-                entry["error"] = str(exc)
-                out.append(entry)
-                continue
-            # The newest committed part in the store, from its own markers: equal to the log's
-            # last commit decision naming this sink once that decision is applied.
-            at = last.committed_at if last is not None else None
-            entry["last_committed_txn"] = last.txn if last is not None else None
-            entry["last_committed_by"] = last.part.participant if last is not None else None
-            entry["committed_at"] = at.isoformat(timespec="milliseconds") if at else None
-            entry["committed_age_s"] = round(time.time() - at.timestamp(), 1) if at else None
-            if not reports:
-                entry["note"] = NO_LAST_COMMITTED
-            entry["committed_positions"] = [
-                {"topic": t, "partition": p, "offset": o} for (t, p), o in sorted(positions.items())
-            ]
-            # Normal while a decision is being applied; lasting, it means the sink is stuck.
-            entry["behind_log"] = [
-                {"topic": t, "partition": p, "sink": o, "log": log_positions[(t, p)]}
-                for (t, p), o in sorted(positions.items())
-                if o < log_positions.get((t, p), -1)
-            ]
-            out.append(entry)
+        retry_call(sink.setup, f"set-up of sink {sink.name}", SINK_RETRY_S, threading.Event())
+        positions = sink.committed_positions()
+        last = sink.last_committed() if reports else None
+    except (SinkError, RetriableError) as exc:
+        entry["error"] = str(exc)
+        return entry
     finally:
-        for sink in sinks:
-            with suppress(SinkError):  # status is read-only; a failed close loses nothing
-                sink.close()
-    for name, error in errors.items():
-        out.append({"name": name, "error": error})
+        with suppress(SinkError):  # status is read-only; a failed close loses nothing
+            sink.close()
+    # The newest committed part in the store, from its own markers: equal to the log's
+    # last commit decision naming this sink once that decision is applied.
+    at = last.committed_at if last is not None else None
+    entry["last_committed_txn"] = last.txn if last is not None else None
+    entry["last_committed_by"] = last.part.participant if last is not None else None
+    entry["committed_at"] = at.isoformat(timespec="milliseconds") if at else None
+    entry["committed_age_s"] = round(time.time() - at.timestamp(), 1) if at else None
+    if not reports:
+        entry["note"] = NO_LAST_COMMITTED
+    entry["committed_positions"] = [
+        {"topic": t, "partition": p, "offset": o} for (t, p), o in sorted(positions.items())
+    ]
+    # Normal while a decision is being applied; lasting, it means the sink is stuck.
+    entry["behind_log"] = [
+        {"topic": t, "partition": p, "sink": o, "log": log_positions[(t, p)]}
+        for (t, p), o in sorted(positions.items())
+        if o < log_positions.get((t, p), -1)
+    ]
+    return entry
+
+
+def _sinks_status(
+    cfg: PipelineConfig,
+    log_positions: dict[tuple[str, int], int],
+    deadline_s: float = SINK_PROBE_S,
+) -> list[Any]:
+    """Every sink probed at once, each on a daemon thread; one that has not answered by
+    ``deadline_s`` is reported as such and left behind (the process exits without it)."""
+    sinks = build_sinks(
+        cfg.sinks, pipeline=cfg.pipeline, participant=CLI_PARTICIPANT, source=cfg.source_file
+    )
+    results: dict[str, dict[str, Any]] = {}
+
+    def probe(sink: Sink) -> None:
+        try:
+            results[sink.name] = _probe_sink(sink, log_positions)
+        except Exception as exc:  # noqa: BLE001 -- a plugin's bug: reported like any unreadable sink
+            results[sink.name] = {"name": sink.name, "error": f"{type(exc).__name__}: {exc}"}
+
+    threads = [
+        threading.Thread(target=probe, args=(s,), name=f"probe-{s.name}", daemon=True)
+        for s in sinks
+    ]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + deadline_s
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    out = [
+        results.get(s.name)
+        or {"name": s.name, "error": f"no answer within {deadline_s:.0f}s (is the store up?)"}
+        for s in sinks
+    ]
     return sorted(out, key=lambda e: str(e["name"]))
 
 
@@ -120,6 +155,11 @@ def pipeline_status(
     """
     fold = fold_log(cfg, progress=progress)
     view = fold.view
+    # What the tail since the checkpoint cannot tell -- the last commit, when a partition last
+    # moved, when a still-pending commit was decided -- is read from the whole retained log,
+    # once: otherwise a stall older than the checkpoint reads as a few seconds (seen: healthy
+    # for 8 minutes with 63,113 records waiting), and a tail without a commit as no commit.
+    history = fold
     progress("reading source offsets")
     probe = Consumer(client_settings(cfg, "status-consumer", **{"group.id": cfg.group_id}))
     try:
@@ -160,6 +200,15 @@ def pipeline_status(
     by_id = {p["id"]: p for p in participants}
     warnings: list[str] = []
     now_ms = time.time() * 1000
+    lagging = {tp for tp, end in ends.items() if end - max(committed.get(tp, -1), 0) > 0}
+    if fold.read_from == "checkpoint" and (
+        fold.last_commit is None
+        or any(tp not in fold.moved_at for tp in lagging)
+        or any(txn not in fold.decided_at for txn in view.pending)
+    ):
+        progress("reading the control log from its start (history before the checkpoint)")
+        history = fold_log(cfg, from_beginning=True, progress=progress)
+    stalled: list[str] = []
     for (t, p), end in sorted(ends.items()):
         pos = committed.get((t, p), -1)
         lag = end - pos if pos >= 0 else end
@@ -168,8 +217,8 @@ def pipeline_status(
         # How long the records have waited behind a position no commit moved, as far as the
         # log read tells ("at least" when the last move is older than the checkpoint). After a
         # long idle spell this reads high until the next commit moves it (one cycle).
-        moved = fold.moved_at.get((t, p))
-        since = moved or fold.first_ts
+        moved = history.moved_at.get((t, p))
+        since = moved or history.first_ts
         unmoved = round((now_ms - since) / 1000, 1) if lag > 0 and since else None
         partitions.append(
             {
@@ -183,7 +232,8 @@ def pipeline_status(
             }
         )
         if unmoved is not None and unmoved >= cfg.commit.stall_alarm_s:
-            warnings.append(
+            # What the leading coordinator's stall alarm raises: unhealthy, as it is there.
+            stalled.append(
                 f"{t}[{p}]: {lag} records waiting and no commit has moved its position for "
                 f"{'at least ' if moved is None else ''}{unmoved:.0f}s "
                 f"(commit.stall_alarm_s {cfg.commit.stall_alarm_s:.0f}): is a participant stuck?"
@@ -191,15 +241,37 @@ def pipeline_status(
         if owner in by_id:
             by_id[owner]["partitions"].append({"topic": t, "partition": p, "lag": lag})
             by_id[owner]["lag"] += lag
-    age = round(time.time() - fold.last_commit_ts / 1000, 1) if fold.last_commit_ts else None
+    last_commit, last_commit_ts = (
+        (fold.last_commit, fold.last_commit_ts)
+        if fold.last_commit is not None
+        else (history.last_commit, history.last_commit_ts)
+    )
+    age = round(time.time() - last_commit_ts / 1000, 1) if last_commit_ts else None
     problems: list[str] = []
     if leader is None:
         problems.append("no coordinator owns the control partition")
     if not owners:
         problems.append("no participant holds any source partition")
-    if total_lag and (age is None or age > max_commit_age_s):
+    if total_lag and age is None:
+        problems.append("records are waiting and the retained control log holds no commit")
+    elif total_lag and age is not None and age > max_commit_age_s:
         problems.append(
             f"records are waiting and the last commit is {age}s old (limit {max_commit_age_s}s)"
+        )
+    problems += stalled
+    # A commit decided and not applied by every part: its records are in no sink yet.
+    unapplied = {
+        txn: round((now_ms - at) / 1000, 1)
+        for txn in view.pending
+        if (at := fold.decided_at.get(txn) or history.decided_at.get(txn) or history.first_ts)
+    }
+    late = {txn: s for txn, s in unapplied.items() if s > max_commit_age_s}
+    if late:
+        oldest = min(late)
+        problems.append(
+            f"{len(late)} commit(s) decided more than {max_commit_age_s}s ago and not applied "
+            f"by every participant (oldest: txn {oldest}, {late[oldest]:.0f}s): "
+            "is a participant or a sink stuck? (`twophase txn list`)"
         )
     sink_entries: list[dict[str, Any]] | None = None
     if sinks:
@@ -217,9 +289,10 @@ def pipeline_status(
         "last_txn": view.last_txn,
         "last_decided": view.last_decided,
         "in_flight": sorted(view.undecided),
-        "last_commit_txn": fold.last_commit.txn if fold.last_commit else None,
+        "last_commit_txn": last_commit.txn if last_commit else None,
         "last_commit_age_s": age,
         "pending_commits": sorted(view.pending),
+        "unapplied_s": {str(txn): s for txn, s in sorted(unapplied.items())},
         "total_lag": total_lag,
         "partitions": partitions,
         "participants": sorted(participants, key=lambda p: str(p["id"])),

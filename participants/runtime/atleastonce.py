@@ -23,6 +23,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPar
 from participants.runtime.batch import (
     SOURCE_FETCH_DEFAULTS,
     SOURCE_GROUP_SETTINGS,
+    STORE_WAIT_S,
     Retractions,
     decoding,
     open_writers,
@@ -43,6 +44,7 @@ T = TypeVar("T")
 
 CONSUME_TIMEOUT_S = 0.2
 #: A batch is what one consume() returns, up to participant.max_batch_records.
+#: Default of ``participant.sink_retry_s`` (calls the process can survive failing).
 RETRY_BUDGET_S = 60.0
 
 
@@ -98,10 +100,12 @@ class AtLeastOnceRuntime:
         self.stop_event.set()
 
     def run(self) -> None:
-        self.health.start(self.cfg.metrics.host, self.cfg.metrics.port)
         try:
+            # Inside the try: a port in use (ConfigError naming metrics.port) still closes the
+            # Kafka clients, which would otherwise keep the process alive.
+            self.health.start(self.cfg.metrics.host, self.cfg.metrics.port)
             for sink in self.sinks:
-                self._retry(sink.setup, f"setup {sink.name}")
+                self._retry(sink.setup, f"setup {sink.name}", STORE_WAIT_S)
             self._txn = self._next_txn()
             self._discard_leftovers()
             self.consumer.subscribe(
@@ -145,11 +149,15 @@ class AtLeastOnceRuntime:
         """A crashed run of this participant may have left a prepared or an open part: its
         offsets were never committed, so the records come again -- abort it."""
         for sink in self.sinks:
-            parts = self._retry(sink.in_doubt, f"in_doubt {sink.name}")
-            parts += self._retry(partial(sink.stale_parts, self._txn), f"stale {sink.name}")
+            parts = self._retry(sink.in_doubt, f"in_doubt {sink.name}", STORE_WAIT_S)
+            parts += self._retry(
+                partial(sink.stale_parts, self._txn), f"stale {sink.name}", STORE_WAIT_S
+            )
             for part in parts:
                 if part.pipeline == self.cfg.pipeline and part.participant == self.me:
-                    self._retry(partial(sink.abort, part), f"abort {part.token} {sink.name}")
+                    self._retry(
+                        partial(sink.abort, part), f"abort {part.token} {sink.name}", STORE_WAIT_S
+                    )
                     # A leftover's partitions are not known here (it is aborted unread): none.
                     log.info(
                         "txn=%s aborted a leftover part in %s",
@@ -188,7 +196,9 @@ class AtLeastOnceRuntime:
                 extra=self._txn_extra(part.txn, {(m.topic(), m.partition()) for m in msgs}),
             )
             for sink in self.sinks:
-                self._retry(partial(sink.abort, part), f"abort {sink.name}")
+                # Before re-reading: the batch must be gone from every sink, however long a
+                # store takes to answer.
+                self._retry(partial(sink.abort, part), f"abort {sink.name}", STORE_WAIT_S)
             self._rewind()
             return
         self.consumer.commit(
@@ -217,5 +227,6 @@ class AtLeastOnceRuntime:
     def _on_revoke(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         log.info("revoked %s", ", ".join(f"{p.topic}[{p.partition}]" for p in partitions))
 
-    def _retry(self, fn: Callable[[], T], what: str, budget_s: float = RETRY_BUDGET_S) -> T:
-        return retry_call(fn, what, budget_s, self.stop_event, (KafkaException,))
+    def _retry(self, fn: Callable[[], T], what: str, budget_s: float | None = None) -> T:
+        budget = self.cfg.participant.sink_retry_s if budget_s is None else budget_s
+        return retry_call(fn, what, budget, self.stop_event, (KafkaException,))

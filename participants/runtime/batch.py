@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import random
 import threading
 import time
@@ -34,6 +35,7 @@ from twophase.observability import Metrics
 __all__ = [
     "SOURCE_FETCH_DEFAULTS",
     "SOURCE_GROUP_SETTINGS",
+    "STORE_WAIT_S",
     "BatchResult",
     "Retractions",
     "decoding",
@@ -47,6 +49,12 @@ __all__ = [
 log = logging.getLogger("twophase.participant")
 
 T = TypeVar("T")
+
+#: The one budget for a store call the process cannot go on without (set-up, start-up recovery,
+#: applying a decision): none -- wait for the store however long it takes, until stopped.
+#: Giving up would only end the process and hand the same wait to its restart (a participant
+#: died on "abort stale ... gave up after 60s" while MongoDB did not answer).
+STORE_WAIT_S = math.inf
 #: Per source partition of the batch: (last offset read, records written, records dead-lettered).
 BatchResult = dict[tuple[str, int], tuple[int, int, int]]
 #: Group membership of the source consumer, in either mode. Range assignment: a participant's
@@ -367,7 +375,9 @@ def retry_call(
             wait = delay * random.uniform(0.5, 1.5)
             delay = min(delay * 2, 2.0)
             err = exc
-        if time.monotonic() + wait > deadline or stop.is_set():
+        if stop.is_set():
+            raise RetriableError(f"{what}: stopped while retrying: {err}")
+        if time.monotonic() + wait > deadline:
             raise RetriableError(f"{what}: gave up after {budget_s:.0f}s: {err}")
         log.warning("%s failed, retrying in %.2fs: %s", what, wait, err)
         time.sleep(wait)

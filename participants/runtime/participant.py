@@ -55,6 +55,7 @@ from participants.machine import (
 from participants.runtime.batch import (
     SOURCE_FETCH_DEFAULTS,
     SOURCE_GROUP_SETTINGS,
+    STORE_WAIT_S,
     Retractions,
     decoding,
     open_writers,
@@ -70,7 +71,7 @@ from participants.sdk import (
     UnknownPartError,
 )
 from twophase.config import PipelineConfig
-from twophase.errors import FatalError, RetriableError
+from twophase.errors import FatalError, RetriableError, TwophaseError
 from twophase.faults import crash_point as _crash_point
 from twophase.faults import stalled
 from twophase.kafka import (
@@ -95,10 +96,12 @@ T = TypeVar("T")
 CONSUME_TIMEOUT_S = 0.05
 #: Control-thread poll.
 CONTROL_POLL_S = 0.02
-#: How long a sink call is retried on retriable errors before the part is given up (abort vote).
+#: Default of ``participant.sink_retry_s``: how long a sink call whose failure the participant
+#: survives (a prepare: abort vote; a write: the part is re-read; a sweep: the next one tries
+#: again) is retried before it is given up.
 SINK_RETRY_BUDGET_S = 60.0
-#: Applying a decision is retried for this long (a day) before the process gives up and restarts.
-APPLY_RETRY_BUDGET_S = 86_400.0
+#: Kept for callers of the old name: applying a decision waits like every such call.
+APPLY_RETRY_BUDGET_S = STORE_WAIT_S
 #: Time one batch may take to write into every sink. A PREPARE waits for the batch in flight,
 #: so this bounds how much of the vote timeout a slow store can eat; batches are sized to it.
 BATCH_TARGET_S = 0.5
@@ -250,8 +253,10 @@ class ParticipantRuntime:
 
     def run(self) -> None:
         """Recover, then consume until :meth:`stop` or a fatal error (re-raised)."""
-        self.health.start(self.cfg.metrics.host, self.cfg.metrics.port)
         try:
+            # First, and inside the try: a port in use ends the process in one line (ConfigError
+            # naming metrics.port) after closing the Kafka clients, which would keep it alive.
+            self.health.start(self.cfg.metrics.host, self.cfg.metrics.port)
             # Fails fast (BrokerAuthError) when the broker refuses our credentials: the blocking
             # calls below would each wait out CALL_TIMEOUT_S and end in a bare _TIMED_OUT.
             if not await_broker(self.admin, CALL_TIMEOUT_S, self.stop_event):
@@ -260,16 +265,18 @@ class ParticipantRuntime:
                 # A store that is down at start-up is waited for (live, not ready), however
                 # long: exiting would only restart the wait (a chaos run lost a participant to
                 # a test server that answered nothing for a minute).
-                self._retry(sink.setup, f"setup {sink.name}", budget_s=APPLY_RETRY_BUDGET_S)
+                self._wait_for_store(sink.setup, f"setup {sink.name}")
             reader = ControlReader(self.cfg, on_skip=self._count_skip)
             for env in reader.replay():
                 # A replayed message acts on nothing; what comes back is an out-of-sequence skip.
                 self._run(self._feed(Received(env, replay=True)), Thread.DATA)
             self._feed(CaughtUp())
-            # Recovery runs to completion before anything new is written.
-            self._abort_stale()
+            _delay_point("before_recovery")
+            # Recovery runs to completion before anything new is written, however long the
+            # stores take to answer (STORE_WAIT_S).
+            self._abort_stale(budget_s=STORE_WAIT_S)
             self._run(
-                self._feed(InDoubt(self._list_in_doubt()), Thread.CONTROL),
+                self._feed(InDoubt(self._list_in_doubt(budget_s=STORE_WAIT_S)), Thread.CONTROL),
                 Thread.CONTROL,
                 inline=True,
             )
@@ -317,7 +324,9 @@ class ParticipantRuntime:
         def run() -> None:
             try:
                 fn(*args)
-            except FatalError as exc:  # run() re-raises it: one line, said once, by the caller
+            except (TwophaseError, SinkError) as exc:
+                # run() re-raises it: one line, said once, by the caller (the CLI), with the
+                # exit status its class calls for -- no traceback for an error we named.
                 self.fatal = exc
                 self.stop_event.set()
             except BaseException as exc:  # a dead control thread must stop the process
@@ -441,12 +450,23 @@ class ParticipantRuntime:
                 # not hold up the control thread, which forwards PREPAREs and sends the votes.
                 self._aborting_stale.set()
                 self.apply_queue.put(_AbortStale())
-            self._run(
-                self._feed(
-                    InDoubt(self._list_in_doubt(), sweep=True, live=self._live_participants()), here
-                ),
-                here,
-            )
+            try:
+                # On the control thread: bounded by participant.sink_retry_s, and a store that
+                # does not answer costs only this sweep (the next one lists again).
+                in_doubt = self._list_in_doubt()
+            except FatalSinkError:
+                raise
+            except (SinkError, RetriableError) as exc:
+                log.warning(
+                    "sweep: cannot list in-doubt parts (the next sweep tries again): %s",
+                    exc,
+                    extra={"pipeline": self.cfg.pipeline, "participant": self.me},
+                )
+            else:
+                self._run(
+                    self._feed(InDoubt(in_doubt, sweep=True, live=self._live_participants()), here),
+                    here,
+                )
             if action.forget_before and not self._forgetting.is_set():
                 # On the apply worker, after the decisions queued before it: a slow delete
                 # there never holds up the control thread (PREPAREs, hence votes).
@@ -480,8 +500,15 @@ class ParticipantRuntime:
                 else {"pipeline": self.cfg.pipeline, "participant": self.me},
             )
 
-    def _retry(self, fn: Callable[[], T], what: str, budget_s: float = SINK_RETRY_BUDGET_S) -> T:
-        return retry_call(fn, what, budget_s, self.stop_event)
+    def _retry(self, fn: Callable[[], T], what: str, budget_s: float | None = None) -> T:
+        """A sink call retried for ``budget_s`` (default ``participant.sink_retry_s``)."""
+        budget = self.cfg.participant.sink_retry_s if budget_s is None else budget_s
+        return retry_call(fn, what, budget, self.stop_event)
+
+    def _wait_for_store(self, fn: Callable[[], T], what: str) -> T:
+        """A sink call the process cannot go on without: retried until it succeeds or the
+        process is stopped (STORE_WAIT_S)."""
+        return self._retry(fn, what, budget_s=STORE_WAIT_S)
 
     # -- decisions -----------------------------------------------------------------------------
 
@@ -507,10 +534,8 @@ class ParticipantRuntime:
             try:
                 # A decided part is applied however long the store needs: giving up would only
                 # hand the same work to recovery after a restart.
-                self._retry(
-                    partial(sink.commit if commit else sink.abort, part),
-                    f"{ctx} {name}",
-                    budget_s=APPLY_RETRY_BUDGET_S,
+                self._wait_for_store(
+                    partial(sink.commit if commit else sink.abort, part), f"{ctx} {name}"
                 )
             except UnknownPartError as exc:
                 if action.participant == self.me:
@@ -531,18 +556,24 @@ class ParticipantRuntime:
         )
         return True
 
-    def _abort_stale(self) -> None:
+    def _abort_stale(self, budget_s: float | None = None) -> None:
         """Parts begun and never prepared by processes that are gone can never commit: abort
         them, so their staged data does not pile up. Only transactions already decided qualify
-        (a live participant's open part is always newer)."""
+        (a live participant's open part is always newer). ``budget_s``: per store call (start-up
+        recovery waits, STORE_WAIT_S; a sweep gives up and leaves it to the next one)."""
         with self.lock:
             before = self.machine.log.last_decided + 1
         for sink in self.sinks:
-            for part in self._retry(partial(sink.stale_parts, before), f"stale_parts {sink.name}"):
+            stale = self._retry(
+                partial(sink.stale_parts, before), f"stale_parts {sink.name}", budget_s
+            )
+            for part in stale:
                 if part.pipeline != self.cfg.pipeline:
                     continue
                 with log_context(self._txn_extra(part.txn, part.participant)):
-                    self._retry(partial(sink.abort, part), f"abort stale {part.token} {sink.name}")
+                    self._retry(
+                        partial(sink.abort, part), f"abort stale {part.token} {sink.name}", budget_s
+                    )
                     log.info(
                         "txn=%s aborted stale open part of %s in %s",
                         part.txn,
@@ -652,10 +683,10 @@ class ParticipantRuntime:
             log.warning("cannot describe group %s: %s", group, reason)
         return None
 
-    def _list_in_doubt(self) -> tuple[tuple[str, int, str], ...]:
+    def _list_in_doubt(self, budget_s: float | None = None) -> tuple[tuple[str, int, str], ...]:
         found = []
         for sink in self.sinks:
-            for part in self._retry(sink.in_doubt, f"in_doubt {sink.name}"):
+            for part in self._retry(sink.in_doubt, f"in_doubt {sink.name}", budget_s):
                 if part.pipeline == self.cfg.pipeline:
                     found.append((sink.name, part.txn, part.participant))
         self.metrics.in_doubt.labels(self.cfg.pipeline).set(len(found))

@@ -38,6 +38,7 @@ STATUS_KEYS = {
     "last_commit_txn",
     "last_commit_age_s",
     "pending_commits",
+    "unapplied_s",
     "total_lag",
     "partitions",
     "participants",
