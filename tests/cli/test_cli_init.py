@@ -70,10 +70,13 @@ def test_init_refuses_a_bad_name(tmp_path: Path) -> None:
     assert not (tmp_path / "p.yaml").exists()
 
 
-def _twophase(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _twophase(*args: str, cwd: Path, stack_dir: str) -> subprocess.CompletedProcess[str]:
+    # The stack the other tests use, however pytest was started (make exports
+    # TWOPHASE_STACK_DIR; a bare pytest run finds <repo>/.stack, which is not the cwd here).
     return subprocess.run(
         [sys.executable, "-m", "twophase.cli", *args],
         cwd=cwd,
+        env={**os.environ, "TWOPHASE_STACK_DIR": stack_dir},
         capture_output=True,
         text=True,
         timeout=120,
@@ -90,7 +93,7 @@ def test_a_first_pipeline_from_init_to_records_in_every_sink(
         ("validate", "pipeline.yaml"),
         ("topics", "create", "pipeline.yaml"),
     ):
-        done = _twophase(*step, cwd=tmp_path)
+        done = _twophase(*step, cwd=tmp_path, stack_dir=stack_env["TWOPHASE_STACK_DIR"])
         assert done.returncode == 0, (step, done.stdout, done.stderr)
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -140,7 +143,13 @@ def test_a_first_pipeline_from_init_to_records_in_every_sink(
             for role in ("coordinator", "participant"):
                 print(f"--- {role}\n{(tmp_path / f'{role}.log').read_text()[-3000:]}")
             raise
-        status = _twophase("status", "pipeline.yaml", "--json", cwd=tmp_path)
+        status = _twophase(
+            "status",
+            "pipeline.yaml",
+            "--json",
+            cwd=tmp_path,
+            stack_dir=stack_env["TWOPHASE_STACK_DIR"],
+        )
         assert status.returncode == 0, status.stdout + status.stderr
         report = json.loads(status.stdout)
         assert report["healthy"] and report["total_lag"] == 0, report
