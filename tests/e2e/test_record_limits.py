@@ -1,0 +1,98 @@
+"""Records at Kafka's limits end to end (issue #14): real coordinator and participant processes on
+the real stack. A record larger than the dead-letter producer can send (a 2 MB value on a source
+topic that allows 5 MB, a refused value just under ``max_record_bytes``, a huge key) is
+dead-lettered truncated, with the coordinates, the reason and its original sizes; the participant
+stays up and the records around it land exactly once.
+
+Every check reads Kafka, PostgreSQL and the processes directly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+from confluent_kafka import Message, Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from tests.e2e.e2e_support import dead_letters, scenario, settle, start
+from twophase.config import load_config
+from twophase.harness import Cluster, produce
+from twophase.kafka import create_topics
+
+#: The source topic's limit: larger than anything librdkafka's default producer sends.
+SOURCE_MAX_BYTES = 5 * 1024 * 1024
+
+
+def test_records_too_large_for_the_dead_letter_topic_are_dead_lettered_truncated(
+    tmp_path: Path,
+) -> None:
+    s = scenario(tmp_path, "huge", interval_ms=500, mongo=False, files=False, create=False)
+    admin = AdminClient({"bootstrap.servers": s.bootstrap})
+    topic = NewTopic(
+        s.topic,
+        num_partitions=s.partitions,
+        replication_factor=1,
+        config={"max.message.bytes": str(SOURCE_MAX_BYTES)},
+    )
+    admin.create_topics([topic])[s.topic].result(timeout=30)
+    create_topics(load_config(s.config_path))
+    n = 300
+    produce(s.bootstrap, s.topic, 0, n // 2)
+    big_json = orjson.dumps({"id": 10_000_000, "note": "x" * (2 * 1024 * 1024)})
+    # Not JSON and under max_record_bytes (1,048,576): refused as undecodable, yet over the
+    # producer's 1,000,000-byte message.max.bytes with its headers.
+    near_limit = b"<" * 1_020_000
+    huge_key = b"k" * 700_000
+    bad: list[tuple[int, bytes | None, bytes]] = [
+        (0, None, big_json),
+        (1, None, near_limit),
+        (2, huge_key, b"<" * 400_000),
+    ]
+    where: dict[bytes, tuple[int, int]] = {}
+
+    def delivered(err: Any, msg: Message) -> None:
+        assert err is None, err
+        where[msg.value()] = (msg.partition(), msg.offset())
+
+    p = Producer({"bootstrap.servers": s.bootstrap, "message.max.bytes": SOURCE_MAX_BYTES})
+    for partition, key, value in bad:
+        p.produce(s.topic, value=value, key=key, partition=partition, on_delivery=delivered)
+    assert p.flush(30) == 0
+    produce(s.bootstrap, s.topic, n // 2, n // 2)
+    c = Cluster(s)
+    start(c, "coordinator", "coord-0")
+    start(c, "participant", "p-0")
+    try:
+        report = settle(s, c, set(range(n)), 120)
+        assert c.alive("p-0"), "the participant exited"
+        # Later records keep committing after the huge ones.
+        produce(s.bootstrap, s.topic, n, 100)
+        report = settle(s, c, set(range(n + 100)), 120)
+        assert all(c.alive(name) for name in c.procs), "a process exited"
+    finally:
+        c.stop_all()
+    for sink, r in report.items():
+        assert r.ok and (r.rows, r.distinct) == (n + 100, n + 100), f"{sink}: {r}"
+    letters = {dl.key: dl for dl in dead_letters(s)}
+    assert len(letters) == len(bad), list(letters)
+    for partition, key, value in bad:
+        _, offset = where[value]
+        dl = letters[f"{s.topic}:{partition}:{offset}".encode()]
+        reason = dl.header("twophase.reason")
+        assert reason.startswith("oversize:" if value is big_json else "undecodable:"), reason
+        assert dl.header("twophase.source.topic") == s.topic
+        assert dl.header("twophase.source.partition") == str(partition)
+        assert dl.header("twophase.source.offset") == str(offset)
+        assert dl.header("twophase.original.value.size") == str(len(value))
+        assert dl.value is not None and value.startswith(dl.value)
+        if key is None:
+            assert dl.header("twophase.truncated") == "value", dl.headers
+            assert 0 < len(dl.value) < len(value)
+        else:
+            # The key is cut to a prefix; the value then fits whole.
+            assert dl.header("twophase.truncated") == "key", dl.headers
+            assert dl.header("twophase.original.key.size") == str(len(key))
+            assert key.startswith(dl.headers["twophase.source.key"])
+            assert dl.value == value
