@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pyarrow.parquet as pq
 from confluent_kafka import Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -96,3 +97,47 @@ def test_records_too_large_for_the_dead_letter_topic_are_dead_lettered_truncated
             assert dl.header("twophase.original.key.size") == str(len(key))
             assert key.startswith(dl.headers["twophase.source.key"])
             assert dl.value == value
+
+
+def test_record_timestamps_past_year_9999_land_and_the_pipeline_keeps_committing(
+    tmp_path: Path,
+) -> None:
+    s = scenario(tmp_path, "farts", interval_ms=500, create=False)
+    admin = AdminClient({"bootstrap.servers": s.bootstrap})
+    # Any int64 timestamp is accepted once the topic's window is raised.
+    window = {"message.timestamp.after.max.ms": str(2**63 - 1)}
+    topic = NewTopic(s.topic, num_partitions=s.partitions, replication_factor=1, config=window)
+    admin.create_topics([topic])[s.topic].result(timeout=30)
+    create_topics(load_config(s.config_path))
+    n = 200
+    produce(s.bootstrap, s.topic, 0, n // 2)
+    stamps = {n + 1000: 253_402_300_800_000, n + 1001: 2**63 - 1, n + 1002: 1}
+    p = Producer({"bootstrap.servers": s.bootstrap})
+    for i, ts in stamps.items():
+        value = orjson.dumps({"id": i, "customer": "far", "amount": 1, "currency": "EUR"})
+        p.produce(s.topic, value=value, partition=i % s.partitions, timestamp=ts)
+    assert p.flush(30) == 0
+    produce(s.bootstrap, s.topic, n // 2, n // 2)
+    expected = set(range(n)) | set(stamps)
+    c = Cluster(s)
+    start(c, "coordinator", "coord-0")
+    start(c, "participant", "p-0")
+    try:
+        report = settle(s, c, expected, 120)
+        produce(s.bootstrap, s.topic, n, 100)
+        expected |= set(range(n, n + 100))
+        report = settle(s, c, expected, 120)
+        assert all(c.alive(name) for name in c.procs), "a process exited"
+    finally:
+        c.stop_all()
+    for sink, r in report.items():
+        assert r.ok and r.rows == len(expected), f"{sink}: {r}"
+    assert dead_letters(s) == []
+    stored = {}
+    for path in s.files_path.rglob("*.parquet"):
+        if "_twophase" in path.parts:
+            continue
+        for row in pq.read_table(path).to_pylist():
+            stored[row["id"]] = path.parent.name
+    assert stored[n + 1000] == stored[n + 1001] == "date=__HIVE_DEFAULT_PARTITION__"
+    assert stored[n + 1002] == "date=1970-01-01"
