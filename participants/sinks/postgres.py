@@ -55,15 +55,17 @@ turns it off.
 Upserting at write time, not at prepare, means a part T+1 that writes a key the prepared part T
 holds waits for T's decision (the row lock), so parts always apply in order; and it means every
 refusal by the server surfaces in ``write``, where it can be returned as a rejection. When the
-server refuses rows for their data (SQLSTATE classes 21/22/23), the sink rolls back to the
-savepoint and bisects with nested savepoints until it has isolated them, rejects them with the
-server's reason and writes the rest. Any other failure rolls the whole write back, so a
-:class:`RetriableSinkError` from ``write`` leaves the part as it was and the call can be
-repeated.
+server refuses a row (any SQLSTATE class that is about one row: see ``_ROW_ERROR_CLASSES``), the
+sink rolls back to the savepoint and bisects with nested savepoints until it has isolated them,
+rejects them with the server's reason and writes the rest. Any other failure rolls the whole
+write back, so a :class:`RetriableSinkError` from ``write`` leaves the part as it was and the call
+can be repeated; its message names the record the server was at when it can be told (the COPY
+line, or the one row left when isolating).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import struct
@@ -127,12 +129,17 @@ _MAX_IDLE = 2
 #: transaction slows every snapshot on the server until the part is decided.
 _WRITE_SAVEPOINT = sql.Identifier("twophase_write")
 _BATCH_SAVEPOINT = sql.Identifier("twophase_batch")
-#: SQLSTATE classes/codes that mean "this row's data", isolated per row and rejected:
-#: 22 data exception, 23 integrity violation, 21 cardinality (two rows of one upsert batch that
-#: PostgreSQL finds equal and Python did not, e.g. citext keys), P0001 a trigger's RAISE
-#: EXCEPTION (validation triggers are the usual source).
-_ROW_ERROR_CLASSES = ("21", "22", "23")
-_ROW_ERROR_CODES = frozenset({"P0001"})
+#: SQLSTATE classes that are about one row, isolated per row and rejected: 22 data exception,
+#: 23 integrity violation, 21 cardinality (two rows of one upsert batch that PostgreSQL finds
+#: equal and Python did not, e.g. citext keys), 54 program limit exceeded (an index row over the
+#: btree limit: a 3,000-character key), 44 WITH CHECK OPTION, 27 triggered data change, and
+#: what triggers and functions raise per row: P0 (PL/pgSQL RAISE, ASSERT), 2F (SQL routine),
+#: 38/39 (external routines). Not here, as they are about the part or the server: 40
+#: (serialization, deadlock: start over), 53 (resources: retried), 57/08 (operator, connection),
+#: 28/42 (configuration), XX/58 (server internals).
+_ROW_ERROR_CLASSES = ("21", "22", "23", "27", "2F", "38", "39", "44", "54", "P0")
+#: Where a COPY failed: ``COPY <table>, line <n>[, column ...]`` in the error's context.
+_COPY_LINE = re.compile(r"\bCOPY [^,]+, line (\d+)")
 #: Transient conditions after which the part survives (we roll back to the savepoint): lock
 #: timeout, statement timeout, out of resources. The runtime retries the same write.
 _RETRIABLE_CODES = frozenset({"55P03", "57014"})
@@ -390,7 +397,7 @@ def _sqlstate(exc: BaseException) -> str:
 
 def _is_row_error(exc: psycopg.Error) -> bool:
     state = _sqlstate(exc)
-    return state[:2] in _ROW_ERROR_CLASSES or state in _ROW_ERROR_CODES
+    return state[:2] in _ROW_ERROR_CLASSES
 
 
 #: What a failed COPY/merge can raise: the server's errors, and psycopg's when it cannot encode
@@ -413,6 +420,27 @@ def _is_lost(conn: Connection | None, exc: BaseException) -> bool:
         return True
     state = _sqlstate(exc)
     return state.startswith("08") or state in ("57P01", "57P02", "57P03")
+
+
+#: Attribute set on a server error: the record (``topic[partition]@offset``) it was raised at.
+_MET_RECORD = "twophase_record"
+
+
+def _note_record(exc: BaseException, rows: Sequence[_Row], line: int | None = None) -> None:
+    """Tell ``exc`` which record it met: the COPY line its context names (1-based, of
+    ``rows``), or the only row; nothing when it cannot be told."""
+    if getattr(exc, _MET_RECORD, None):
+        return
+    if line is None:
+        diag = getattr(exc, "diag", None)
+        found = _COPY_LINE.search(getattr(diag, "context", None) or "") if diag else None
+        line = int(found.group(1)) if found else (1 if len(rows) == 1 else None)
+    if line is None or not 0 < line <= len(rows) or not rows[line - 1].records:
+        return
+    r = rows[line - 1].records[-1]
+    # An exception type without a __dict__: the message just names no record.
+    with contextlib.suppress(AttributeError):
+        setattr(exc, _MET_RECORD, f"{r.topic}[{r.partition}]@{r.offset}")
 
 
 def _server_reason(exc: psycopg.Error) -> str:
@@ -985,22 +1013,21 @@ class PostgresSink(Sink):
 
     def _classify_write_error(self, op: _OpenPart, exc: BaseException) -> Exception:
         state = _sqlstate(exc)
+        met = getattr(exc, _MET_RECORD, None)
+        # The record the server was at, when it can be told: the operator's first lead.
+        detail = f"{str(exc).strip()} [SQLSTATE {state}]" + (f" [at record {met}]" if met else "")
         if _is_lost(op.conn, exc):
-            return self._fail(op, f"lost the PostgreSQL connection: {str(exc).strip()}", exc)
+            return self._fail(op, f"lost the PostgreSQL connection: {detail}", exc)
         if state in _RETRIABLE_CODES or state[:2] in _RETRIABLE_CLASSES:
             # _savepoint rolled the batch back: the part is as before this write.
-            return RetriableSinkError(
-                f"part {op.part.token}: {str(exc).strip()} [SQLSTATE {state}]", sink=self.name
-            )
+            return RetriableSinkError(f"part {op.part.token}: {detail}", sink=self.name)
         if state[:2] in _FATAL_CLASSES:
-            self._fail(op, str(exc).strip(), exc)
+            self._fail(op, detail, exc)
             return FatalSinkError(
-                f"part {op.part.token}: table {self.cfg.table}: {str(exc).strip()} "
-                f"[SQLSTATE {state}]",
-                sink=self.name,
+                f"part {op.part.token}: table {self.cfg.table}: {detail}", sink=self.name
             )
         # Class 40 (serialization failure, deadlock) and anything unexpected: start over.
-        return self._fail(op, f"{str(exc).strip()} [SQLSTATE {state}]", exc)
+        return self._fail(op, detail, exc)
 
     # -- conversion ------------------------------------------------------------------------
 
@@ -1181,6 +1208,13 @@ class PostgresSink(Sink):
 
     def _send(self, conn: Connection, mask: int, rows: list[_Row]) -> None:
         """COPY ``rows`` (all with ``mask``) into the target, or via the staging table."""
+        try:
+            self._send_rows(conn, mask, rows)
+        except _ENCODE_ERRORS as exc:
+            _note_record(exc, rows)
+            raise
+
+    def _send_rows(self, conn: Connection, mask: int, rows: list[_Row]) -> None:
         idx = self._columns_of(mask)
         copy_sql, merge_sql = self._statements_for(mask, idx)
         with conn.cursor() as cur:
