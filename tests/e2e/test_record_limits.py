@@ -9,10 +9,13 @@ Every check reads Kafka, PostgreSQL and the processes directly.
 
 from __future__ import annotations
 
+import random
+import string
 from pathlib import Path
 from typing import Any
 
 import orjson
+import psycopg
 import pyarrow.parquet as pq
 from confluent_kafka import Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -141,3 +144,70 @@ def test_record_timestamps_past_year_9999_land_and_the_pipeline_keeps_committing
             stored[row["id"]] = path.parent.name
     assert stored[n + 1000] == stored[n + 1001] == "date=__HIVE_DEFAULT_PARTITION__"
     assert stored[n + 1002] == "date=1970-01-01"
+
+
+def test_an_upsert_key_over_the_btree_limit_is_dead_lettered_and_commits_go_on(
+    tmp_path: Path,
+) -> None:
+    s = scenario(tmp_path, "longkey", interval_ms=500, files=False, create=False)
+    pg = {
+        "name": "pg",
+        "type": "postgres",
+        "dsn": s.pg_dsn,
+        "table": s.table,
+        "mode": "upsert",
+        "key": ["customer"],
+    }
+    mongo = {
+        "name": "mongo",
+        "type": "mongodb",
+        "uri": s.mongo_uri,
+        "database": s.table,
+        "collection": "orders",
+        "mode": "insert",
+    }
+    s.extra = {"sinks": [pg, mongo]}
+    s.write()
+    with psycopg.connect(s.pg_dsn, autocommit=True) as conn:
+        conn.execute(f"ALTER TABLE {s.table} ADD PRIMARY KEY (customer)")
+    create_topics(load_config(s.config_path))
+    n = 200
+    # Unique customers, so the upsert keeps every id.
+    good = [
+        orjson.dumps({"id": i, "customer": f"c{i}", "amount": 1, "currency": "EUR"})
+        for i in range(n)
+    ]
+    rng = random.Random(14)
+    long_key = "".join(rng.choice(string.ascii_letters) for _ in range(3000))
+    bad = orjson.dumps({"id": 10_000, "customer": long_key, "amount": 1, "currency": "EUR"})
+    p = Producer({"bootstrap.servers": s.bootstrap})
+    where: dict[bytes, tuple[int, int]] = {}
+
+    def delivered(err: Any, msg: Message) -> None:
+        assert err is None, err
+        where[msg.value()] = (msg.partition(), msg.offset())
+
+    for i, value in enumerate(good[: n // 2]):
+        p.produce(s.topic, value=value, partition=i % s.partitions)
+    p.produce(s.topic, value=bad, partition=1, on_delivery=delivered)
+    for i, value in enumerate(good[n // 2 :]):
+        p.produce(s.topic, value=value, partition=i % s.partitions)
+    assert p.flush(30) == 0
+    c = Cluster(s)
+    start(c, "coordinator", "coord-0")
+    start(c, "participant", "p-0")
+    try:
+        report = settle(s, c, set(range(n)), 120)
+        assert all(c.alive(name) for name in c.procs), "a process exited"
+    finally:
+        c.stop_all()
+    for sink, r in report.items():
+        assert r.ok and (r.rows, r.distinct) == (n, n), f"{sink}: {r}"
+    letters = dead_letters(s)
+    assert len(letters) == 1, [dl.key for dl in letters]
+    dl = letters[0]
+    partition, offset = where[bad]
+    assert dl.key == f"{s.topic}:{partition}:{offset}".encode()
+    assert dl.value == bad
+    assert dl.header("twophase.sink") == "pg"
+    assert "SQLSTATE 54000" in dl.header("twophase.reason"), dl.headers
