@@ -19,6 +19,7 @@ import psycopg
 import pyarrow.parquet as pq
 from confluent_kafka import Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
+from pymongo import MongoClient
 
 from tests.e2e.e2e_support import dead_letters, scenario, settle, start
 from twophase.config import load_config
@@ -211,3 +212,68 @@ def test_an_upsert_key_over_the_btree_limit_is_dead_lettered_and_commits_go_on(
     assert dl.value == bad
     assert dl.header("twophase.sink") == "pg"
     assert "SQLSTATE 54000" in dl.header("twophase.reason"), dl.headers
+
+
+def test_a_document_the_mongodb_target_refuses_is_dead_lettered_and_commits_go_on(
+    tmp_path: Path,
+) -> None:
+    """Mongo first: what its target refuses (a unique index besides _id) reaches no sink."""
+    s = scenario(tmp_path, "mongouniq", interval_ms=500, files=False, create=False)
+    mongo = {
+        "name": "mongo",
+        "type": "mongodb",
+        "uri": s.mongo_uri,
+        "database": s.table,
+        "collection": "orders",
+        "mode": "insert",
+    }
+    pg = {"name": "pg", "type": "postgres", "dsn": s.pg_dsn, "table": s.table, "mode": "insert"}
+    s.extra = {"sinks": [mongo, pg]}
+    s.write()
+    client: MongoClient[dict[str, Any]] = MongoClient(s.mongo_uri)
+    try:
+        client.drop_database(s.table)
+        client[s.table]["orders"].create_index("customer", unique=True)
+        create_topics(load_config(s.config_path))
+        n = 200
+        good = [
+            orjson.dumps({"id": i, "customer": f"c{i}", "amount": 1, "currency": "EUR"})
+            for i in range(n)
+        ]
+        dup = orjson.dumps({"id": 10_000, "customer": "c7", "amount": 1, "currency": "EUR"})
+        p = Producer({"bootstrap.servers": s.bootstrap})
+        where: dict[bytes, tuple[int, int]] = {}
+
+        def delivered(err: Any, msg: Message) -> None:
+            assert err is None, err
+            where[msg.value()] = (msg.partition(), msg.offset())
+
+        for i, value in enumerate(good[: n // 2]):
+            p.produce(s.topic, value=value, partition=i % s.partitions)
+        assert p.flush(30) == 0
+        c = Cluster(s)
+        start(c, "coordinator", "coord-0")
+        start(c, "participant", "p-0")
+        try:
+            settle(s, c, set(range(n // 2)), 120)
+            # The duplicate meets a committed document; later records keep committing.
+            p.produce(s.topic, value=dup, partition=2, on_delivery=delivered)
+            for i, value in enumerate(good[n // 2 :]):
+                p.produce(s.topic, value=value, partition=i % s.partitions)
+            assert p.flush(30) == 0
+            report = settle(s, c, set(range(n)), 120)
+            assert all(c.alive(name) for name in c.procs), "a process exited"
+        finally:
+            c.stop_all()
+    finally:
+        client.drop_database(s.table)
+        client.close()
+    for sink, r in report.items():
+        assert r.ok and (r.rows, r.distinct) == (n, n), f"{sink}: {r}"
+    letters = dead_letters(s)
+    assert len(letters) == 1, [dl.key for dl in letters]
+    dl = letters[0]
+    partition, offset = where[dup]
+    assert dl.key == f"{s.topic}:{partition}:{offset}".encode()
+    assert dl.header("twophase.sink") == "mongo"
+    assert "11000" in dl.header("twophase.reason"), dl.headers
