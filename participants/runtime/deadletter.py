@@ -237,7 +237,9 @@ class DeadLetters:
         if self._limit is None:
             try:
                 topic_max = self._topic_limit()
-            except Exception as exc:  # noqa: BLE001 -- any failure: the producer's limit holds
+            except (KafkaException, TimeoutError, ValueError) as exc:
+                # Not authorised (DescribeConfigs), no such topic yet, slow broker: the
+                # producer's limit holds, and a broker refusal cuts the letter further.
                 log.warning("dead-letter topic %s: max.message.bytes unknown: %s", self.topic, exc)
                 topic_max = None
             self._limit = min(self._max_bytes, topic_max or self._max_bytes)
