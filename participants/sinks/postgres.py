@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import re
 import struct
 import threading
@@ -426,21 +427,28 @@ def _is_lost(conn: Connection | None, exc: BaseException) -> bool:
 _MET_RECORD = "twophase_record"
 
 
-def _note_record(exc: BaseException, rows: Sequence[_Row], line: int | None = None) -> None:
-    """Tell ``exc`` which record it met: the COPY line its context names (1-based, of
-    ``rows``), or the only row; nothing when it cannot be told."""
+def _copy_line(exc: BaseException) -> int | None:
+    """The 1-based COPY line a server error names in its context, if any."""
+    diag = getattr(exc, "diag", None)
+    found = _COPY_LINE.search(getattr(diag, "context", None) or "") if diag else None
+    return int(found.group(1)) if found else None
+
+
+def _mark(exc: BaseException, record: Record) -> None:
+    """Tell ``exc`` the record it met, unless it knows one already."""
     if getattr(exc, _MET_RECORD, None):
         return
-    if line is None:
-        diag = getattr(exc, "diag", None)
-        found = _COPY_LINE.search(getattr(diag, "context", None) or "") if diag else None
-        line = int(found.group(1)) if found else (1 if len(rows) == 1 else None)
-    if line is None or not 0 < line <= len(rows) or not rows[line - 1].records:
-        return
-    r = rows[line - 1].records[-1]
     # An exception type without a __dict__: the message just names no record.
     with contextlib.suppress(AttributeError):
-        setattr(exc, _MET_RECORD, f"{r.topic}[{r.partition}]@{r.offset}")
+        setattr(exc, _MET_RECORD, f"{record.topic}[{record.partition}]@{record.offset}")
+
+
+def _note_record(exc: BaseException, rows: Sequence[_Row]) -> None:
+    """Tell ``exc`` which of ``rows`` it met: the COPY line its context names, or the only
+    row; nothing when it cannot be told."""
+    line = _copy_line(exc) or (1 if len(rows) == 1 else None)
+    if line is not None and 0 < line <= len(rows) and rows[line - 1].records:
+        _mark(exc, rows[line - 1].records[-1])
 
 
 def _server_reason(exc: psycopg.Error) -> str:
@@ -955,23 +963,35 @@ class PostgresSink(Sink):
         if encoder is None:
             return super().write_raw(part, batch)
 
+        left_out: list[int] = []
+
         def encode() -> tuple[bytes, int, Sequence[Record]]:
             # The values the encoder was unsure of, decoded (None: not JSON, the runtime's).
             payload, unsure = encoder.encode(batch.values)
+            left_out[:] = unsure
             rest = [r for i in unsure if (r := batch.record(i)) is not None]
             return payload, len(batch) - len(unsure), rest
 
-        return self._write(part, encode, batch.records)
+        def at(line: int) -> Record | None:
+            """The record on 1-based ``line`` of the compiled stream (worked out only when an
+            error names a line: the stream holds the values the encoder was sure of)."""
+            skip = set(left_out)
+            compiled = (i for i in range(len(batch)) if i not in skip)
+            index = next(itertools.islice(compiled, line - 1, None), None) if line > 0 else None
+            return batch.record(index) if index is not None else None
+
+        return self._write(part, encode, batch.records, at)
 
     def _write(
         self,
         part: PartId,
         encode: Callable[[], tuple[bytes, int, Sequence[Record]]],
         every: Callable[[], Sequence[Record]],
+        at: Callable[[int], Record | None] = lambda line: None,
     ) -> Sequence[Rejected]:
         """Write one batch: ``encode()`` gives the compiled COPY stream, how many records it
         holds, and the records left to convert here; ``every()`` all of them, for the careful
-        redo."""
+        redo; ``at(line)`` the record on a line of the compiled stream, for error messages."""
         op = self._open_part(part, "write")
         with op.lock:
             if op.broken is not None or op.conn is None:
@@ -997,6 +1017,12 @@ class PostgresSink(Sink):
                     if rows:
                         rejected.extend(self._write_rows(op.conn, self._groups(rows)))
             except _ENCODE_ERRORS as exc:
+                line = _copy_line(exc) if payload else None
+                met = at(line) if line is not None else None
+                if met is not None:
+                    # Rows sent the Python way name their record already (_send): a line left
+                    # unnamed is the compiled stream's.
+                    _mark(exc, met)
                 raise self._classify_write_error(op, exc) from exc
             op.records += n - len(rejected)
             op.rejected += len(rejected)
