@@ -157,7 +157,11 @@ def _columns(headers: list[str], rows: list[list[Any]]) -> None:
 def _when(ts_ms: int | None) -> str:
     if not ts_ms:
         return "-"
-    return datetime.fromtimestamp(ts_ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+    try:
+        moment = datetime.fromtimestamp(ts_ms / 1000, UTC)
+    except (OverflowError, OSError, ValueError):
+        return f"{ts_ms}ms"  # a sender's clock (or a message) no date can show: the raw value
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
 class _Spinner:

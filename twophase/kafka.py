@@ -21,7 +21,7 @@ from confluent_kafka import (
     Producer,
     TopicPartition,
 )
-from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType  # type: ignore[attr-defined]
 from confluent_kafka.cimpl import NewTopic
 
 from twophase.config import PipelineConfig
@@ -359,6 +359,18 @@ def create_topics(cfg: PipelineConfig, *, timeout_s: float = CALL_TIMEOUT_S) -> 
                     raise FatalError(f"cannot create topic {topic}: {exc.args[0].str()}") from None
     _wait_for_topics(admin, [t.topic for t in wanted], timeout_s)
     return result
+
+
+def topic_max_message_bytes(
+    cfg: PipelineConfig, topic: str, *, timeout_s: float = CALL_TIMEOUT_S
+) -> int | None:
+    """The ``max.message.bytes`` the broker enforces on ``topic`` (None when not found)."""
+    admin = AdminClient(client_settings(cfg, "admin"))
+    resource = ConfigResource(ResourceType.TOPIC, topic)
+    futures = admin.describe_configs([resource], request_timeout=timeout_s)
+    entries = futures[resource].result(timeout=timeout_s)
+    entry = entries.get("max.message.bytes")
+    return int(entry.value) if entry is not None and entry.value else None
 
 
 def _wait_for_topics(admin: AdminClient, topics: list[str], timeout_s: float) -> None:

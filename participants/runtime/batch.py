@@ -29,7 +29,7 @@ from participants.sdk import (
 )
 from twophase.config import PipelineConfig
 from twophase.errors import RetriableError
-from twophase.kafka import client_settings
+from twophase.kafka import client_settings, topic_max_message_bytes
 from twophase.observability import Metrics
 
 __all__ = [
@@ -120,13 +120,12 @@ def open_writers(
         if sinks is not None
         else build_sinks(cfg.sinks, pipeline=cfg.pipeline, participant=me, source=cfg.source_file)
     )
-    producer = Producer(
-        client_settings(
-            cfg,
-            "participant-producer",
-            **{"enable.idempotence": True, "acks": "all", "linger.ms": 5},
-        )
+    settings = client_settings(
+        cfg,
+        "participant-producer",
+        **{"enable.idempotence": True, "acks": "all", "linger.ms": 5},
     )
+    producer = Producer(settings)
     dlq = DeadLetters(
         producer,
         cfg.dead_letter_topic,
@@ -135,6 +134,8 @@ def open_writers(
         on_sent=lambda reason: metrics.dead_lettered.labels(
             cfg.pipeline, reason.split(":")[0][:40]
         ).inc(),
+        max_bytes=int(settings.get("message.max.bytes", 1_000_000)),
+        topic_limit=lambda: topic_max_message_bytes(cfg, cfg.dead_letter_topic),
     )
     return built, producer, dlq
 

@@ -36,6 +36,7 @@ class Record(NamedTuple):
     topic: str
     partition: int
     offset: int
+    #: Kafka's timestamp as it is (any int64; -1 when the record has none).
     timestamp_ms: int
     key: bytes | None
     value: dict[str, Any]

@@ -14,7 +14,8 @@ Life of a part:
 * ``begin``: create ``open/{token}/`` and hold an exclusive ``flock`` on its ``LOCK`` file for as
   long as this process owns the part. The kernel drops the lock when the process dies, which is
   how :meth:`FileSink.stale_parts` tells abandoned parts from live ones.
-* ``write``: records are grouped per output file (topic and UTC date of the record timestamp) and
+* ``write``: records are grouped per output file (topic and UTC date of the record timestamp; a
+  timestamp no date names -- none, or after 9999-12-31 -- goes under the null date) and
   buffered as Arrow tables (Parquet) or encoded lines (JSON Lines). A buffer that reaches
   ``max_file_records`` is written to a complete, fsynced file in the open directory; when all
   buffers together exceed ``max_buffered_records`` the largest is written early.
@@ -117,7 +118,8 @@ PREPARED_FILE = "PREPARED.json"
 LOCK_FILE = "LOCK"
 DOCUMENT_VERSION = 1
 
-#: What Hive and Spark read back as a null partition value: records without a timestamp.
+#: What Hive and Spark read back as a null partition value: records whose timestamp has no
+#: calendar date (none, or past 9999-12-31).
 NULL_DATE = "__HIVE_DEFAULT_PARTITION__"
 SOURCE_COLUMNS = ("_topic", "_partition", "_offset", "_timestamp_ms")
 
@@ -126,6 +128,9 @@ SOURCE_COLUMNS = ("_topic", "_partition", "_offset", "_timestamp_ms")
 _DISK_FULL_RETRY_S = 30.0
 
 _DAY_MS = 86_400_000
+#: The last day a ``date`` can name (9999-12-31), in days since the epoch. Kafka takes any
+#: int64 timestamp once a topic's ``message.timestamp.after.max.ms`` is raised.
+_LAST_DAY = (date.max - date(1970, 1, 1)).days
 _FATAL_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.EXDEV})
 _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 # link(2) fails with these where the file system has no hard links (or forbids them to us).
@@ -165,7 +170,8 @@ class FileSinkConfig(SinkConfig):
     format: Literal["parquet", "jsonl"] = "parquet"
     #: Parquet codec. Default snappy for Parquet; JSON Lines supports only ``none``.
     compression: Literal["snappy", "zstd", "none"] | None = None
-    #: ``topic+date``: ``{path}/{topic}/date=YYYY-MM-DD/`` (UTC date of the record timestamp).
+    #: ``topic+date``: ``{path}/{topic}/date=YYYY-MM-DD/`` (UTC date of the record timestamp;
+    #: ``date=__HIVE_DEFAULT_PARTITION__`` when it has none or is after 9999-12-31).
     partition_by: Literal["topic+date", "topic", "none"] = "topic+date"
     #: A file is closed and a new one started after this many records.
     max_file_records: int = Field(default=250_000, ge=1)
@@ -1045,9 +1051,10 @@ class FileSink(Sink):
         if mode == "topic":
             return (topic, None)
         ts = record.timestamp_ms
-        if ts < 0:
-            return (topic, NULL_DATE)
         day = ts // _DAY_MS
+        if ts < 0 or day > _LAST_DAY:
+            # No date names it: the null partition; ``_timestamp_ms`` keeps the exact value.
+            return (topic, NULL_DATE)
         text = self._dates.get(day)
         if text is None:
             if len(self._dates) > 4096:

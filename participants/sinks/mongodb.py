@@ -86,8 +86,14 @@ marker. They never show in :meth:`MongoSink.in_doubt` (not prepared). The runtim
 
 Sharded clusters: shard the target collection on ``_id`` (hashed is fine) -- the deterministic
 ``_id`` is the only field every write filters on -- and the staging collection on ``part``.
-Target collections with JSON-schema validators are not checked at write time: a document the
-validator refuses makes the commit fail with :class:`FatalSinkError`.
+Per-document refusals are found at write time, so they are rejected (dead-lettered), never met
+by a commit: a document over the BSON limit, field names MongoDB cannot store, and -- when the
+target can refuse a document by itself, i.e. it has a validator or a unique index besides
+``_id`` -- whatever the target refuses when the part's documents are tried on it in a MongoDB
+transaction that is then aborted (a duplicate key of a unique index, a validation failure,
+an index key too long). Checked against what is committed when the part writes: two parts in
+flight at once that both bring the same unique value can still meet at commit, which then fails
+naming the document.
 """
 
 from __future__ import annotations
@@ -293,6 +299,9 @@ class _OpenPart:
     uncertain: set[str] = field(default_factory=set)
     #: Record ids and first seq of the last write() that failed with a retriable error.
     failed: tuple[tuple[str, ...], int] | None = None
+    #: The target can refuse a document by itself (validator, unique index): write() tries
+    #: each batch on it first.
+    strict: bool = False
 
 
 class MongoSink(Sink):
@@ -489,8 +498,10 @@ class MongoSink(Sink):
                 part.token,
                 removed,
             )
+        with self._errors("begin", part.token, AbortTransactionError):
+            strict = self._target_refuses()
         with self._lock:
-            self._open = _OpenPart(part, pk)
+            self._open = _OpenPart(part, pk, strict=strict)
         self.log.debug("part %s: open", part.token)
 
     def check(self, records: Sequence[Record]) -> Sequence[Rejected]:
@@ -506,6 +517,56 @@ class MongoSink(Sink):
                 rejected.append(Rejected(record, str(exc), {"sink": self.name}))
         return rejected
 
+    def _target_refuses(self) -> bool:
+        """Whether the target can refuse a document by itself: a validator, or a unique index
+        besides ``_id`` (read once per part, so an index added later counts from the next)."""
+        db = self.client[self.cfg.database]
+        for info in db.list_collections(filter={"name": self.cfg.collection}):
+            if info.get("options", {}).get("validator"):
+                return True
+        return any(
+            ix.get("unique") and ix.get("name") != "_id_" for ix in self._target.list_indexes()
+        )
+
+    def _tried_on_target(self, op: _OpenPart, staged: list[RawBSONDocument]) -> dict[int, str]:
+        """Which of ``staged`` the target refuses, and why: each batch is written to the
+        target in a MongoDB transaction that is always aborted. A write error ends a
+        transaction, so each round finds one refused document and the rest are tried again."""
+        refused: dict[int, str] = {}
+        left = list(range(len(staged)))
+        target = self._target.with_options(codec_options=_RAW)
+        while left:
+            ops = [
+                ReplaceOne({"_id": staged[i]["doc"]["_id"]}, staged[i]["doc"], upsert=True)
+                for i in left
+            ]
+            with (
+                self._errors("write", op.part.token, AbortTransactionError),
+                self.client.start_session() as session,
+            ):
+                session.start_transaction()
+                try:
+                    target.bulk_write(ops, ordered=True, session=session)
+                    return refused
+                except BulkWriteError as exc:
+                    errors = exc.details.get("writeErrors", [])
+                finally:
+                    if session.in_transaction:
+                        session.abort_transaction()
+            mine = [e for e in errors if e.get("code") not in _RETRIABLE_CODES]
+            if not mine:
+                raise RetriableSinkError(
+                    f"write: part {op.part.token}: trying documents on the target: "
+                    f"{errors[0].get('errmsg') if errors else 'no write error reported'}",
+                    sink=self.name,
+                )
+            for e in mine:
+                refused[left[int(e["index"])]] = (
+                    f"MongoDB refused the document: {e.get('errmsg')} (code {e.get('code')})"
+                )
+            left = [i for i in left if i not in refused]
+        return refused
+
     def write(self, part: PartId, records: Sequence[Record]) -> Sequence[Rejected]:
         batch = tuple(r.record_id for r in records)
         with self._lock:
@@ -519,13 +580,23 @@ class MongoSink(Sink):
         base = seq
         rejected: list[Rejected] = []
         staged: list[RawBSONDocument] = []
+        staged_records: list[Record] = []
         for record in records:
             try:
                 staged.append(self._stage(op, record, seq))
             except _Reject as exc:
                 rejected.append(Rejected(record, str(exc), {"sink": self.name}))
                 continue
+            staged_records.append(record)
             seq += 1
+        if staged and op.strict:
+            refused = self._tried_on_target(op, staged)
+            if refused:
+                rejected.extend(
+                    Rejected(staged_records[i], why, {"sink": self.name})
+                    for i, why in sorted(refused.items())
+                )
+                staged = [doc for i, doc in enumerate(staged) if i not in refused]
         try:
             inserted, duplicates = self._insert_staged(op, staged) if staged else (0, [])
         except RetriableSinkError:
@@ -863,9 +934,11 @@ class MongoSink(Sink):
                     errors = exc.details.get("writeErrors", [])
                     others = [e for e in errors if e.get("code") != _DUPLICATE_KEY]
                     if others:
+                        # The staging ``_id`` ends with the record id: the record's coordinates.
+                        first = ids[int(others[0].get("index", 0))].rsplit("|", 1)[-1]
                         raise AbortTransactionError(
                             f"write: part {op.part.token}: {others[0].get('errmsg')} "
-                            f"({len(others)} documents refused)",
+                            f"(at record {first}; {len(others)} documents refused)",
                             sink=self.name,
                         ) from exc
                     if exc.details.get("writeConcernErrors"):

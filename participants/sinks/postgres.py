@@ -55,16 +55,19 @@ turns it off.
 Upserting at write time, not at prepare, means a part T+1 that writes a key the prepared part T
 holds waits for T's decision (the row lock), so parts always apply in order; and it means every
 refusal by the server surfaces in ``write``, where it can be returned as a rejection. When the
-server refuses rows for their data (SQLSTATE classes 21/22/23), the sink rolls back to the
-savepoint and bisects with nested savepoints until it has isolated them, rejects them with the
-server's reason and writes the rest. Any other failure rolls the whole write back, so a
-:class:`RetriableSinkError` from ``write`` leaves the part as it was and the call can be
-repeated.
+server refuses a row (any SQLSTATE class that is about one row: see ``_ROW_ERROR_CLASSES``), the
+sink rolls back to the savepoint and bisects with nested savepoints until it has isolated them,
+rejects them with the server's reason and writes the rest. Any other failure rolls the whole
+write back, so a :class:`RetriableSinkError` from ``write`` leaves the part as it was and the call
+can be repeated; its message names the record the server was at when it can be told (the COPY
+line, or the one row left when isolating).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import re
 import struct
 import threading
@@ -127,12 +130,17 @@ _MAX_IDLE = 2
 #: transaction slows every snapshot on the server until the part is decided.
 _WRITE_SAVEPOINT = sql.Identifier("twophase_write")
 _BATCH_SAVEPOINT = sql.Identifier("twophase_batch")
-#: SQLSTATE classes/codes that mean "this row's data", isolated per row and rejected:
-#: 22 data exception, 23 integrity violation, 21 cardinality (two rows of one upsert batch that
-#: PostgreSQL finds equal and Python did not, e.g. citext keys), P0001 a trigger's RAISE
-#: EXCEPTION (validation triggers are the usual source).
-_ROW_ERROR_CLASSES = ("21", "22", "23")
-_ROW_ERROR_CODES = frozenset({"P0001"})
+#: SQLSTATE classes that are about one row, isolated per row and rejected: 22 data exception,
+#: 23 integrity violation, 21 cardinality (two rows of one upsert batch that PostgreSQL finds
+#: equal and Python did not, e.g. citext keys), 54 program limit exceeded (an index row over the
+#: btree limit: a 3,000-character key), 44 WITH CHECK OPTION, 27 triggered data change, and
+#: what triggers and functions raise per row: P0 (PL/pgSQL RAISE, ASSERT), 2F (SQL routine),
+#: 38/39 (external routines). Not here, as they are about the part or the server: 40
+#: (serialization, deadlock: start over), 53 (resources: retried), 57/08 (operator, connection),
+#: 28/42 (configuration), XX/58 (server internals).
+_ROW_ERROR_CLASSES = ("21", "22", "23", "27", "2F", "38", "39", "44", "54", "P0")
+#: Where a COPY failed: ``COPY <table>, line <n>[, column ...]`` in the error's context.
+_COPY_LINE = re.compile(r"\bCOPY [^,]+, line (\d+)")
 #: Transient conditions after which the part survives (we roll back to the savepoint): lock
 #: timeout, statement timeout, out of resources. The runtime retries the same write.
 _RETRIABLE_CODES = frozenset({"55P03", "57014"})
@@ -392,7 +400,7 @@ def _sqlstate(exc: BaseException) -> str:
 
 def _is_row_error(exc: psycopg.Error) -> bool:
     state = _sqlstate(exc)
-    return state[:2] in _ROW_ERROR_CLASSES or state in _ROW_ERROR_CODES
+    return state[:2] in _ROW_ERROR_CLASSES
 
 
 #: What a failed COPY/merge can raise: the server's errors, and psycopg's when it cannot encode
@@ -415,6 +423,34 @@ def _is_lost(conn: Connection | None, exc: BaseException) -> bool:
         return True
     state = _sqlstate(exc)
     return state.startswith("08") or state in ("57P01", "57P02", "57P03")
+
+
+#: Attribute set on a server error: the record (``topic[partition]@offset``) it was raised at.
+_MET_RECORD = "twophase_record"
+
+
+def _copy_line(exc: BaseException) -> int | None:
+    """The 1-based COPY line a server error names in its context, if any."""
+    diag = getattr(exc, "diag", None)
+    found = _COPY_LINE.search(getattr(diag, "context", None) or "") if diag else None
+    return int(found.group(1)) if found else None
+
+
+def _mark(exc: BaseException, record: Record) -> None:
+    """Tell ``exc`` the record it met, unless it knows one already."""
+    if getattr(exc, _MET_RECORD, None):
+        return
+    # An exception type without a __dict__: the message just names no record.
+    with contextlib.suppress(AttributeError):
+        setattr(exc, _MET_RECORD, f"{record.topic}[{record.partition}]@{record.offset}")
+
+
+def _note_record(exc: BaseException, rows: Sequence[_Row]) -> None:
+    """Tell ``exc`` which of ``rows`` it met: the COPY line its context names, or the only
+    row; nothing when it cannot be told."""
+    line = _copy_line(exc) or (1 if len(rows) == 1 else None)
+    if line is not None and 0 < line <= len(rows) and rows[line - 1].records:
+        _mark(exc, rows[line - 1].records[-1])
 
 
 def _server_reason(exc: psycopg.Error) -> str:
@@ -936,23 +972,35 @@ class PostgresSink(Sink):
         if encoder is None:
             return super().write_raw(part, batch)
 
+        left_out: list[int] = []
+
         def encode() -> tuple[bytes, int, Sequence[Record]]:
             # The values the encoder was unsure of, decoded (None: not JSON, the runtime's).
             payload, unsure = encoder.encode(batch.values)
+            left_out[:] = unsure
             rest = [r for i in unsure if (r := batch.record(i)) is not None]
             return payload, len(batch) - len(unsure), rest
 
-        return self._write(part, encode, batch.records)
+        def at(line: int) -> Record | None:
+            """The record on 1-based ``line`` of the compiled stream (worked out only when an
+            error names a line: the stream holds the values the encoder was sure of)."""
+            skip = set(left_out)
+            compiled = (i for i in range(len(batch)) if i not in skip)
+            index = next(itertools.islice(compiled, line - 1, None), None) if line > 0 else None
+            return batch.record(index) if index is not None else None
+
+        return self._write(part, encode, batch.records, at)
 
     def _write(
         self,
         part: PartId,
         encode: Callable[[], tuple[bytes, int, Sequence[Record]]],
         every: Callable[[], Sequence[Record]],
+        at: Callable[[int], Record | None] = lambda line: None,
     ) -> Sequence[Rejected]:
         """Write one batch: ``encode()`` gives the compiled COPY stream, how many records it
         holds, and the records left to convert here; ``every()`` all of them, for the careful
-        redo."""
+        redo; ``at(line)`` the record on a line of the compiled stream, for error messages."""
         op = self._open_part(part, "write")
         with op.lock:
             if op.broken is not None or op.conn is None:
@@ -978,6 +1026,12 @@ class PostgresSink(Sink):
                     if rows:
                         rejected.extend(self._write_rows(op.conn, self._groups(rows)))
             except _ENCODE_ERRORS as exc:
+                line = _copy_line(exc) if payload else None
+                met = at(line) if line is not None else None
+                if met is not None:
+                    # Rows sent the Python way name their record already (_send): a line left
+                    # unnamed is the compiled stream's.
+                    _mark(exc, met)
                 raise self._classify_write_error(op, exc) from exc
             op.records += n - len(rejected)
             op.rejected += len(rejected)
@@ -994,22 +1048,21 @@ class PostgresSink(Sink):
 
     def _classify_write_error(self, op: _OpenPart, exc: BaseException) -> Exception:
         state = _sqlstate(exc)
+        met = getattr(exc, _MET_RECORD, None)
+        # The record the server was at, when it can be told: the operator's first lead.
+        detail = f"{str(exc).strip()} [SQLSTATE {state}]" + (f" [at record {met}]" if met else "")
         if _is_lost(op.conn, exc):
-            return self._fail(op, f"lost the PostgreSQL connection: {str(exc).strip()}", exc)
+            return self._fail(op, f"lost the PostgreSQL connection: {detail}", exc)
         if state in _RETRIABLE_CODES or state[:2] in _RETRIABLE_CLASSES:
             # _savepoint rolled the batch back: the part is as before this write.
-            return RetriableSinkError(
-                f"part {op.part.token}: {str(exc).strip()} [SQLSTATE {state}]", sink=self.name
-            )
+            return RetriableSinkError(f"part {op.part.token}: {detail}", sink=self.name)
         if state[:2] in _FATAL_CLASSES:
-            self._fail(op, str(exc).strip(), exc)
+            self._fail(op, detail, exc)
             return FatalSinkError(
-                f"part {op.part.token}: table {self.cfg.table}: {str(exc).strip()} "
-                f"[SQLSTATE {state}]",
-                sink=self.name,
+                f"part {op.part.token}: table {self.cfg.table}: {detail}", sink=self.name
             )
         # Class 40 (serialization failure, deadlock) and anything unexpected: start over.
-        return self._fail(op, f"{str(exc).strip()} [SQLSTATE {state}]", exc)
+        return self._fail(op, detail, exc)
 
     # -- conversion ------------------------------------------------------------------------
 
@@ -1190,6 +1243,13 @@ class PostgresSink(Sink):
 
     def _send(self, conn: Connection, mask: int, rows: list[_Row]) -> None:
         """COPY ``rows`` (all with ``mask``) into the target, or via the staging table."""
+        try:
+            self._send_rows(conn, mask, rows)
+        except _ENCODE_ERRORS as exc:
+            _note_record(exc, rows)
+            raise
+
+    def _send_rows(self, conn: Connection, mask: int, rows: list[_Row]) -> None:
         idx = self._columns_of(mask)
         copy_sql, merge_sql = self._statements_for(mask, idx)
         with conn.cursor() as cur:

@@ -207,6 +207,28 @@ def test_source_columns_and_dates(tmp_path: Path) -> None:
     assert rows[3]["id"] is None
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_timestamps_no_date_can_name_go_to_the_null_partition_exactly(
+    tmp_path: Path, fmt: str
+) -> None:
+    """Kafka takes any int64 timestamp once ``message.timestamp.after.max.ms`` is raised:
+    past 9999-12-31 a record still lands, under the null date, its timestamp kept exact."""
+    base = tmp_path / "out"
+    sink = make_sink(base, source_columns=True, format=fmt)
+    p = part(4)
+    last_day_ms = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z
+    stamps = [last_day_ms, last_day_ms + 1, 2**63 - 1, -1, 0]
+    records = [rec(i, ts=ts) for i, ts in enumerate(stamps)]
+    sink.begin(p)
+    assert sink.write(p, records) == []
+    sink.prepare(p, {("orders", 0): len(records)})
+    sink.commit(p)
+    days = {f.parent.name for f in visible_files(base)}
+    assert days == {"date=9999-12-31", "date=__HIVE_DEFAULT_PARTITION__", "date=1970-01-01"}
+    rows = parquet_rows(base) if fmt == "parquet" else jsonl_rows(base)
+    assert sorted((r["_offset"], r["_timestamp_ms"]) for r in rows) == list(enumerate(stamps))
+
+
 def test_empty_part_commits_a_manifest(tmp_path: Path) -> None:
     base = tmp_path / "out"
     sink = make_sink(base)

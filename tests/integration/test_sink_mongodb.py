@@ -740,6 +740,36 @@ def test_rejected_records_are_reported_and_the_rest_commit(
     assert {r.record.offset: r.reason for r in sink.check(records)} == reasons
 
 
+@pytest.mark.parametrize("mode", ["insert", "upsert"])
+def test_documents_the_target_refuses_are_rejected_at_write_and_the_rest_commit(
+    make_sink: MakeSink, db: Database[Doc], mode: str
+) -> None:
+    """A unique index besides _id and a validator: what the target would refuse at commit is
+    found at write and rejected, one by one, instead of failing the commit forever."""
+    db.create_collection(
+        "target",
+        validator={"$jsonSchema": {"properties": {"v": {"bsonType": ["int", "long"]}}}},
+    )
+    db.target.create_index("email", unique=True)
+    db.target.insert_one({"_id": "old", "id": -1, "email": "taken@x", "v": 0})
+    options: dict[str, Any] = {"mode": mode}
+    if mode == "upsert":
+        options["key"] = ["id"]
+    sink = make_sink(**options)
+    values = [{"id": i, "email": f"{i}@x", "v": i} for i in range(30)]
+    values[3] = {"id": 3, "email": "taken@x", "v": 3}  # unique index vs a committed document
+    values[11] = {"id": 11, "email": "2@x", "v": 11}  # unique index vs an earlier record
+    values[20] = {"id": 20, "email": "20@x", "v": "twenty"}  # the validator
+    records = [rec(i, v) for i, v in enumerate(values)]
+    rejected = run_part(sink, PartId("p1", 1, "w1"), records)
+    reasons = {r.record.offset: r.reason for r in rejected}
+    assert sorted(reasons) == [3, 11, 20], reasons
+    assert "11000" in reasons[3] and "11000" in reasons[11], reasons
+    assert "121" in reasons[20], reasons
+    stored = sorted(d["id"] for d in db.target.find({}, {"id": 1}))
+    assert stored == [-1] + [i for i in range(30) if i not in reasons]
+
+
 def test_insert_mode_rejects_own_id_and_non_objects(make_sink: MakeSink, db: Database[Doc]) -> None:
     sink = make_sink()
     records = [rec(0, {"_id": "mine", "v": 1}), rec(1, ["not", "an", "object"]), rec(2, {"v": 2})]
