@@ -11,9 +11,8 @@ a pipeline per example would take hours. The generation is seeded (:data:`SEED`,
 ``TWOPHASE_FUZZ_SEED`` environment variable), so a failure replays with the same records; the
 failing record's source coordinates are in the assertion message.
 
-Strategies marked AFTER_MERGE exercise failures fixed on other branches of #14 -- (4) dead
-letters larger than the producer's limit, (5) Kafka timestamps past year 9999, (6) PostgreSQL
-btree keys too long -- and are off until those land: set ``TWOPHASE_FUZZ_AFTER_MERGE=1``.
+Among the classes: dead letters larger than the producer's limit, Kafka timestamps past year
+9999 and negative ones, and PostgreSQL btree keys too long (#14 items 4-6).
 """
 
 from __future__ import annotations
@@ -47,7 +46,6 @@ from twophase.kafka import create_topics
 SEED = int(os.environ.get("TWOPHASE_FUZZ_SEED", "20261123"))
 #: Generated records (one Hypothesis example each); the pipeline runs once over all of them.
 RECORDS = int(os.environ.get("TWOPHASE_FUZZ_RECORDS", "500"))
-AFTER_MERGE = os.environ.get("TWOPHASE_FUZZ_AFTER_MERGE") == "1"
 #: The source topic's limit (Kafka's default message.max.bytes, ~1 MiB) and the participant's.
 TOPIC_LIMIT = 1_000_000
 MAX_RECORD_BYTES = 200_000
@@ -90,18 +88,20 @@ depths = st.one_of(st.just(0), st.just(0), st.just(0), st.integers(min_value=1, 
 timestamps = st.one_of(
     st.none(),
     st.integers(min_value=1, max_value=YEAR_10000_MS - 1),
-    *([st.integers(min_value=YEAR_10000_MS, max_value=2**63 - 1)] if AFTER_MERGE else []),
+    st.integers(min_value=YEAR_10000_MS, max_value=2**63 - 1),
+    # Kafka keeps a negative create time as sent (-1 means none).
+    st.integers(min_value=-(2**40), max_value=-1),
 )
-#: Value sizes: small, up to the participant's limit, past it; near the topic's limit only
-#: after the merge (a dead letter of such a value exceeds the producer's limit: item 4).
+#: Value sizes: small, up to the participant's limit, past it, and near the topic's limit (a
+#: dead letter of such a value exceeds the producer's limit: it is cut to fit).
 pad_sizes = st.one_of(
     st.just(0),
     st.integers(min_value=1, max_value=2_000),
     st.sampled_from([MAX_RECORD_BYTES - 200, MAX_RECORD_BYTES + 1]),
-    *([st.just(TOPIC_LIMIT - 2_000)] if AFTER_MERGE else []),
+    st.just(TOPIC_LIMIT - 2_000),
 )
-#: Text for PostgreSQL's indexed column: longer than a btree key only after the merge (item 6).
-indexed_text = st.one_of(any_text, *([st.just("k" * 9_000)] if AFTER_MERGE else []))
+#: Text for PostgreSQL's indexed column, sometimes longer than a btree key can hold.
+indexed_text = st.one_of(any_text, st.just("k" * 9_000))
 
 
 @st.composite
@@ -166,8 +166,7 @@ def pipeline(tmp_path: Path) -> Scenario:
     with psycopg.connect(s.pg_dsn, autocommit=True) as conn:
         conn.execute(f"DROP TABLE IF EXISTS {s.table}")
         conn.execute(f"CREATE TABLE {s.table} (id bigint NOT NULL, v jsonb, t text, n numeric)")
-        if AFTER_MERGE:
-            conn.execute(f"CREATE INDEX ON {s.table} (t)")
+        conn.execute(f"CREATE INDEX ON {s.table} (t)")
     MongoClient(s.mongo_uri).drop_database(s.table)
     create_topics(load_config(s.config_path))
     # Kafka 4 refuses timestamps more than an hour ahead by default: let the topic take any.
