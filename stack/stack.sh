@@ -610,7 +610,7 @@ main() {
   esac
 }
 
-# Sourced (by stack/connect.sh and stack/registry.sh, for the helpers and pins above): no command.
+# Sourced (by stack/connect.sh, for the helpers and pins above): run no command.
 if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
   main "$@"
 fi
