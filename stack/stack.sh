@@ -349,6 +349,10 @@ max_prepared_transactions = 100
 max_connections = 200
 # Lets the PostgreSQL sink tell when its last part was committed (twophase status).
 track_commit_timestamp = on
+# Logical decoding (pgoutput) for Debezium's PostgreSQL source (stack/connect.sh). The
+# defaults max_replication_slots = 10 and max_wal_senders = 10 leave room for several
+# connectors; the extra WAL is small next to the tests' own writes.
+wal_level = logical
 fsync = on
 synchronous_commit = on
 log_line_prefix = '%m [%p] %q%u@%d '
@@ -573,12 +577,18 @@ cmd_up() {
   mongo_start
   reaper_start
   write_env
+  # Optional services (stack/README.md): off by default so plain `make stack-up` stays fast.
+  if [[ ${TWOPHASE_STACK_CONNECT:-0} == 1 ]]; then
+    bash "$HERE/connect.sh" up
+  fi
   log "stack up in $((SECONDS - t0))s; settings in $STACK_DIR/stack.env"
   cmd_status
 }
 
 cmd_down() {
   lock
+  # Before Kafka: a worker that loses its broker retries noisily until it is stopped.
+  bash "$HERE/connect.sh" down
   reaper_stop
   mongo_stop TERM
   kafka_stop TERM
@@ -599,6 +609,7 @@ cmd_status() {
   status_line kafka "$(kafka_pid || true)" "$KAFKA_PORT" "$KAFKA_LOG"
   status_line postgres "$(pg_pid || true)" "$PG_PORT" "$PG_LOG"
   status_line mongo "$(mongo_pid || true)" "$MONGO_PORT" "$MONGO_LOG"
+  bash "$HERE/connect.sh" status
   local rp
   if rp=$(reaper_pid); then
     printf '%-9s up    pid %-8s %-16s log %s\n' reaper "$rp" "lifetime ${MONGO_TXN_LIFETIME_S}s" "$REAPER_LOG"
@@ -648,4 +659,7 @@ main() {
   esac
 }
 
-main "$@"
+# Sourced (by stack/connect.sh, for the helpers and pins above): run no command.
+if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
+  main "$@"
+fi
