@@ -23,6 +23,7 @@ __all__ = [
     "INT64_MIN",
     "BadValue",
     "describe",
+    "wrong",
     "json_text",
     "to_bool",
     "to_float",
@@ -56,7 +57,8 @@ def describe(value: Any) -> str:
     return type(value).__name__
 
 
-def _wrong(value: Any, expected: str) -> BadValue:
+def wrong(value: Any, expected: str) -> BadValue:
+    """The reason a value is not of the ``expected`` kind, for a refusal."""
     shown = repr(value)
     if len(shown) > 60:
         shown = shown[:57] + "..."
@@ -89,7 +91,7 @@ def to_integer(value: Any, low: int, high: int, type_name: str) -> int:
     if value.__class__ is int:  # the common case; bool (an int subclass) never matches it
         number = value
     elif isinstance(value, bool):
-        raise _wrong(value, "an integer")
+        raise wrong(value, "an integer")
     elif (
         isinstance(value, int)
         or (isinstance(value, float) and value.is_integer())
@@ -97,7 +99,7 @@ def to_integer(value: Any, low: int, high: int, type_name: str) -> int:
     ):
         number = int(value)
     else:
-        raise _wrong(value, "an integer")
+        raise wrong(value, "an integer")
     if not low <= number <= high:
         raise BadValue(f"{number} is out of range for {type_name}")
     return number
@@ -108,7 +110,7 @@ def to_float(value: Any) -> float:
     is converted to the nearest double (documented: a float column holds doubles); an integer
     too large for a double is refused."""
     if isinstance(value, bool):
-        raise _wrong(value, "a number")
+        raise wrong(value, "a number")
     if isinstance(value, float):
         return value
     if isinstance(value, int):
@@ -121,7 +123,7 @@ def to_float(value: Any) -> float:
             return float(value)
         except ValueError:
             pass
-    raise _wrong(value, "a number")
+    raise wrong(value, "a number")
 
 
 def to_bool(value: Any) -> bool:
@@ -130,4 +132,4 @@ def to_bool(value: Any) -> bool:
         return value
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
-    raise _wrong(value, "a boolean")
+    raise wrong(value, "a boolean")

@@ -94,27 +94,7 @@ class Column:
     max_length: int | None  # varchar(n)/char(n)
 
 
-def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
-
-
-def _wrong(value: Any, expected: str) -> BadValue:
-    shown = repr(value)
-    if len(shown) > 60:
-        shown = shown[:57] + "..."
-    return BadValue(f"expected {expected}, got {_type_name(value)} {shown}")
+_wrong = values.wrong
 
 
 def _int_converter(type_name: str) -> Converter:
