@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import yaml
 
 from tests.e2e.e2e_support import http_get, metric, scenario, scrape, start
@@ -106,8 +107,21 @@ def test_status_says_unhealthy_when_a_commit_stays_unapplied(tmp_path: Path) -> 
         assert st["pending_commits"], st
         late = [p for p in st["problems"] if "not applied by every participant" in p]
         assert len(late) == 1, st["problems"]
+        # A participant starting again applies the decided part (in-doubt resolution): nothing
+        # stays prepared -- a leftover would also hold up every later logical replication slot
+        # on this server (Debezium's CREATE_REPLICATION_SLOT waits for it).
+        start(c, "participant", "p-1")
+        wait_until(lambda: _prepared(s.pg_dsn, s.name) == 0, 120, "the pending commit applied")
     finally:
         c.stop_all()
+
+
+def _prepared(dsn: str, pipeline: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_prepared_xacts WHERE gid LIKE %s", (f"%{pipeline}~%",)
+        ).fetchone()
+    return int(row[0]) if row else 0
 
 
 class _StallingProxy:

@@ -124,7 +124,14 @@ def _wait_running(connect_url: str, name: str) -> None:
             if tasks and all(state == "RUNNING" for state in states):
                 return
         time.sleep(0.5)
-    pytest.fail(f"connector {name} not RUNNING after {CONNECTOR_TIMEOUT_S}s: {status}")
+    # Seen once: the task's start waited on CREATE_REPLICATION_SLOT, which PostgreSQL finishes
+    # only after every transaction open at that moment ends -- a prepared one left by an earlier
+    # test held it up for good.
+    pytest.fail(
+        f"connector {name} not RUNNING after {CONNECTOR_TIMEOUT_S}s: {status} (a task waits for "
+        "its logical replication slot, which waits for every open transaction: is anything "
+        "left in pg_prepared_xacts?)"
+    )
 
 
 def _debezium_config(pg_dsn: str, database: str) -> dict[str, str]:
