@@ -83,6 +83,11 @@ def json_text(value: Any) -> bytes:
         raise BadValue(f"cannot be written as JSON: {exc}") from None
 
 
+def _shown_int(number: int) -> str:
+    """An integer for a reason: whole when short (str() refuses past 4,300 digits anyway)."""
+    return str(number) if -(10**40) < number < 10**40 else "an integer of over 40 digits"
+
+
 def to_integer(value: Any, low: int, high: int, type_name: str) -> int:
     """An integer in ``low..high``: an integer, a float with no fraction (3.0 -> 3), or a string
     of ASCII digits with an optional sign ("12" -> 12; ids often travel as strings so that
@@ -97,11 +102,16 @@ def to_integer(value: Any, low: int, high: int, type_name: str) -> int:
         or (isinstance(value, float) and value.is_integer())
         or (isinstance(value, str) and _INT_STRING.match(value))
     ):
-        number = int(value)
+        try:
+            number = int(value)
+        except ValueError:  # digits past the interpreter's int() limit (4,300): far out of range
+            raise BadValue(
+                f"an integer of over 4,300 digits is out of range for {type_name}"
+            ) from None
     else:
         raise wrong(value, "an integer")
     if not low <= number <= high:
-        raise BadValue(f"{number} is out of range for {type_name}")
+        raise BadValue(f"{_shown_int(number)} is out of range for {type_name}")
     return number
 
 
