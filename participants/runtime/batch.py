@@ -227,10 +227,13 @@ def write_batch(
     decoded = decode_batch(msgs, max_record_bytes, decode=not raw_mode)
     dead: dict[tuple[str, int], int] = {}
     for m in retracted:
-        # Dead-lettered when it was refused; this try only accounts for it.
+        # Dead-lettered again on every try, not only when it was refused: that first letter may
+        # have failed delivery (the flush that failed the part cleared its error), and this try
+        # is the one whose flush the vote waits for. The DLQ is at-least-once by key.
         tp = (m.topic() or "", m.partition() or 0)
-        dead[tp] = dead.get(tp, 0) + 1
-        decoded.last[tp] = max(decoded.last.get(tp, -1), m.offset() or 0)
+        offset = m.offset() or 0
+        _dead_letter(dlq, m, retractions.reason(tp[0], tp[1], offset) or "retracted", txn, dead)
+        decoded.last[tp] = max(decoded.last.get(tp, -1), offset)
     for u in decoded.bad:
         _dead_letter(dlq, u.msg, u.reason, txn, dead)
     refused: dict[tuple[str, int], int] = {}
@@ -242,7 +245,9 @@ def write_batch(
         refuse(sink, rejected)
         for r in rejected:
             rec = r.record
-            retractions.add(rec.topic, rec.partition, rec.offset, r.reason)
+            retractions.add(
+                rec.topic, rec.partition, rec.offset, f"rejected by sink {sink.name}: {r.reason}"
+            )
         log.warning(
             "txn=%s sink %s refused %d record(s) the sinks before it stored; the part is "
             "aborted and re-read without them (first: %s)",
