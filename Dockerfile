@@ -37,6 +37,7 @@ COPY twophase ./twophase
 COPY coordinator ./coordinator
 COPY participants ./participants
 COPY jobs ./jobs
+COPY cli ./cli
 COPY control-topic ./control-topic
 # pip byte-compiles what it installs (the runtime root filesystem is read-only); `--help` fails
 # the build if the console script or an import is broken.

@@ -66,12 +66,12 @@ test-fast: venv
 # The main pipeline (generated orders, a participant killed mid-transaction), then the PySpark
 # order-totals job feeding a pipeline and the coordinated foreachBatch writer with a driver kill.
 demo: venv stack-up
-	$(PY) -m twophase.demo
-	$(PY) -m jobs.demo
+	$(PY) -m harness.demo
+	$(PY) -m harness.spark_demo
 
 # docs/config.md, every pipeline option, generated from the config models.
 config-doc: venv
-	$(PY) -m twophase.configdoc --write
+	$(PY) -m twophase.cli.configdoc --write
 
 bench: venv stack-up
 	$(PY) -m bench.run

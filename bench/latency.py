@@ -26,8 +26,8 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 from bench.throughput import Source, _cleanup, running, scenario
+from harness import record
 from twophase.config import load_config
-from twophase.harness import record
 from twophase.kafka import create_topics
 from twophase.protocol.codec import DecodeError, decode
 from twophase.protocol.messages import Decision, Outcome, Prepare

@@ -35,7 +35,7 @@ from typing import Any
 
 from bench import latency as lat
 from bench import throughput as tp
-from twophase.harness import load_stack_env
+from harness import load_stack_env
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SECTIONS = ("throughput", "ceiling", "mongo", "latency", "spark")

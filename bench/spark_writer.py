@@ -1,14 +1,14 @@
 """Rows per second of the coordinated ``foreachBatch`` writer against plain ``foreachBatch`` code.
 
 Same run, same SparkSession, same stream (order events from Kafka, parsed and enriched as in
-:mod:`jobs.orders_writer`), same PostgreSQL table layout, one fresh table per run:
+:mod:`twophase.jobs.orders_writer`), same PostgreSQL table layout, one fresh table per run:
 
 * ``plain-rows``    -- what people write by hand: ``df.foreachPartition`` over Rows, psycopg
                        ``COPY`` per partition, one local transaction each (at-least-once).
 * ``plain-json``    -- the same COPY, fed the JSON lines the coordinated writer uses, so the
                        difference to ``coordinated`` is the protocol and the sink's write path
                        (per-value conversion, savepoint, prepare), not the transport.
-* ``coordinated``   -- :func:`participants.spark.coordinated_writer` with one PostgreSQL sink:
+* ``coordinated``   -- :func:`twophase.participants.spark.coordinated_writer` with one PostgreSQL sink:
                        PREPARE, parts prepared on the executors, DECISION, COMMIT PREPARED,
                        COMPLETE (exactly-once, all-or-nothing).
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -39,10 +40,10 @@ import yaml
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
-from jobs.orders import enrich, order_events, produce_events, read_orders
-from jobs.orders_writer import ORDER_COLUMNS, orders_table_ddl, writer_config
-from participants.spark import _json_lines, coordinated_writer, load_spark_config
-from twophase.harness import load_stack_env
+from harness import load_stack_env
+from twophase.jobs.orders import enrich, order_events, produce_events, read_orders
+from twophase.jobs.orders_writer import ORDER_COLUMNS, orders_table_ddl, writer_config
+from twophase.participants.spark import _json_lines, coordinated_writer, load_spark_config
 
 COPY_COLUMNS = ", ".join(ORDER_COLUMNS)
 
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
         logging.getLogger("twophase.spark").setLevel(logging.INFO)
 
-    from jobs.session import local_session
+    from twophase.jobs.session import local_session
 
     env = load_stack_env()
     bootstrap, dsn = env["TWOPHASE_KAFKA_BOOTSTRAP"], env["TWOPHASE_PG_DSN"]
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     admin.create_topics([NewTopic(raw, num_partitions=2, replication_factor=1)])[raw].result()
     produce_events(bootstrap, raw, order_events(0, args.rows), partitions=2)
     workdir = Path(tempfile.mkdtemp(prefix="twophase-bench-spark-"))
+    os.environ.setdefault("TWOPHASE_SPARK_JARS", env.get("TWOPHASE_SPARK_JARS", ""))
     spark = local_session("twophase-bench-spark-writer")
     results: dict[str, list[dict[str, float]]] = {
         "plain-rows": [],

@@ -39,8 +39,8 @@ from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 from psycopg import sql
 
+from harness import Cluster, Scenario, control_summary, produce
 from twophase.config import load_config
-from twophase.harness import Cluster, Scenario, control_summary, produce
 from twophase.kafka import create_topics, retry_kafka
 
 #: Participants per pipeline run: one per core of the reference machine.

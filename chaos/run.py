@@ -16,7 +16,7 @@ Every dead process is restarted after a short delay, as a supervisor would. The 
 starts once the pipeline has recovered (commits again; bounded), so faults land on a working
 pipeline rather than on one still stalled by the previous fault. At the end the run waits for
 quiescence (committed group offsets == end offsets, every sink settled), reads the source topic
-and every sink directly (``twophase.harness.verify``: ids per sink, never the product's own
+and every sink directly (``harness.verify``: ids per sink, never the product's own
 bookkeeping) and writes ``chaos/results/latest.json``. Exit status 0 only when no sink lost,
 duplicated or left anything behind.
 """
@@ -45,8 +45,7 @@ from typing import Any
 import orjson
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
-from twophase.config import load_config
-from twophase.harness import (
+from harness import (
     Cluster,
     Scenario,
     SinkReport,
@@ -56,6 +55,7 @@ from twophase.harness import (
     record,
     verify,
 )
+from twophase.config import load_config
 from twophase.kafka import create_topics
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,6 +1,6 @@
 """The coordinator's decisions as a pure state machine: events in, actions out, no I/O.
 
-The Kafka adapter (:mod:`coordinator.runtime`) feeds it what happened -- leadership won or lost,
+The Kafka adapter (:mod:`twophase.coordinator.runtime`) feeds it what happened -- leadership won or lost,
 control messages read, the source partition set, timer ticks, whether a write landed -- and does
 what it returns. The deterministic simulator drives the very same class.
 

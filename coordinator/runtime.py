@@ -28,7 +28,8 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, OffsetSpec  # type: ignore[attr-defined]
 
-from coordinator.machine import (
+from twophase.config import PipelineConfig
+from twophase.coordinator.machine import (
     Action,
     Alarm,
     CaughtUp,
@@ -46,8 +47,7 @@ from coordinator.machine import (
     StepDown,
     Tick,
 )
-from coordinator.stall import StallWatch
-from twophase.config import PipelineConfig
+from twophase.coordinator.stall import StallWatch
 from twophase.errors import FatalError, FencedError, RetriableError
 from twophase.faults import crash_point
 from twophase.kafka import (

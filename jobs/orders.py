@@ -57,7 +57,7 @@ __all__ = [
     "totals_table_ddl",
 ]
 
-#: Fields of a raw order event, as ``twophase.harness.record()`` writes them.
+#: Fields of a raw order event, as ``harness.record()`` writes them.
 ORDER_SCHEMA = (
     "id BIGINT, customer STRING, amount DECIMAL(12,2), currency STRING, ts STRING, note STRING"
 )
@@ -83,7 +83,7 @@ def order_events(
     spacing_ms: int = 1000,
     jitter_ms: int = 5000,
 ) -> list[dict[str, Any]]:
-    """Order events shaped like ``twophase.harness.record()``, with event times that move forward
+    """Order events shaped like ``harness.record()``, with event times that move forward
     ``spacing_ms`` per order and arrive up to ``jitter_ms`` out of order. Few customers, so every
     window has several orders per customer and batches update each other's windows."""
     rng = random.Random(seed + start)

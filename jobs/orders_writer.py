@@ -1,16 +1,16 @@
 """Orders straight into a pipeline's sinks with the coordinated ``foreachBatch`` writer.
 
-The raw order events are parsed and enriched (:mod:`jobs.orders`) and every micro-batch is
+The raw order events are parsed and enriched (:mod:`twophase.jobs.orders`) and every micro-batch is
 written into all the sinks of a Spark pipeline (PostgreSQL, files, MongoDB, ...) as one
-transaction by :func:`participants.spark.coordinated_writer`: exactly once, all or nothing.
+transaction by :func:`twophase.participants.spark.coordinated_writer`: exactly once, all or nothing.
 
 Run as a process (the crash tests and the demo kill it and start it again)::
 
-    python -m jobs.orders_writer --config spark-pipeline.yaml --raw-topic orders.raw \\
+    python -m twophase.jobs.orders_writer --config spark-pipeline.yaml --raw-topic orders.raw \\
         --checkpoint /tmp/ck --max-offsets-per-trigger 500
 
 Exit status 0 when the query processed everything available and stopped, 1 when it failed (the
-error is printed; a :class:`~participants.spark.TwophaseBatchError` names the sink and reason).
+error is printed; a :class:`~twophase.participants.spark.TwophaseBatchError` names the sink and reason).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jobs.orders import enrich, read_orders
-from participants.spark import coordinated_writer, load_spark_config
+from twophase.jobs.orders import enrich, read_orders
+from twophase.participants.spark import coordinated_writer, load_spark_config
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -133,7 +133,7 @@ def writer_process(
     command = [
         sys.executable,
         "-m",
-        "jobs.orders_writer",
+        "twophase.jobs.orders_writer",
         "--config",
         str(config),
         "--raw-topic",
@@ -147,7 +147,7 @@ def writer_process(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.orders_writer", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m twophase.jobs.orders_writer", description=__doc__)
     ap.add_argument("--config", required=True)
     ap.add_argument("--bootstrap", default="")
     ap.add_argument("--raw-topic", required=True)
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
     logging.getLogger("py4j").setLevel(logging.WARNING)
-    from jobs.session import local_session
+    from twophase.jobs.session import local_session
 
     bootstrap = args.bootstrap or load_spark_config(args.config).kafka.bootstrap_servers
     spark = local_session("twophase-orders-writer")

@@ -6,8 +6,6 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from twophase.harness import load_stack_env
-
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
@@ -15,8 +13,9 @@ __all__ = ["connector_jars", "local_session"]
 
 
 def connector_jars() -> list[str]:
-    """The Kafka connector jars: ``$TWOPHASE_SPARK_JARS``, else the local stack's ``stack.env``."""
-    jars = os.environ.get("TWOPHASE_SPARK_JARS") or load_stack_env().get("TWOPHASE_SPARK_JARS", "")
+    """The Kafka connector jars, comma-separated in ``$TWOPHASE_SPARK_JARS`` (the local stack
+    writes them into its ``stack.env``; the demo and the benchmark export them from there)."""
+    jars = os.environ.get("TWOPHASE_SPARK_JARS", "")
     return [j for j in jars.split(",") if j]
 
 

@@ -1,6 +1,6 @@
 """Read a Spark pipeline's sinks directly and check them against the ids that were sent.
 
-Like :func:`twophase.harness.verify`, this never trusts the product's bookkeeping: it counts rows
+Like :func:`harness.verify`, this never trusts the product's bookkeeping: it counts rows
 in the stores, prepared transactions in ``pg_prepared_xacts``, staged documents and files.
 """
 
@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from participants.spark import virtual_topic
 from twophase.config import PipelineConfig
+from twophase.participants.spark import virtual_topic
 
 __all__ = ["SinkCheck", "check_sinks", "checks_json"]
 

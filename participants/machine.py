@@ -1,6 +1,6 @@
 """A participant's decisions as a pure state machine: events in, actions out, no I/O.
 
-The runtime (:mod:`participants.runtime`) has two threads and feeds both into this one machine
+The runtime (:mod:`twophase.participants.runtime`) has two threads and feeds both into this one machine
 under a lock: the *data* thread (source consumer, sink writes, prepares) and the *control* thread
 (control-topic reader, decision apply). Each action says which thread must run it.
 

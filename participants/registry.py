@@ -8,11 +8,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from participants.sdk import Sink, SinkContext
-from twophase.config import validation_error
+from twophase.config import PipelineConfig, check_kafka_settings, validation_error
 from twophase.errors import ConfigError
+from twophase.participants.sdk import Sink, SinkContext
 
-__all__ = ["ENTRY_POINT_GROUP", "available_sinks", "build_sinks", "sink_class"]
+__all__ = ["ENTRY_POINT_GROUP", "available_sinks", "build_sinks", "check_config", "sink_class"]
 
 ENTRY_POINT_GROUP = "twophase.sinks"
 
@@ -27,7 +27,7 @@ def sink_class(type_name: str) -> type[Sink]:
         if ep.name == type_name:
             cls = ep.load()
             if not (isinstance(cls, type) and issubclass(cls, Sink)):
-                raise ConfigError("type", f"{ep.value} is not a participants.sdk.Sink")
+                raise ConfigError("type", f"{ep.value} is not a twophase.participants.sdk.Sink")
             return cls
     known = ", ".join(sorted(available_sinks())) or "none"
     raise ConfigError("type", f"unknown sink type {type_name!r} (installed: {known})")
@@ -57,3 +57,15 @@ def build_sinks(
             # Names the field, masks any secret the message quotes (a DSN's password, say).
             raise validation_error(exc, prefix=f"sinks[{i}].", source=source) from None
     return sinks
+
+
+def check_config(cfg: PipelineConfig) -> PipelineConfig:
+    """``cfg`` once every sink section has passed its own sink's model (an unknown type, a
+    missing field) and every librdkafka passthrough setting has passed librdkafka: the one
+    validation every entry point runs before it acts. Builds the sinks without connecting and
+    drops them; :class:`ConfigError` names ``sinks[i].field``."""
+    build_sinks(
+        cfg.sinks, pipeline=cfg.pipeline, participant=cfg.participant_id, source=cfg.source_file
+    )
+    check_kafka_settings(cfg)
+    return cfg

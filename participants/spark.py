@@ -3,7 +3,7 @@ pipeline as one all-or-nothing transaction, exactly once across driver crashes a
 
 ::
 
-    from participants.spark import coordinated_writer
+    from twophase.participants.spark import coordinated_writer
 
     (df.writeStream
        .foreachBatch(coordinated_writer("orders-spark.yaml"))
@@ -38,7 +38,7 @@ How one micro-batch ``batchId`` is written (``docs/spark.md`` explains each choi
 
 Rows reach the sinks as the JSON objects Spark's ``to_json`` makes of them (nulls kept): the same
 values a participant would decode had the job written JSON to Kafka. Each row becomes a
-:class:`~participants.sdk.Record` on the virtual topic ``spark.<pipeline>``, partition = the
+:class:`~twophase.participants.sdk.Record` on the virtual topic ``spark.<pipeline>``, partition = the
 Spark partition index, offset = ``batchId * 10**10 + row index`` (unique across batches, so a
 MongoDB sink in insert mode gets distinct deterministic ``_id`` s).
 """
@@ -62,8 +62,11 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Produ
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
-from participants.registry import build_sinks
-from participants.sdk import (
+from twophase.config import PipelineConfig, load_yaml, parse_config
+from twophase.errors import AbortError, FatalError, FencedError, RetriableError
+from twophase.kafka import CALL_TIMEOUT_S, ControlReader, client_settings, commit_transaction
+from twophase.participants.registry import build_sinks
+from twophase.participants.sdk import (
     BackpressureError,
     PartId,
     Record,
@@ -72,9 +75,6 @@ from participants.sdk import (
     Sink,
     SinkError,
 )
-from twophase.config import PipelineConfig, load_yaml, parse_config
-from twophase.errors import AbortError, FatalError, FencedError, RetriableError
-from twophase.kafka import CALL_TIMEOUT_S, ControlReader, client_settings, commit_transaction
 from twophase.protocol.codec import encode, new_envelope
 from twophase.protocol.logview import LogView
 from twophase.protocol.messages import (

@@ -28,6 +28,7 @@ __all__ = [
     "ParticipantConfig",
     "PipelineConfig",
     "SourceConfig",
+    "check_kafka_settings",
     "load_config",
     "load_yaml",
     "parse_config",
@@ -156,7 +157,7 @@ class PipelineConfig(_Strict):
     participant: ParticipantConfig = ParticipantConfig()
     #: Metrics and health endpoints (section ``metrics``).
     metrics: MetricsConfig = MetricsConfig()
-    #: Each entry is validated by its sink's own model (see participants.registry).
+    #: Each entry is validated by its sink's own model (see twophase.participants.registry).
     sinks: list[dict[str, Any]] = Field(min_length=1)
     source_file: str = ""
 
@@ -344,21 +345,7 @@ def load_config(path: str | Path) -> PipelineConfig:
     return parse_config(load_yaml(path), source=str(path))
 
 
-def check_config(cfg: PipelineConfig) -> PipelineConfig:
-    """``cfg`` once every sink section has passed its own sink's model (an unknown type, a
-    missing field): the one validation every entry point runs before it acts. Builds the sinks
-    without connecting and drops them; :class:`ConfigError` names ``sinks[i].field``."""
-    # Here, not at import: the registry imports this module (for validation_error).
-    from participants.registry import build_sinks
-
-    build_sinks(
-        cfg.sinks, pipeline=cfg.pipeline, participant=cfg.participant_id, source=cfg.source_file
-    )
-    _check_kafka_settings(cfg)
-    return cfg
-
-
-def _check_kafka_settings(cfg: PipelineConfig) -> None:
+def check_kafka_settings(cfg: PipelineConfig) -> None:
     """librdkafka checks its settings when a client is made, not before: make a producer and a
     consumer with every passthrough setting, and no bootstrap servers so they connect to
     nothing. An unknown property or a bad value is a :class:`ConfigError` naming the section,

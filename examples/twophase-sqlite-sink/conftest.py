@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from twophase_sqlite import SqliteSink
 
-from participants.sdk.testkit import SinkFactory
+from twophase.participants.sdk.testkit import SinkFactory
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The participant process: drives :class:`~participants.machine.ParticipantMachine` with Kafka and
+"""The participant process: drives :class:`~twophase.participants.machine.ParticipantMachine` with Kafka and
 the configured sinks, on two threads.
 
 * The **data thread** owns the source consumer and the open part: it consumes batches, decodes
@@ -11,7 +11,7 @@ the configured sinks, on two threads.
 Both feed one machine under one lock. Actions for the other thread travel through a queue.
 """
 
-from participants.runtime.atleastonce import AtLeastOnceRuntime
-from participants.runtime.participant import ParticipantRuntime
+from twophase.participants.runtime.atleastonce import AtLeastOnceRuntime
+from twophase.participants.runtime.participant import ParticipantRuntime
 
 __all__ = ["AtLeastOnceRuntime", "ParticipantRuntime"]

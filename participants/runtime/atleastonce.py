@@ -20,7 +20,11 @@ from typing import Any, TypeVar
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
-from participants.runtime.batch import (
+from twophase.config import PipelineConfig
+from twophase.errors import RetriableError
+from twophase.kafka import CALL_TIMEOUT_S, client_settings, raise_fatal
+from twophase.observability import HealthServer, Metrics, txn_extra
+from twophase.participants.runtime.batch import (
     SOURCE_FETCH_DEFAULTS,
     SOURCE_GROUP_SETTINGS,
     STORE_WAIT_S,
@@ -31,11 +35,7 @@ from participants.runtime.batch import (
     retry_call,
     write_batch,
 )
-from participants.sdk import PartId, Sink, SinkError
-from twophase.config import PipelineConfig
-from twophase.errors import RetriableError
-from twophase.kafka import CALL_TIMEOUT_S, client_settings, raise_fatal
-from twophase.observability import HealthServer, Metrics, txn_extra
+from twophase.participants.sdk import PartId, Sink, SinkError
 
 __all__ = ["AtLeastOnceRuntime"]
 

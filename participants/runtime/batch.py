@@ -16,9 +16,13 @@ from typing import Any, TypeVar
 
 from confluent_kafka import Message, Producer
 
-from participants.registry import build_sinks
-from participants.runtime.deadletter import DeadLetters, decode_batch, message_key
-from participants.sdk import (
+from twophase.config import PipelineConfig
+from twophase.errors import RetriableError
+from twophase.kafka import client_settings, topic_max_message_bytes
+from twophase.observability import Metrics
+from twophase.participants.registry import build_sinks
+from twophase.participants.runtime.deadletter import DeadLetters, decode_batch, message_key
+from twophase.participants.sdk import (
     AbortTransactionError,
     BackpressureError,
     PartId,
@@ -27,10 +31,6 @@ from participants.sdk import (
     RetriableSinkError,
     Sink,
 )
-from twophase.config import PipelineConfig
-from twophase.errors import RetriableError
-from twophase.kafka import client_settings, topic_max_message_bytes
-from twophase.observability import Metrics
 
 __all__ = [
     "SOURCE_FETCH_DEFAULTS",

@@ -19,9 +19,9 @@ from typing import Any
 import orjson
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from participants.sdk import RawBatch, Record
 from twophase.errors import RetriableError
 from twophase.observability import txn_extra
+from twophase.participants.sdk import RawBatch, Record
 
 __all__ = ["DeadLetters", "Decoded", "decode_batch", "decode_message", "message_key"]
 

@@ -23,7 +23,22 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient
 
-from participants.machine import (
+from twophase.config import PipelineConfig
+from twophase.errors import FatalError, RetriableError, TwophaseError
+from twophase.faults import crash_point as _crash_point
+from twophase.faults import stalled
+from twophase.kafka import (
+    CALL_TIMEOUT_S,
+    ControlReader,
+    ControlWriter,
+    await_broker,
+    client_settings,
+    group_generation,
+    raise_fatal,
+    retry_kafka,
+)
+from twophase.observability import HealthServer, Metrics, log_context, txn_extra
+from twophase.participants.machine import (
     AbortPart,
     Action,
     Assigned,
@@ -52,7 +67,7 @@ from participants.machine import (
     WillWrite,
     Written,
 )
-from participants.runtime.batch import (
+from twophase.participants.runtime.batch import (
     SOURCE_FETCH_DEFAULTS,
     SOURCE_GROUP_SETTINGS,
     STORE_WAIT_S,
@@ -63,28 +78,13 @@ from participants.runtime.batch import (
     retry_call,
     write_batch,
 )
-from participants.sdk import (
+from twophase.participants.sdk import (
     FatalSinkError,
     PartId,
     Sink,
     SinkError,
     UnknownPartError,
 )
-from twophase.config import PipelineConfig
-from twophase.errors import FatalError, RetriableError, TwophaseError
-from twophase.faults import crash_point as _crash_point
-from twophase.faults import stalled
-from twophase.kafka import (
-    CALL_TIMEOUT_S,
-    ControlReader,
-    ControlWriter,
-    await_broker,
-    client_settings,
-    group_generation,
-    raise_fatal,
-    retry_kafka,
-)
-from twophase.observability import HealthServer, Metrics, log_context, txn_extra
 from twophase.protocol.messages import Outcome, Prepare
 
 __all__ = ["ParticipantRuntime"]

@@ -1,23 +1,23 @@
 """The public participant SDK: everything a sink needs, and nothing else.
 
-Built-in sinks (:mod:`participants.sinks`) import only from here. A third-party sink package
+Built-in sinks (:mod:`twophase.participants.sinks`) import only from here. A third-party sink package
 registers its class under the ``twophase.sinks`` entry-point group and becomes usable by its name
 in a pipeline's ``sinks[].type``.
 
-* :class:`Sink` -- the contract (:mod:`participants.sdk.sink` documents every rule).
+* :class:`Sink` -- the contract (:mod:`twophase.participants.sdk.sink` documents every rule).
 * :class:`BatchingSink` -- the contract built on six store operations, for stores with local
-  transactions but no two-phase commit (:mod:`participants.sdk.batching`).
-* the durable file-system steps of :mod:`participants.sdk.staging`, for sinks that stage files.
-* :mod:`participants.sdk.values` -- the value conversions the built-in sinks share
+  transactions but no two-phase commit (:mod:`twophase.participants.sdk.batching`).
+* the durable file-system steps of :mod:`twophase.participants.sdk.staging`, for sinks that stage files.
+* :mod:`twophase.participants.sdk.values` -- the value conversions the built-in sinks share
   (``docs/types.md``), so a record meets the same rule in every sink.
-* :mod:`participants.sdk.testkit` -- the conformance kit, a pytest plugin (imported on its own:
+* :mod:`twophase.participants.sdk.testkit` -- the conformance kit, a pytest plugin (imported on its own:
   it needs pytest, a sink at run time does not).
 
 Guide: ``docs/write-a-sink.md``.
 """
 
-from participants.sdk.batching import BatchingSink, PartMarker, PartState
-from participants.sdk.errors import (
+from twophase.participants.sdk.batching import BatchingSink, PartMarker, PartState
+from twophase.participants.sdk.errors import (
     AbortTransactionError,
     BackpressureError,
     FatalSinkError,
@@ -25,7 +25,7 @@ from participants.sdk.errors import (
     SinkError,
     UnknownPartError,
 )
-from participants.sdk.records import (
+from twophase.participants.sdk.records import (
     CommittedInfo,
     PartId,
     Positions,
@@ -34,8 +34,8 @@ from participants.sdk.records import (
     Rejected,
     TopicPartition,
 )
-from participants.sdk.sink import Sink, SinkConfig, SinkContext
-from participants.sdk.staging import (
+from twophase.participants.sdk.sink import Sink, SinkConfig, SinkContext
+from twophase.participants.sdk.staging import (
     discard_tree,
     fsync_dir,
     makedirs_durable,

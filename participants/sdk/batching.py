@@ -20,7 +20,7 @@ and leaves a subclass the store's own operations, each one local transaction:
 ===================================  ===========================================================
 
 Everything else -- ``begin``/``write``/``prepare``/``commit``/``abort``/``in_doubt``/``stale_parts``
--- comes from here and keeps the rules of :mod:`participants.sdk.sink`:
+-- comes from here and keeps the rules of :mod:`twophase.participants.sdk.sink`:
 
 * ``stage`` runs on the data thread while ``publish``/``discard``/``load_marker`` run on the
   control thread: use a connection per thread, or one connection under a lock.
@@ -42,15 +42,15 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from participants.sdk.errors import (
+from twophase.participants.sdk.errors import (
     AbortTransactionError,
     FatalSinkError,
     RetriableSinkError,
     SinkError,
     UnknownPartError,
 )
-from participants.sdk.records import PartId, Positions, Record, Rejected, TopicPartition
-from participants.sdk.sink import Sink, SinkConfig, SinkContext
+from twophase.participants.sdk.records import PartId, Positions, Record, Rejected, TopicPartition
+from twophase.participants.sdk.sink import Sink, SinkConfig, SinkContext
 
 __all__ = ["BatchingSink", "PartMarker", "PartState"]
 
@@ -63,7 +63,7 @@ class PartMarker:
     """What the store records about one part of one sink.
 
     ``positions`` and ``records`` are set by the prepare; ``publish`` stores the positions with
-    the data (for :meth:`~participants.sdk.Sink.committed_positions`).
+    the data (for :meth:`~twophase.participants.sdk.Sink.committed_positions`).
     """
 
     part: PartId

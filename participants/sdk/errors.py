@@ -11,7 +11,7 @@ The vocabulary follows librdkafka's transactional API on purpose:
   (``max_prepared_transactions = 0``, missing permissions). The process stops with this message.
 
 Per-record problems are not exceptions: :meth:`Sink.write` returns them as
-:class:`~participants.sdk.records.Rejected` so the runtime can dead-letter them and go on.
+:class:`~twophase.participants.sdk.records.Rejected` so the runtime can dead-letter them and go on.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Life cycle of one sink instance inside a participant process::
     commit(T) | abort(T)                     the coordinator's decision, on the control thread
     close()
 
-Rules a sink must keep (the conformance kit, :mod:`participants.sdk.testkit`, checks each one
+Rules a sink must keep (the conformance kit, :mod:`twophase.participants.sdk.testkit`, checks each one
 against the real store; ``docs/write-a-sink.md`` walks through writing a sink that passes it):
 
 **Parts.**
@@ -118,7 +118,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from participants.sdk.records import (
+from twophase.participants.sdk.records import (
     CommittedInfo,
     PartId,
     Positions,

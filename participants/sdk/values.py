@@ -2,7 +2,7 @@
 
 One place, so that a record meets the same rule in every sink that can apply it
 (``docs/types.md`` has the table per sink). Each function returns the converted value or raises
-:class:`BadValue` with a reason the sink turns into a :class:`~participants.sdk.Rejected`. None of
+:class:`BadValue` with a reason the sink turns into a :class:`~twophase.participants.sdk.Rejected`. None of
 them ever changes a value silently: a conversion either keeps the exact value (``"12"`` -> 12,
 ``3.0`` -> 3) or refuses (``3.5`` into an integer, ``2**64`` into a 64-bit integer).
 

@@ -3,7 +3,7 @@
 Each target column gets one converter, chosen from the column's base type at set-up. A converter
 takes the JSON value of the mapped field (never ``None``: SQL NULL is handled by the caller) and
 returns the Python value psycopg writes, or raises :class:`BadValue` with a reason that the sink
-turns into a :class:`~participants.sdk.Rejected`. Converting on the client keeps the common bad
+turns into a :class:`~twophase.participants.sdk.Rejected`. Converting on the client keeps the common bad
 input (a string where a number belongs) off the server, where every error costs a savepoint
 rollback; whatever we pass through unchecked the server still validates.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 from psycopg.types.json import Json, Jsonb
 
-from participants.sdk import values
+from twophase.participants.sdk import values
 
 __all__ = [
     "KNOWN_TYPES",

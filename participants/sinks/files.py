@@ -41,7 +41,7 @@ read ``manifests/*.json`` and load exactly the files they list for a transaction
 snapshot.
 
 Schema (Parquet): with ``schema`` configured, each record is checked against it (the SDK's
-shared conversion rules, :mod:`participants.sdk.values`) and a value that does not fit is
+shared conversion rules, :mod:`twophase.participants.sdk.values`) and a value that does not fit is
 returned as :class:`Rejected` naming the field; all files then share one schema. Without it, each
 column's type is decided when a file is written, from *all* of that file's values of the field,
 so no record is refused because of the records around it or their order (``docs/types.md``):
@@ -81,7 +81,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import Field, model_validator
 
-from participants.sdk import (
+from twophase.participants.sdk import (
     AbortTransactionError,
     BackpressureError,
     CommittedInfo,
@@ -99,7 +99,7 @@ from participants.sdk import (
     UnknownPartError,
     values,
 )
-from participants.sdk.staging import (
+from twophase.participants.sdk.staging import (
     discard_tree,
     fsync_dir,
     makedirs_durable,

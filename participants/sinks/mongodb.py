@@ -132,7 +132,7 @@ from pymongo.read_concern import ReadConcern
 from pymongo.read_preferences import ReadPreference
 from pymongo.write_concern import WriteConcern
 
-from participants.sdk import (
+from twophase.participants.sdk import (
     AbortTransactionError,
     BackpressureError,
     CommittedInfo,

@@ -83,7 +83,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pydantic import Field, SecretStr, ValidationInfo, field_validator
 
-from participants.sdk import (
+from twophase.participants.sdk import (
     AbortTransactionError,
     CommittedInfo,
     FatalSinkError,
@@ -100,7 +100,13 @@ from participants.sdk import (
     TopicPartition,
     UnknownPartError,
 )
-from participants.sinks._pgtypes import BadValue, Column, Converter, binary_type, converter_for
+from twophase.participants.sinks._pgtypes import (
+    BadValue,
+    Column,
+    Converter,
+    binary_type,
+    converter_for,
+)
 
 try:
     import twophase_native

@@ -2,7 +2,7 @@
 
 A few kill -9 faults -- a participant at a named crash point, a participant at a random time, the
 leading coordinator -- on ~20k records flowing into PostgreSQL, MongoDB and Parquet files, then
-an independent check of every sink (``twophase.harness.verify``). ``make chaos`` is the long run.
+an independent check of every sink (``harness.verify``). ``make chaos`` is the long run.
 """
 
 from __future__ import annotations

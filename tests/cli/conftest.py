@@ -18,11 +18,7 @@ import pytest
 from click.testing import CliRunner, Result
 from confluent_kafka import Producer
 
-from participants.registry import build_sinks
-from participants.sdk import PartId, Record, Sink
-from twophase.cli import main
-from twophase.config import PipelineConfig, load_config
-from twophase.harness import (
+from harness import (
     Cluster,
     Scenario,
     end_offsets,
@@ -31,7 +27,11 @@ from twophase.harness import (
     verify,
     wait_until,
 )
+from twophase.cli.main import main
+from twophase.config import PipelineConfig, load_config
 from twophase.kafka import create_topics
+from twophase.participants.registry import build_sinks
+from twophase.participants.sdk import PartId, Record, Sink
 from twophase.protocol.codec import encode, new_envelope
 from twophase.protocol.messages import Payload
 

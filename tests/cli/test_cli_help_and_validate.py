@@ -11,9 +11,9 @@ import click
 import pytest
 import yaml
 
+from harness import Scenario
 from tests.cli.conftest import run_cli
-from twophase.cli import main
-from twophase.harness import Scenario
+from twophase.cli.main import main
 
 
 def _commands(group: click.Group, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:

@@ -21,9 +21,9 @@ import pytest
 from confluent_kafka import Producer
 from pymongo import MongoClient
 
+from harness import wait_until
 from tests.cli.conftest import run_cli
 from twophase.config import load_config
-from twophase.harness import wait_until
 
 pytestmark = pytest.mark.stack
 
@@ -74,7 +74,7 @@ def _twophase(*args: str, cwd: Path, stack_dir: str) -> subprocess.CompletedProc
     # The stack the other tests use, however pytest was started (make exports
     # TWOPHASE_STACK_DIR; a bare pytest run finds <repo>/.stack, which is not the cwd here).
     return subprocess.run(
-        [sys.executable, "-m", "twophase.cli", *args],
+        [sys.executable, "-m", "twophase.cli.main", *args],
         cwd=cwd,
         env={**os.environ, "TWOPHASE_STACK_DIR": stack_dir},
         capture_output=True,
@@ -99,7 +99,7 @@ def test_a_first_pipeline_from_init_to_records_in_every_sink(
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "twophase.cli", role, "run", "pipeline.yaml"],
+            [sys.executable, "-m", "twophase.cli.main", role, "run", "pipeline.yaml"],
             cwd=tmp_path,
             env={**env, "TWOPHASE_PARTICIPANT_ID": f"{role}-1"},
             stdout=(tmp_path / f"{role}.log").open("wb"),

@@ -17,8 +17,8 @@ import psycopg
 import yaml
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
+from harness import Scenario, end_offsets, group_offsets
 from tests.cli.conftest import LivePipeline, pg_gids, prepare_pg_part, run_cli, run_json
-from twophase.harness import Scenario, end_offsets, group_offsets
 from twophase.protocol.codec import DecodeError, decode
 from twophase.protocol.messages import Decision, Outcome
 

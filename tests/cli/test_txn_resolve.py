@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from harness import Scenario
 from tests.cli.conftest import (
     new_scenario,
     pg_gids,
@@ -25,7 +26,6 @@ from tests.cli.conftest import (
     send_control,
 )
 from twophase.config import PipelineConfig, load_config
-from twophase.harness import Scenario
 from twophase.protocol.messages import Decision, Outcome, Part, Position, Prepare
 
 DEAD = "p-dead"

@@ -25,10 +25,10 @@ import psycopg
 import pytest
 import yaml
 
+from harness import Cluster, Scenario, load_stack_env, wait_until
 from tests.cli.conftest import run_cli
 from tests.e2e.e2e_support import scenario
 from tests.e2e.secure_broker import free_port
-from twophase.harness import Cluster, Scenario, load_stack_env, wait_until
 
 
 def _write(s: Scenario, raw: dict[str, Any]) -> Path:
@@ -143,7 +143,7 @@ def test_every_entry_point_rejects_what_validate_rejects(tmp_path: Path) -> None
     for role in ("coordinator", "participant"):
         try:
             done = subprocess.run(
-                [sys.executable, "-m", "twophase.cli", role, "run", str(path)],
+                [sys.executable, "-m", "twophase.cli.main", role, "run", str(path)],
                 capture_output=True,
                 text=True,
                 timeout=60,
@@ -166,7 +166,7 @@ def test_a_bad_librdkafka_setting_is_refused_by_every_entry_point(tmp_path: Path
     assert result.exit_code != 0 and field in result.output, result.output
     for role in ("coordinator", "participant"):
         done = subprocess.run(
-            [sys.executable, "-m", "twophase.cli", role, "run", str(path)],
+            [sys.executable, "-m", "twophase.cli.main", role, "run", str(path)],
             capture_output=True,
             text=True,
             timeout=60,

@@ -19,10 +19,10 @@ import pyarrow.parquet as pq
 import pytest
 from pymongo import MongoClient
 
-from participants.sdk.testkit import SinkConformance, SinkFactory
-from participants.sinks.files import FileSink
-from participants.sinks.mongodb import MongoSink
-from participants.sinks.postgres import PostgresSink
+from twophase.participants.sdk.testkit import SinkConformance, SinkFactory
+from twophase.participants.sinks.files import FileSink
+from twophase.participants.sinks.mongodb import MongoSink
+from twophase.participants.sinks.postgres import PostgresSink
 
 #: The kit's record values are {"id": str, "n": int, "text": str}; a refused one per store.
 NEGATIVE_N = {"id": "refused", "n": -1, "text": "a CHECK constraint refuses a negative n"}

@@ -17,7 +17,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from participants.sdk import (
+from twophase.participants.sdk import (
     AbortTransactionError,
     CommittedInfo,
     FatalSinkError,
@@ -32,7 +32,7 @@ from participants.sdk import (
     SinkError,
     UnknownPartError,
 )
-from participants.sdk.testkit import CASES, Kit, SinkConformance, SinkFactory
+from twophase.participants.sdk.testkit import CASES, Kit, SinkConformance, SinkFactory
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "twophase-sqlite-sink"
 if str(EXAMPLE) not in sys.path:  # also in the kit's crashing child, which re-imports this module

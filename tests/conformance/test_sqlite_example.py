@@ -52,7 +52,7 @@ def _run(site: Path, *args: str) -> str:
 
 
 def test_installed_sink_is_listed_by_the_cli(site: Path) -> None:
-    listed = json.loads(_run(site, "-m", "twophase.cli", "sinks", "list", "--json"))
+    listed = json.loads(_run(site, "-m", "twophase.cli.main", "sinks", "list", "--json"))
     assert listed["sqlite"] == "twophase_sqlite:SqliteSink"
     assert {"postgres", "mongodb", "files"} <= set(listed)
 
@@ -62,8 +62,8 @@ def test_installed_sink_works_through_the_registry(site: Path, tmp_path: Path) -
     script = textwrap.dedent(
         f"""
         import sqlite3
-        from participants.registry import build_sinks
-        from participants.sdk import PartId, Record
+        from twophase.participants.registry import build_sinks
+        from twophase.participants.sdk import PartId, Record
 
         db = {str(tmp_path / "orders.db")!r}
         raw = {{"name": "orders-db", "type": "sqlite", "path": db, "table": "orders",

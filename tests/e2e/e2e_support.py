@@ -1,7 +1,7 @@
 """Helpers shared by the bad-input and security end-to-end tests (not a test module).
 
 Everything here reads the real services: Prometheus text scraped from a process's own
-``/metrics``, records read back from Kafka topics, the sinks through ``twophase.harness.verify``.
+``/metrics``, records read back from Kafka topics, the sinks through ``harness.verify``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from tests.e2e.secure_broker import free_port
-from twophase.config import load_config
-from twophase.harness import (
+from harness import (
     Cluster,
     Scenario,
     SinkReport,
@@ -29,6 +27,8 @@ from twophase.harness import (
     verify,
     wait_until,
 )
+from tests.e2e.secure_broker import free_port
+from twophase.config import load_config
 from twophase.kafka import create_topics
 
 __all__ = [

@@ -13,8 +13,7 @@ from pathlib import Path
 
 from confluent_kafka import Consumer, Producer
 
-from twophase.config import load_config
-from twophase.harness import (
+from harness import (
     Cluster,
     Scenario,
     end_offsets,
@@ -23,6 +22,7 @@ from twophase.harness import (
     verify,
     wait_until,
 )
+from twophase.config import load_config
 from twophase.kafka import create_topics
 
 MAX_BATCH = 500

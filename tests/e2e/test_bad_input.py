@@ -17,6 +17,7 @@ import psycopg
 import pytest
 from confluent_kafka import Message, Producer
 
+from harness import Cluster, Scenario, control_summary, produce, wait_until
 from tests.e2e.e2e_support import (
     SKIPPED,
     dead_letters,
@@ -27,7 +28,6 @@ from tests.e2e.e2e_support import (
     start,
 )
 from twophase.config import load_config
-from twophase.harness import Cluster, Scenario, control_summary, produce, wait_until
 from twophase.kafka import create_topics
 from twophase.protocol.codec import AUTH_HEADER, _mac, encode, new_envelope
 from twophase.protocol.messages import Prepare

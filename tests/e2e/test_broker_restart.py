@@ -17,8 +17,8 @@ from pathlib import Path
 
 from confluent_kafka import KafkaException
 
+from harness import Cluster, Scenario, produce, wait_until
 from tests.e2e.e2e_support import caught_up, scenario, settle, start
-from twophase.harness import Cluster, Scenario, produce, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -21,10 +21,10 @@ import pytest
 from click.testing import CliRunner
 from confluent_kafka import Producer
 
+from harness import Cluster, Scenario, produce, wait_until
 from tests.e2e.e2e_support import SKIPPED, metric, scenario, scrape, settle, start
-from twophase.cli import main
+from twophase.cli.main import main
 from twophase.config import PipelineConfig, load_config
-from twophase.harness import Cluster, Scenario, produce, wait_until
 from twophase.protocol.codec import AUTH_HEADER, _mac, encode, new_envelope
 from twophase.protocol.messages import Checkpoint, Decision, Outcome, Payload, Prepare
 

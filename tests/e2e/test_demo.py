@@ -1,7 +1,7 @@
 """`make demo` end to end, through the same code, at a smaller size: the front door must not break
 without this test failing.
 
-Both halves run as `make demo` runs them (`python -m twophase.demo`, `python -m jobs.demo`) on
+Both halves run as `make demo` runs them (`python -m harness.demo`, `python -m harness.spark_demo`) on
 the local stack, with their crashes: a participant killed right after its 3rd vote, and the Spark
 writer's driver killed with every part of a batch prepared. Only the record counts are smaller.
 """
@@ -65,7 +65,7 @@ def _table(out: str, header: str) -> dict[str, tuple[int, ...]]:
 
 @pytest.mark.timeout(DEMO_TIMEOUT_S + 60)
 def test_twophase_demo_with_its_crash(tmp_path: Path) -> None:
-    out, elapsed = _run(["twophase.demo", "--records", str(DEMO_RECORDS)], DEMO_TIMEOUT_S, tmp_path)
+    out, elapsed = _run(["harness.demo", "--records", str(DEMO_RECORDS)], DEMO_TIMEOUT_S, tmp_path)
     assert "worker-0 killed with a prepared, undecided part" in out, out
     rows = _table(out, "sink ")
     assert set(rows) == {"pg", "mongo", "files"}, out
@@ -79,13 +79,15 @@ def test_twophase_demo_with_its_crash(tmp_path: Path) -> None:
             0,
         ), f"{sink}: {out}"
     assert "VERIFIED: every record exactly once in every sink" in out, out
-    print(f"twophase.demo --records {DEMO_RECORDS}: {elapsed:.0f}s")
+    print(f"harness.demo --records {DEMO_RECORDS}: {elapsed:.0f}s")
 
 
 @pytest.mark.spark
 @pytest.mark.timeout(SPARK_TIMEOUT_S + 60)
 def test_spark_demo_with_its_driver_kill(tmp_path: Path) -> None:
-    out, elapsed = _run(["jobs.demo", "--events", str(SPARK_EVENTS)], SPARK_TIMEOUT_S, tmp_path)
+    out, elapsed = _run(
+        ["harness.spark_demo", "--events", str(SPARK_EVENTS)], SPARK_TIMEOUT_S, tmp_path
+    )
     assert "driver SIGKILLed" in out, out
     rows = _table(out, "   sink ")
     assert set(rows) == {"pg", "mongo", "files"}, out
@@ -100,4 +102,4 @@ def test_spark_demo_with_its_driver_kill(tmp_path: Path) -> None:
         ), f"{sink}: {out}"
     assert "every order exactly once in every sink" in out, out
     assert "SPARK DEMO VERIFIED" in out, out
-    print(f"jobs.demo --events {SPARK_EVENTS}: {elapsed:.0f}s")
+    print(f"harness.spark_demo --events {SPARK_EVENTS}: {elapsed:.0f}s")

@@ -14,8 +14,8 @@ from typing import Any
 
 from pymongo import MongoClient
 
+from harness import Cluster, Scenario, end_offsets, produce, wait_until
 from tests.e2e.e2e_support import caught_up, metric, scenario, scrape, settle, start
-from twophase.harness import Cluster, Scenario, end_offsets, produce, wait_until
 
 KEEP = 5
 ROUNDS = 24
@@ -76,7 +76,7 @@ def test_sweeps_forget_old_markers_and_keep_what_status_and_recovery_need(
         )
         counts = _marker_counts(s)
         status = subprocess.run(
-            [sys.executable, "-m", "twophase.cli", "status", str(s.config_path), "--json"],
+            [sys.executable, "-m", "twophase.cli.main", "status", str(s.config_path), "--json"],
             capture_output=True,
             text=True,
             timeout=120,

@@ -12,12 +12,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from coordinator.runtime import CoordinatorRuntime
-from participants.runtime import ParticipantRuntime
+from harness import Cluster, Scenario, produce, wait_until
 from tests.e2e.e2e_support import http_get, metric, scenario, scrape, settle, start
 from twophase.config import load_config
-from twophase.harness import Cluster, Scenario, produce, wait_until
+from twophase.coordinator.runtime import CoordinatorRuntime
 from twophase.kafka import create_topics
+from twophase.participants.runtime import ParticipantRuntime
 
 
 def _get(port: int, path: str) -> tuple[int, str]:

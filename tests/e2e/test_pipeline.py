@@ -1,6 +1,6 @@
 """End to end on the real stack: coordinator and participant processes writing all three sinks.
 
-Every check reads the sinks and Kafka directly (twophase.harness.verify); nothing trusts the
+Every check reads the sinks and Kafka directly (harness.verify); nothing trusts the
 product's own bookkeeping.
 """
 
@@ -13,9 +13,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from tests.e2e.e2e_support import settle
-from twophase.config import load_config
-from twophase.harness import (
+from harness import (
     Cluster,
     Scenario,
     control_summary,
@@ -24,6 +22,8 @@ from twophase.harness import (
     summary_json,
     wait_until,
 )
+from tests.e2e.e2e_support import settle
+from twophase.config import load_config
 from twophase.kafka import create_topics
 
 
@@ -79,7 +79,7 @@ def test_100k_records_exactly_once_through_kills(tmp_path: Path) -> None:
 def test_deposed_coordinator_cannot_write_a_decision(tmp_path: Path) -> None:
     import threading
 
-    from coordinator.runtime import CoordinatorRuntime
+    from twophase.coordinator.runtime import CoordinatorRuntime
     from twophase.errors import FencedError
 
     s = _scenario(tmp_path, "fence", mongo=False, files=False, interval_ms=200)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import Cluster
 from tests.e2e.e2e_support import scenario
-from twophase.harness import Cluster
 
 
 @pytest.mark.parametrize(

@@ -21,9 +21,9 @@ from confluent_kafka import Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 from pymongo import MongoClient
 
+from harness import Cluster, produce
 from tests.e2e.e2e_support import dead_letters, scenario, settle, start
 from twophase.config import load_config
-from twophase.harness import Cluster, produce
 from twophase.kafka import create_topics
 
 #: The source topic's limit: larger than anything librdkafka's default producer sends.

@@ -25,9 +25,9 @@ from bson import Decimal128
 from confluent_kafka import Message, Producer
 from pymongo import MongoClient
 
+from harness import Cluster, Scenario, end_offsets, group_offsets, wait_until
 from tests.e2e.e2e_support import dead_letters, scenario, start
 from twophase.config import load_config
-from twophase.harness import Cluster, Scenario, end_offsets, group_offsets, wait_until
 from twophase.kafka import create_topics
 
 WIDE = 18446744073709551617  # 2**64 + 1: orjson alone decodes it as 1.8446744073709552e+19

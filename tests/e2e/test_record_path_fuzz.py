@@ -38,9 +38,9 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from pymongo import MongoClient
 
+from harness import Cluster, Scenario, end_offsets, group_offsets, wait_until
 from tests.e2e.e2e_support import dead_letters, scenario, start
 from twophase.config import load_config
-from twophase.harness import Cluster, Scenario, end_offsets, group_offsets, wait_until
 from twophase.kafka import create_topics
 
 SEED = int(os.environ.get("TWOPHASE_FUZZ_SEED", "20261123"))

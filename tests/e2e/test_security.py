@@ -31,6 +31,7 @@ import yaml
 from confluent_kafka import Consumer, Producer, TopicPartition
 from pymongo import MongoClient
 
+from harness import Cluster, Scenario, produce, record, verify, wait_until
 from tests.e2e.e2e_support import (
     SKIPPED,
     http_get,
@@ -43,7 +44,6 @@ from tests.e2e.e2e_support import (
 )
 from tests.e2e.secure_broker import SecureBroker
 from twophase.config import load_config
-from twophase.harness import Cluster, Scenario, produce, record, verify, wait_until
 from twophase.kafka import create_topics, retry_kafka
 from twophase.protocol.codec import DecodeError, decode, encode, new_envelope
 from twophase.protocol.messages import Decision, Outcome, Part, Position, Prepare, Vote
@@ -175,7 +175,7 @@ def pg_role(pg_dsn: str) -> Iterator[tuple[str, str]]:
 def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> tuple[int, str]:
     """A real ``twophase`` process; returns its exit status and stdout+stderr."""
     proc = subprocess.run(
-        [sys.executable, "-m", "twophase.cli", *args],
+        [sys.executable, "-m", "twophase.cli.main", *args],
         env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,

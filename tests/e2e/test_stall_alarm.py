@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from harness import Cluster, produce, wait_until
 from tests.e2e.e2e_support import http_get, metric, scenario, scrape, settle, start
-from twophase.harness import Cluster, produce, wait_until
 
 STALL_S = 3
 
@@ -85,7 +85,7 @@ def test_a_participant_that_votes_but_does_not_read_raises_the_stall_alarm(
 
 def _status(config: Path, exit_code: int = 0) -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, "-m", "twophase.cli", "status", str(config), "--json", "--no-sinks"],
+        [sys.executable, "-m", "twophase.cli.main", "status", str(config), "--json", "--no-sinks"],
         capture_output=True,
         text=True,
         timeout=120,

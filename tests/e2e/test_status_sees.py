@@ -25,8 +25,8 @@ from typing import Any
 import psycopg
 import yaml
 
+from harness import Cluster, load_stack_env, produce, wait_until
 from tests.e2e.e2e_support import http_get, metric, scenario, scrape, start
-from twophase.harness import Cluster, load_stack_env, produce, wait_until
 
 STALL_S = 3
 
@@ -34,7 +34,7 @@ STALL_S = 3
 def _status(config: Path, *extra: str, timeout_s: float = 120) -> tuple[int, dict[str, Any], float]:
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "twophase.cli", "status", str(config), "--json", *extra],
+        [sys.executable, "-m", "twophase.cli.main", "status", str(config), "--json", *extra],
         capture_output=True,
         text=True,
         timeout=timeout_s,

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import yaml
 
+from harness import Cluster, load_stack_env, produce, wait_until
 from tests.e2e.e2e_support import http_get, scenario, settle, start
-from twophase.harness import Cluster, load_stack_env, produce, wait_until
 
 #: participant.sink_retry_s in the test: the old code's give-up budget, made small.
 BUDGET_S = 2.0

@@ -13,12 +13,12 @@ from uuid import uuid4
 import pytest
 from confluent_kafka import Producer
 
-from participants.runtime.deadletter import DeadLetters
+from harness import Scenario
 from tests.e2e.e2e_support import read_topic
 from twophase.config import load_config
 from twophase.errors import RetriableError
-from twophase.harness import Scenario
 from twophase.kafka import topic_max_message_bytes
+from twophase.participants.runtime.deadletter import DeadLetters
 
 pytestmark = pytest.mark.stack
 

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from participants.sdk import (
+from twophase.participants.sdk import (
     AbortTransactionError,
     BackpressureError,
     FatalSinkError,
@@ -39,8 +39,8 @@ from participants.sdk import (
     SinkContext,
     UnknownPartError,
 )
-from participants.sinks import files as files_module
-from participants.sinks.files import FileSink
+from twophase.participants.sinks import files as files_module
+from twophase.participants.sinks.files import FileSink
 
 REPO = Path(__file__).resolve().parents[2]
 PIPELINE = "orders-pipe"
@@ -908,8 +908,8 @@ CHILD = textwrap.dedent(
     """
     import logging, os, sys, time
     sys.path.insert(0, {repo!r})
-    from participants.sdk import PartId, Record, SinkContext
-    from participants.sinks.files import FileSink
+    from twophase.participants.sdk import PartId, Record, SinkContext
+    from twophase.participants.sinks.files import FileSink
 
     mode, base, kill_at, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     context = SinkContext({pipeline!r}, "p0", "files", logging.getLogger("child"))

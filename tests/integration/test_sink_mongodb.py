@@ -29,7 +29,7 @@ from pymongo.collection import Collection
 from pymongo.database import Database
 from pymongo.errors import AutoReconnect
 
-from participants.sdk import (
+from twophase.participants.sdk import (
     AbortTransactionError,
     BackpressureError,
     FatalSinkError,
@@ -39,7 +39,7 @@ from participants.sdk import (
     SinkContext,
     UnknownPartError,
 )
-from participants.sinks.mongodb import MongoSink, MongoSinkConfig
+from twophase.participants.sinks.mongodb import MongoSink, MongoSinkConfig
 
 pytestmark = pytest.mark.stack
 
@@ -466,8 +466,8 @@ def test_threads_committing_one_part_take_turns(make_sink: MakeSink, db: Databas
 
 _COMMITTER = """
 import json, logging, random, sys, time
-from participants.sdk import BackpressureError, PartId, RetriableSinkError, SinkContext
-from participants.sinks.mongodb import MongoSink
+from twophase.participants.sdk import BackpressureError, PartId, RetriableSinkError, SinkContext
+from twophase.participants.sinks.mongodb import MongoSink
 
 raw, participant, token, mode = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 part = PartId.parse(token)
@@ -885,7 +885,7 @@ def test_a_server_internal_error_while_applying_a_decision_is_retried(make_sink:
     SecantusDB returns for write conflicts) must not end the process; elsewhere it still does."""
     from pymongo.errors import OperationFailure
 
-    from participants.sdk import FatalSinkError, RetriableSinkError
+    from twophase.participants.sdk import FatalSinkError, RetriableSinkError
 
     sink = make_sink()
     failure = OperationFailure("internal server error", code=1)

@@ -32,7 +32,7 @@ import psycopg
 import pytest
 from pydantic import ValidationError
 
-from participants.sdk import (
+from twophase.participants.sdk import (
     AbortTransactionError,
     FatalSinkError,
     PartId,
@@ -43,7 +43,7 @@ from participants.sdk import (
     SinkContext,
     UnknownPartError,
 )
-from participants.sinks.postgres import PostgresSink, PostgresSinkConfig
+from twophase.participants.sinks.postgres import PostgresSink, PostgresSinkConfig
 
 pytestmark = pytest.mark.stack
 
@@ -1101,8 +1101,8 @@ def test_prepared_parts_survive_a_server_crash(cluster_factory: Callable[..., Cl
 
 _CRASHING_CHILD = """
 import logging, os, signal, sys
-from participants.sdk import PartId, Record, SinkContext
-from participants.sinks.postgres import PostgresSink
+from twophase.participants.sdk import PartId, Record, SinkContext
+from twophase.participants.sinks.postgres import PostgresSink
 
 dsn, table, pipeline, sink_name = sys.argv[1:5]
 context = SinkContext(pipeline, "child", sink_name, logging.getLogger("child"))

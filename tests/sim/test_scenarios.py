@@ -3,7 +3,7 @@ a commit cycle, then drives the world to quiescence and checks every guarantee."
 
 from __future__ import annotations
 
-from coordinator.machine import Phase
+from twophase.coordinator.machine import Phase
 from twophase.protocol.messages import Decision, Outcome, Prepare, Vote
 
 from .world import COMMITTED, PREPARED, Params, Participant, World

@@ -2,8 +2,8 @@
 
 One ``random.Random(seed)`` drives everything: which process moves next, message delays, record
 arrivals, rebalances, crashes, failovers and sink failures. The very same machines that run in
-production (:class:`coordinator.machine.CoordinatorMachine`,
-:class:`participants.machine.ParticipantMachine`) are driven the way their runtimes drive them;
+production (:class:`twophase.coordinator.machine.CoordinatorMachine`,
+:class:`twophase.participants.machine.ParticipantMachine`) are driven the way their runtimes drive them;
 only Kafka, the consumer group and the sinks are replaced by small in-memory models.
 
 A run has two phases. The *fault* phase takes random steps with faults switched on. The
@@ -70,8 +70,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator import machine as cm
-from participants import machine as pm
+from twophase.coordinator import machine as cm
+from twophase.participants import machine as pm
 from twophase.protocol.logview import LogView
 from twophase.protocol.messages import (
     Applied,

@@ -1,6 +1,6 @@
 """The coordinated ``foreachBatch`` writer with real Spark on the real stack.
 
-Every check reads the stores directly (:func:`jobs.verify.check_sinks`): rows per id, prepared
+Every check reads the stores directly (:func:`twophase.jobs.verify.check_sinks`): rows per id, prepared
 transactions in ``pg_prepared_xacts``, staged documents and files.
 """
 
@@ -18,13 +18,18 @@ import pytest
 import yaml
 from pyspark.errors import StreamingQueryException
 
-from jobs.orders import order_events
-from jobs.orders_writer import orders_table_ddl, start_orders_writer, writer_config, writer_process
-from jobs.verify import check_sinks, checks_json
-from participants.spark import PipelineOwnerError, coordinated_writer, load_spark_config
 from tests.spark.helpers import REPO, produce_to, read_topic
 from twophase.errors import FencedError
+from twophase.jobs.orders import order_events
+from twophase.jobs.orders_writer import (
+    orders_table_ddl,
+    start_orders_writer,
+    writer_config,
+    writer_process,
+)
+from twophase.jobs.verify import check_sinks, checks_json
 from twophase.kafka import ControlReader
+from twophase.participants.spark import PipelineOwnerError, coordinated_writer, load_spark_config
 from twophase.protocol.codec import decode
 from twophase.protocol.messages import Checkpoint, Decision, Outcome, Prepare
 

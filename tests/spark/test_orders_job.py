@@ -14,16 +14,16 @@ from typing import Any
 import psycopg
 import pytest
 
-from jobs.demo import deliver_totals, totals_pipeline
-from jobs.orders import (
+from harness import Scenario
+from harness.spark_demo import deliver_totals, totals_pipeline
+from tests.spark.helpers import read_topic
+from twophase.jobs.orders import (
     expected_totals,
     order_events,
     produce_events,
     rewind_checkpoint,
     start_order_totals,
 )
-from tests.spark.helpers import read_topic
-from twophase.harness import Scenario
 
 pytestmark = [pytest.mark.stack, pytest.mark.spark]
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import coordinator.machine as cm
-import participants.machine as pm
+import twophase.coordinator.machine as cm
+import twophase.participants.machine as pm
 from twophase.protocol.codec import decode, encode, new_envelope
 from twophase.protocol.logview import LogView
 from twophase.protocol.messages import Envelope, Payload

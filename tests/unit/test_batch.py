@@ -12,10 +12,17 @@ import orjson
 import pytest
 from confluent_kafka import Message
 
-from participants.runtime.batch import Retractions, write_batch
-from participants.runtime.deadletter import DeadLetters, decode_batch, decode_message
-from participants.sdk import AbortTransactionError, PartId, RawBatch, Record, Rejected, Sink
 from twophase.observability import Metrics
+from twophase.participants.runtime.batch import Retractions, write_batch
+from twophase.participants.runtime.deadletter import DeadLetters, decode_batch, decode_message
+from twophase.participants.sdk import (
+    AbortTransactionError,
+    PartId,
+    RawBatch,
+    Record,
+    Rejected,
+    Sink,
+)
 
 
 def msg(partition: int, offset: int, value: Any, topic: str = "orders") -> Message:

@@ -9,9 +9,9 @@ import pytest
 import yaml
 from pydantic import BaseModel, ValidationError, field_validator, model_validator
 
-from participants.registry import build_sinks
 from twophase.config import load_config, parse_config, redact, validation_error
 from twophase.errors import ConfigError
+from twophase.participants.registry import build_sinks
 
 BASE = {
     "pipeline": "orders",

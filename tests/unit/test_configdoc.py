@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from participants.registry import available_sinks
-from twophase import configdoc
+from twophase.cli import configdoc
 from twophase.config import PipelineConfig
+from twophase.participants.registry import available_sinks
 
 
 def _all_rows() -> list[configdoc.Row]:
@@ -23,7 +23,7 @@ def test_the_page_is_current() -> None:
     page = configdoc.DOC_PATH.read_text() if configdoc.DOC_PATH.exists() else ""
     assert page == configdoc.render(), (
         f"{configdoc.DOC_PATH} is stale (a config model changed): run `{configdoc.REGENERATE}` "
-        "(python -m twophase.configdoc --write) and commit the page"
+        "(python -m twophase.cli.configdoc --write) and commit the page"
     )
 
 

@@ -24,8 +24,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import coordinator.machine as cm
-import participants.machine as pm
+import twophase.coordinator.machine as cm
+import twophase.participants.machine as pm
 from tests.unit.control_run import KEY, PIPELINE, recover, valid_run
 from twophase.protocol.codec import AUTH_HEADER, DecodeError, _mac, decode
 from twophase.protocol.messages import (

@@ -11,8 +11,8 @@ from typing import Any
 import orjson
 import pytest
 
-import coordinator.machine as cm
-import participants.machine as pm
+import twophase.coordinator.machine as cm
+import twophase.participants.machine as pm
 from tests.unit.control_run import KEY, PIPELINE, fold, recover, valid_run, wire
 from twophase.protocol.codec import AUTH_HEADER, DecodeError, _mac, decode, encode, new_envelope
 from twophase.protocol.logview import LogView

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coordinator.machine import (
+from twophase.coordinator.machine import (
     Alarm,
     CaughtUp,
     CoordinatorMachine,

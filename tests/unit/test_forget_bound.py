@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 
-from participants.machine import (
+from twophase.config import parse_config
+from twophase.errors import ConfigError
+from twophase.participants.machine import (
     CaughtUp,
     ParticipantMachine,
     ParticipantSettings,
@@ -15,8 +17,6 @@ from participants.machine import (
     Sweep,
     Tick,
 )
-from twophase.config import parse_config
-from twophase.errors import ConfigError
 from twophase.protocol.messages import (
     Applied,
     Checkpoint,

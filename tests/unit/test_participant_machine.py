@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from participants.machine import (
+from twophase.participants.machine import (
     AbortPart,
     Action,
     Assigned,

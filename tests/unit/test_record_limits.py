@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from participants.runtime.deadletter import fit_letter
-from twophase.cli import _when
+from twophase.cli.main import _when
+from twophase.participants.runtime.deadletter import fit_letter
 
 KEY = b"orders:0:7"
 

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 from pydantic import model_validator
 
-import participants.registry as registry
-from participants.registry import build_sinks
-from participants.sdk import Sink, SinkConfig
+import twophase.participants.registry as registry
 from twophase.errors import ConfigError
+from twophase.participants.registry import build_sinks
+from twophase.participants.sdk import Sink, SinkConfig
 
 DSN_SECRET = "hunter2-dsn-4f1c"
 PASSWORD_SECRET = "hunter2-pw-9b7e"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coordinator.stall import StallWatch
+from twophase.coordinator.stall import StallWatch
 
 A, B = ("orders", 0), ("orders", 1)
 

@@ -9,11 +9,12 @@ from collections.abc import Callable
 
 import pytest
 
-from participants.runtime.batch import STORE_WAIT_S, retry_call
-from participants.sdk import RetriableSinkError
-from twophase.config import check_config, parse_config
+from twophase.config import parse_config
 from twophase.errors import ConfigError, RetriableError
 from twophase.observability import HealthServer, Metrics
+from twophase.participants.registry import check_config
+from twophase.participants.runtime.batch import STORE_WAIT_S, retry_call
+from twophase.participants.sdk import RetriableSinkError
 
 BASE = {
     "pipeline": "p",

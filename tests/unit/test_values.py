@@ -10,7 +10,7 @@ from typing import Any
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from participants.sdk import values
+from twophase.participants.sdk import values
 
 INT64 = (values.INT64_MIN, values.INT64_MAX)
 

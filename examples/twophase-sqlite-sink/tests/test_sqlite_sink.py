@@ -1,6 +1,6 @@
 """The conformance kit against the SQLite sink (fixture: ``twophase_sink_factory`` in conftest)."""
 
-from participants.sdk.testkit import SinkConformance
+from twophase.participants.sdk.testkit import SinkConformance
 
 
 class TestSqliteSink(SinkConformance):

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from participants import sdk
+from twophase.participants import sdk
 
 __all__ = ["SqliteSink", "SqliteSinkConfig"]
 

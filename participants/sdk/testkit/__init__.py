@@ -3,7 +3,7 @@
 A sink author writes one fixture and one class::
 
     import pytest
-    from participants.sdk.testkit import SinkConformance, SinkFactory
+    from twophase.participants.sdk.testkit import SinkConformance, SinkFactory
 
     @pytest.fixture
     def twophase_sink_factory(tmp_path) -> SinkFactory:
@@ -25,9 +25,11 @@ import pytest
 
 # Before the imports below: a failed case then shows both sides of its comparison, as in a test
 # module (pytest rewrites plugin modules only when it can list the installed files).
-pytest.register_assert_rewrite("participants.sdk.testkit.kit", "participants.sdk.testkit.suite")
+pytest.register_assert_rewrite(
+    "twophase.participants.sdk.testkit.kit", "twophase.participants.sdk.testkit.suite"
+)
 
-from participants.sdk.testkit.kit import TOPIC, Kit, SinkFactory, record, records  # noqa: E402
-from participants.sdk.testkit.suite import CASES, SinkConformance  # noqa: E402
+from twophase.participants.sdk.testkit.kit import TOPIC, Kit, SinkFactory, record, records  # noqa: E402
+from twophase.participants.sdk.testkit.suite import CASES, SinkConformance  # noqa: E402
 
 __all__ = ["CASES", "TOPIC", "Kit", "SinkConformance", "SinkFactory", "record", "records"]

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from participants.sdk.records import PartId
-from participants.sdk.sink import Sink, SinkContext
-from participants.sdk.testkit.kit import positions_of, record
+from twophase.participants.sdk.records import PartId
+from twophase.participants.sdk.sink import Sink, SinkContext
+from twophase.participants.sdk.testkit.kit import positions_of, record
 
 
 def run(

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
-from participants.sdk.errors import SinkError
-from participants.sdk.records import PartId, Positions, Record, Rejected
-from participants.sdk.sink import Sink, SinkContext
+from twophase.participants.sdk.errors import SinkError
+from twophase.participants.sdk.records import PartId, Positions, Record, Rejected
+from twophase.participants.sdk.sink import Sink, SinkContext
 
 __all__ = ["TOPIC", "Kit", "SinkFactory", "record", "records"]
 
@@ -144,7 +144,7 @@ class Kit:
         ``prepared`` is ``(txn, records)``; ``open_`` is ``(txn, count)`` records written from
         offset ``10_000 * txn``. The process dies without closing anything, like a real crash.
         """
-        from participants.sdk.testkit import _crash
+        from twophase.participants.sdk.testkit import _crash
 
         ctx = multiprocessing.get_context("spawn")
         reader, writer = ctx.Pipe(duplex=False)

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from participants.sdk.testkit.kit import Kit, SinkFactory
-from participants.sdk.testkit.suite import CASES, SinkConformance
+from twophase.participants.sdk.testkit.kit import Kit, SinkFactory
+from twophase.participants.sdk.testkit.suite import CASES, SinkConformance
 
 MARKER = "twophase_sinkkit"
 
@@ -29,7 +29,7 @@ def twophase_kit(twophase_sink_factory: SinkFactory) -> Iterator[Kit]:
     if not isinstance(twophase_sink_factory, SinkFactory):
         raise pytest.UsageError(
             "the twophase_sink_factory fixture must return a "
-            f"participants.sdk.testkit.SinkFactory, not {type(twophase_sink_factory).__name__}"
+            f"twophase.participants.sdk.testkit.SinkFactory, not {type(twophase_sink_factory).__name__}"
         )
     kit = Kit(twophase_sink_factory)
     try:

@@ -1,4 +1,4 @@
-"""The conformance cases. Each one states a rule of :mod:`participants.sdk.sink` and checks it
+"""The conformance cases. Each one states a rule of :mod:`twophase.participants.sdk.sink` and checks it
 against the real store through the author's ``committed_ids`` -- what a reader sees -- never
 through the sink's own bookkeeping."""
 
@@ -14,10 +14,10 @@ from typing import ClassVar
 import orjson
 import pytest
 
-from participants.sdk.errors import FatalSinkError, SinkError, UnknownPartError
-from participants.sdk.records import RawBatch, Record
-from participants.sdk.sink import Sink
-from participants.sdk.testkit.kit import TOPIC, Kit, ids, positions_of, record, records
+from twophase.participants.sdk.errors import FatalSinkError, SinkError, UnknownPartError
+from twophase.participants.sdk.records import RawBatch, Record
+from twophase.participants.sdk.sink import Sink
+from twophase.participants.sdk.testkit.kit import TOPIC, Kit, ids, positions_of, record, records
 
 __all__ = ["CASES", "SinkConformance"]
 

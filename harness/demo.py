@@ -14,8 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
-from twophase.config import load_config
-from twophase.harness import (
+from harness import (
     Cluster,
     Scenario,
     control_summary,
@@ -25,11 +24,12 @@ from twophase.harness import (
     verify,
     wait_until,
 )
+from twophase.config import load_config
 from twophase.kafka import create_topics
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m twophase.demo", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m harness.demo", description=__doc__)
     ap.add_argument("--records", type=int, default=50_000)
     ap.add_argument("--participants", type=int, default=2)
     ap.add_argument("--workdir", default="")

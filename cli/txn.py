@@ -26,8 +26,11 @@ from typing import Any, TypeVar
 from confluent_kafka import OFFSET_BEGINNING, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from participants.registry import build_sinks
-from participants.sdk import (
+from twophase.config import PipelineConfig
+from twophase.errors import ConfigError, FatalError, RetriableError, TwophaseError
+from twophase.kafka import CALL_TIMEOUT_S, ControlReader, client_settings
+from twophase.participants.registry import build_sinks
+from twophase.participants.sdk import (
     BackpressureError,
     BatchingSink,
     PartId,
@@ -35,9 +38,6 @@ from participants.sdk import (
     Sink,
     SinkError,
 )
-from twophase.config import PipelineConfig
-from twophase.errors import ConfigError, FatalError, RetriableError, TwophaseError
-from twophase.kafka import CALL_TIMEOUT_S, ControlReader, client_settings
 from twophase.protocol.logview import LogView
 from twophase.protocol.messages import (
     Applied,
@@ -66,7 +66,7 @@ __all__ = [
     "show_txn",
 ]
 
-log = logging.getLogger("twophase.txn")
+log = logging.getLogger("twophase.cli.txn")
 
 #: Notes of what is happening, for a spinner (``twophase txn`` shows them on stderr).
 Progress = Callable[[str], None]

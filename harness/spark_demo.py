@@ -1,12 +1,12 @@
-"""The Spark half of ``make demo``: :func:`run_spark_demo`, or ``python -m jobs.demo``.
+"""The Spark half of ``make demo``: :func:`run_spark_demo`, or ``python -m harness.spark_demo``.
 
 1. **A Spark job feeds a pipeline.** Order events go to a raw topic; the order-totals job
-   (:mod:`jobs.orders`) writes per-customer, per-minute totals into the pipeline's source topic
+   (:mod:`twophase.jobs.orders`) writes per-customer, per-minute totals into the pipeline's source topic
    through Spark's Kafka sink; one batch is delivered twice, as after a crash between the write
    and the checkpoint; a coordinator and a participant upsert the totals into PostgreSQL. Verified
    against totals computed without Spark: exactly one row per window and customer, right values.
 2. **The coordinated foreachBatch writer.** The same events, parsed and enriched, are written by
-   :func:`participants.spark.coordinated_writer` into MongoDB, Parquet files and PostgreSQL at
+   :func:`twophase.participants.spark.coordinated_writer` into MongoDB, Parquet files and PostgreSQL at
    once, one transaction per micro-batch. The driver is killed (SIGKILL) in the middle of a batch
    with every part prepared, and restarted from its checkpoint. Verified sink by sink: every order
    exactly once, nothing left prepared or staged.
@@ -17,6 +17,7 @@ Returns 0 when both are verified, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -32,7 +33,16 @@ import yaml
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
-from jobs.orders import (
+from harness import (
+    Cluster,
+    Scenario,
+    end_offsets,
+    group_offsets,
+    load_stack_env,
+    wait_until,
+)
+from twophase.config import load_config
+from twophase.jobs.orders import (
     expected_totals,
     order_events,
     produce_events,
@@ -41,19 +51,10 @@ from jobs.orders import (
     stored_totals,
     totals_table_ddl,
 )
-from jobs.orders_writer import orders_table_ddl, writer_config, writer_process
-from jobs.verify import check_sinks
-from participants.spark import load_spark_config
-from twophase.config import load_config
-from twophase.harness import (
-    Cluster,
-    Scenario,
-    end_offsets,
-    group_offsets,
-    load_stack_env,
-    wait_until,
-)
+from twophase.jobs.orders_writer import orders_table_ddl, writer_config, writer_process
+from twophase.jobs.verify import check_sinks
 from twophase.kafka import create_topics
+from twophase.participants.spark import load_spark_config
 
 __all__ = ["deliver_totals", "run_spark_demo", "totals_pipeline"]
 
@@ -148,11 +149,12 @@ def _job_feeds_pipeline(
     run_id: str,
     out: Callable[[str], None],
 ) -> bool:
-    from jobs.session import local_session
+    from twophase.jobs.session import local_session
 
     out("\n1. A Structured Streaming job feeds a twophase pipeline (Spark -> Kafka -> sinks)")
     s = totals_pipeline(f"spark-job-{run_id}", workdir)
     checkpoint = workdir / "checkpoint"
+    os.environ.setdefault("TWOPHASE_SPARK_JARS", stack.get("TWOPHASE_SPARK_JARS", ""))
     spark = local_session("twophase-spark-demo")
     try:
         started = time.monotonic()
@@ -301,7 +303,7 @@ def _writer_run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jobs.demo", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m harness.spark_demo", description=__doc__)
     ap.add_argument("--events", type=int, default=3000)
     ap.add_argument("--workdir", default="")
     ap.add_argument("--no-kill", action="store_true", help="do not kill the writer's driver")

@@ -18,11 +18,11 @@ from typing import Any
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
-from participants.sdk import SinkError
+from twophase.cli.txn import Progress, open_sinks
 from twophase.config import PipelineConfig
 from twophase.errors import FatalError
 from twophase.kafka import await_broker, client_settings
-from twophase.txn import Progress, open_sinks
+from twophase.participants.sdk import SinkError
 
 __all__ = ["live_checks"]
 

@@ -14,14 +14,14 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 # Public, but re-exported there without __all__, which mypy --strict treats as private.
 from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType  # type: ignore[attr-defined]
 
-from participants.registry import build_sinks
-from participants.runtime.batch import retry_call
-from participants.sdk import Sink, SinkError
+from twophase.cli.txn import CLI_PARTICIPANT, Progress, fold_log
 from twophase.config import PipelineConfig
 from twophase.errors import RetriableError
 from twophase.kafka import CALL_TIMEOUT_S, client_settings
+from twophase.participants.registry import build_sinks
+from twophase.participants.runtime.batch import retry_call
+from twophase.participants.sdk import Sink, SinkError
 from twophase.protocol.topics import topic_settings
-from twophase.txn import CLI_PARTICIPANT, Progress, fold_log
 
 __all__ = ["describe_topics", "pipeline_status"]
 

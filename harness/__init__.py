@@ -214,7 +214,7 @@ class Cluster:
         full_env.update(env or {})
         log = (self.logs / f"{name}.log").open("ab")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "twophase.cli", role, "run", str(self.s.config_path)],
+            [sys.executable, "-m", "twophase.cli.main", role, "run", str(self.s.config_path)],
             env=full_env,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -16,11 +16,12 @@ from typing import Any, TypeVar
 import click
 from confluent_kafka import KafkaError, KafkaException
 
-from participants.sdk import SinkError
-from twophase.config import PipelineConfig, check_config, load_config
+from twophase.config import PipelineConfig, load_config
 from twophase.errors import ConfigError, FatalError, RetriableError, TwophaseError
+from twophase.participants.registry import check_config
+from twophase.participants.sdk import SinkError
 
-log = logging.getLogger("twophase.cli")
+log = logging.getLogger("twophase.cli.main")
 _R = TypeVar("_R")
 
 
@@ -239,7 +240,7 @@ def coordinator_run(config: str) -> None:
     \b
     Example: twophase coordinator run pipeline.yaml
     """
-    from coordinator.runtime import CoordinatorRuntime
+    from twophase.coordinator.runtime import CoordinatorRuntime
 
     cfg = _load_to_run(config)
     _warn_unauthenticated(cfg)
@@ -269,7 +270,7 @@ def participant_run(config: str, participant_id: str) -> None:
     \b
     Example: TWOPHASE_PARTICIPANT_ID=worker-0 twophase participant run pipeline.yaml
     """
-    from participants.runtime import AtLeastOnceRuntime, ParticipantRuntime
+    from twophase.participants.runtime import AtLeastOnceRuntime, ParticipantRuntime
 
     cfg = _load_to_run(config)
     if cfg.participant.mode == "exactly_once":  # at-least-once reads no control messages
@@ -328,7 +329,7 @@ def topics_describe(config: str, as_json: bool) -> None:
     \b
     Example: twophase topics describe pipeline.yaml --json
     """
-    from twophase.status import describe_topics
+    from twophase.cli.status import describe_topics
 
     _operator_logs()
     cfg = _load(config)
@@ -399,7 +400,7 @@ def validate(config: str, live: bool, timeout_s: float, as_json: bool) -> None:
     if not live:
         click.echo(f"{config}: ok (pipeline {cfg.pipeline}, {len(cfg.sinks)} sinks)")
         return
-    from twophase.preflight import live_checks
+    from twophase.cli.preflight import live_checks
 
     _operator_logs()
     try:
@@ -452,7 +453,7 @@ def status(config: str, as_json: bool, max_commit_age: float, read_sinks: bool) 
     \b
     Example: twophase status pipeline.yaml --json
     """
-    from twophase.status import pipeline_status
+    from twophase.cli.status import pipeline_status
 
     _operator_logs()
     cfg = _load(config)
@@ -542,7 +543,7 @@ def txn_list(config: str, as_json: bool) -> None:
     \b
     Example: twophase txn list pipeline.yaml --json
     """
-    from twophase.txn import list_txns
+    from twophase.cli.txn import list_txns
 
     _operator_logs()
     cfg = _load(config)
@@ -602,7 +603,7 @@ def txn_show(config: str, txn_id: int, as_json: bool, from_beginning: bool) -> N
     \b
     Example: twophase txn show pipeline.yaml 42
     """
-    from twophase.txn import show_txn
+    from twophase.cli.txn import show_txn
 
     _operator_logs()
     cfg = _load(config)
@@ -715,8 +716,8 @@ def txn_resolve(
     \b
     Example: twophase txn resolve pipeline.yaml 42 --participant worker-1 --abort
     """
+    from twophase.cli.txn import ResolveRefused, resolve_part
     from twophase.protocol.messages import Outcome
-    from twophase.txn import ResolveRefused, resolve_part
 
     _operator_logs()
     if outcome is None:
@@ -788,7 +789,7 @@ def sinks_list(as_json: bool) -> None:
     \b
     Example: twophase sinks list
     """
-    from participants.registry import available_sinks
+    from twophase.participants.registry import available_sinks
 
     _emit(available_sinks(), as_json, _table)
 
@@ -824,9 +825,9 @@ def init(path: str, name: str, stack_env: str | None, force: bool) -> None:
 
     import yaml
 
-    from participants.registry import build_sinks
+    from twophase.cli.starter import find_stack_env, read_stack_env, starter_pipeline
     from twophase.config import parse_config
-    from twophase.starter import find_stack_env, read_stack_env, starter_pipeline
+    from twophase.participants.registry import build_sinks
 
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,47}", name):
         raise click.BadParameter(
