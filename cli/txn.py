@@ -615,7 +615,7 @@ def resolve_part(
     if check.forced:
         # The full risk goes to the operator in the result; the log keeps that it was forced.
         log.info("txn=%s part=%s: operator forced abort of an undecided part", txn, participant)
-    declared = _declared_sinks(fold.view, txn, participant) if want is Outcome.COMMIT else ()
+    declared = (fold.view.declared_sinks(txn, participant) or ()) if want is Outcome.COMMIT else ()
     results: dict[str, str] = {}
     ok = True
     with _sinks(cfg, progress) as (sinks, errors):
@@ -664,12 +664,3 @@ def resolve_part(
             else None
         ),
     }
-
-
-def _declared_sinks(view: LogView, txn: int, participant: str) -> tuple[str, ...]:
-    """The sinks a committed part was prepared in, as its vote (hence the decision) says."""
-    decision = view.decisions.get(txn)
-    part = decision.includes(participant) if decision is not None else None
-    if part is None and txn in view.pending:
-        part = view.pending[txn].parts.get(participant)
-    return part.sinks if part is not None else ()

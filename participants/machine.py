@@ -696,7 +696,7 @@ class ParticipantMachine:
         self.in_doubt.pop(key, None)
         if event.outcome is not Outcome.COMMIT:
             return []
-        declared = self._declared_sinks(event.txn, event.participant)
+        declared = self.log.declared_sinks(event.txn, event.participant)
         if declared is not None and not set(declared) <= set(done):
             # APPLIED means every sink of the part; the rest are not ours to commit.
             missing = sorted(set(declared) - set(done))
@@ -704,14 +704,6 @@ class ParticipantMachine:
                 Log("warning", f"{event.participant}'s part is not ours in {missing}", event.txn)
             ]
         return [SendApplied(Applied(event.txn, event.participant, self.me))]
-
-    def _declared_sinks(self, txn: int, participant: str) -> tuple[str, ...] | None:
-        """The sinks a committed part was prepared in, as its vote (hence the decision) says."""
-        decision = self.log.decisions.get(txn)
-        part = decision.includes(participant) if decision is not None else None
-        if part is None and txn in self.log.pending:
-            part = self.log.pending[txn].parts.get(participant)
-        return part.sinks if part is not None else None
 
     def _on_in_doubt(self, event: InDoubt) -> list[Action]:
         found: dict[tuple[int, str], set[str]] = {}
@@ -749,7 +741,7 @@ class ParticipantMachine:
             if outcome is Outcome.COMMIT:
                 # A listing may be older than the prepare it caught half-way; the vote named
                 # every sink the part was prepared in before anyone could commit it.
-                declared = self._declared_sinks(txn, participant) or ()
+                declared = self.log.declared_sinks(txn, participant) or ()
                 sinks = sinks | (set(declared) & set(self.settings.sinks))
             if outcome is not None:
                 actions.append(self._apply(txn, participant, tuple(sorted(sinks)), outcome))

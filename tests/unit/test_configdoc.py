@@ -1,4 +1,4 @@
-"""docs/config.md is generated from the config models (twophase/configdoc.py) and kept fresh."""
+"""docs/config.md is generated from the config models (cli/configdoc.py) and kept fresh."""
 
 from __future__ import annotations
 

@@ -178,6 +178,15 @@ class LogView:
             return Outcome.ABORT  # presumed abort: no commit decision names this part
         return None
 
+    def declared_sinks(self, txn: int, participant: str) -> tuple[str, ...] | None:
+        """The sinks ``participant``'s committed part of ``txn`` was prepared in, as its vote
+        (hence the decision, or the checkpoint's pending commit) says; None when unknown."""
+        decision = self.decisions.get(txn)
+        part = decision.includes(participant) if decision is not None else None
+        if part is None and txn in self.pending:
+            part = self.pending[txn].parts.get(participant)
+        return part.sinks if part is not None else None
+
     def checkpoint(self) -> Checkpoint:
         return Checkpoint(
             last_txn=self.last_decided,

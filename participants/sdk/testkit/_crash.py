@@ -12,7 +12,7 @@ from typing import Any
 
 from twophase.participants.sdk.records import PartId
 from twophase.participants.sdk.sink import Sink, SinkContext
-from twophase.participants.sdk.testkit.kit import positions_of, record
+from twophase.participants.sdk.testkit._records import positions_of, record
 
 
 def run(

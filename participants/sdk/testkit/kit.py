@@ -16,14 +16,12 @@ from typing import Any, TypeVar
 from twophase.participants.sdk.errors import SinkError
 from twophase.participants.sdk.records import PartId, Positions, Record, Rejected
 from twophase.participants.sdk.sink import Sink, SinkContext
+from twophase.participants.sdk.testkit._records import TOPIC, positions_of, record, records
 
 __all__ = ["TOPIC", "Kit", "SinkFactory", "record", "records"]
 
 T = TypeVar("T")
 
-TOPIC = "kit.orders"
-#: 2023-11-14T22:13:20Z: any fixed time works; sinks that partition by date get one date.
-_T0_MS = 1_700_000_000_000
 #: A crashing child imports the sink's package afresh (spawn) and does one part: seconds at most.
 CRASH_CHILD_TIMEOUT_S = 120.0
 #: Larger than any transaction number a test uses: "every open part is old enough to be stale".
@@ -51,30 +49,6 @@ class SinkFactory:
     committed_ids: Callable[[], Iterable[str]]
     bad_value: Mapping[str, Any] | None = None
     large_batch: int = 20_000
-
-
-def record(offset: int, *, partition: int = 0, topic: str = TOPIC) -> Record:
-    """The kit's record at ``offset``; its value carries its own id."""
-    rid = f"{topic}:{partition}:{offset}"
-    value = {"id": rid, "n": offset, "text": f"row {offset}"}
-    return Record(topic, partition, offset, _T0_MS + offset, None, value, size=len(rid) + 24)
-
-
-def records(start: int, count: int, *, partition: int = 0) -> list[Record]:
-    return [record(o, partition=partition) for o in range(start, start + count)]
-
-
-def positions_of(batch: Iterable[Record]) -> dict[tuple[str, int], int]:
-    """Next offset per source partition after ``batch``."""
-    out: dict[tuple[str, int], int] = {}
-    for r in batch:
-        tp = (r.topic, r.partition)
-        out[tp] = max(out.get(tp, 0), r.offset + 1)
-    return out
-
-
-def ids(batch: Iterable[Record]) -> Counter[str]:
-    return Counter(r.record_id for r in batch)
 
 
 class Kit:

@@ -17,7 +17,8 @@ import pytest
 from twophase.participants.sdk.errors import FatalSinkError, SinkError, UnknownPartError
 from twophase.participants.sdk.records import RawBatch, Record
 from twophase.participants.sdk.sink import Sink
-from twophase.participants.sdk.testkit.kit import TOPIC, Kit, ids, positions_of, record, records
+from twophase.participants.sdk.testkit._records import TOPIC, ids, positions_of, record, records
+from twophase.participants.sdk.testkit.kit import Kit
 
 __all__ = ["CASES", "SinkConformance"]
 
