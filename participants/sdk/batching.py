@@ -24,12 +24,25 @@ Everything else -- ``begin``/``write``/``prepare``/``commit``/``abort``/``in_dou
 
 * ``stage`` runs on the data thread while ``publish``/``discard``/``load_marker`` run on the
   control thread: use a connection per thread, or one connection under a lock.
-* ``stage`` is atomic: if it raises :class:`RetriableSinkError` nothing of the batch was staged
-  (the runtime repeats the call). Any other error loses the part: later writes and the prepare
-  raise :class:`AbortTransactionError` until it is aborted.
+* ``stage`` is atomic, or repeatable: if it raises :class:`RetriableSinkError`, the runtime
+  repeats the same call, and the part must then hold the batch once (nothing of it landed, or
+  what landed is recognised, as the MongoDB sink does by deterministic ids). Any other error
+  loses the part: later writes and the prepare raise :class:`AbortTransactionError` until it
+  is aborted. So does a ``save_marker`` of the ``prepared`` marker that raises anything but
+  :class:`RetriableSinkError`.
 * Staged data must be durable when ``save_marker`` of the ``prepared`` marker returns: that is the
-  prepare, and from then on any process can ``publish``.
+  prepare, and from then on any process can ``publish``. Data a store buffers in memory (the
+  files sink's open files) is written there, before the marker.
 * Markers are keyed by sink name and part (two sinks may share one marker table).
+* A store operation may keep what it needs of the open part in memory (buffers, a lock): the
+  ``open`` marker starts it, the ``prepared`` marker or ``discard`` ends it.
+
+Optional: :meth:`BatchingSink.abandoned` says whether an open part's writer is gone (by default:
+the part is older than the runtime's bound); a store that can tell a live writer from a dead
+one better -- the files sink holds a ``flock`` -- overrides it.
+
+The methods of the contract are ``final``: a subclass changes what the store does, never the
+rules around it.
 
 Example: ``examples/twophase-sqlite-sink`` (about 200 lines); guide: ``docs/write-a-sink.md``.
 """
@@ -40,7 +53,7 @@ import abc
 import threading
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, final
 
 from twophase.participants.sdk.errors import (
     AbortTransactionError,
@@ -100,11 +113,17 @@ class BatchingSink(Sink):
     @abc.abstractmethod
     def publish(self, part: PartId) -> None:
         """In one local transaction, if ``part`` is prepared: move its staged data into the target,
-        set its marker to committed and store its positions. Otherwise change nothing."""
+        set its marker to committed and store its positions. Otherwise change nothing.
+
+        A store whose transactions cannot hold a whole part commits it in steps instead, each
+        repeatable by any process after a crash, the marker last (the MongoDB sink's chunks, the
+        files sink's links and manifest). Raising :class:`UnknownPartError` here when the part
+        turns out to be neither prepared nor committed is fine: :meth:`commit` would."""
 
     @abc.abstractmethod
     def discard(self, part: PartId) -> None:
         """Mark ``part`` aborted unless it is committed (or has no marker); delete its staged data.
+        A store may remove the marker instead: no marker is as good as ``aborted``.
 
         Called only for parts that are not committed; the guard is for a store shared with a
         misbehaving writer.
@@ -124,6 +143,7 @@ class BatchingSink(Sink):
 
     # -- the Sink contract, built on them -------------------------------------------------------
 
+    @final
     def begin(self, part: PartId) -> None:
         self._require_owned(part)
         with self._guard:
@@ -147,6 +167,7 @@ class BatchingSink(Sink):
             self._open = _OpenPart(part)
         self.log.debug("part %s: open", part.token)
 
+    @final
     def write(self, part: PartId, records: Sequence[Record]) -> Sequence[Rejected]:
         op = self._writable(part, "write")
         with op.lock:
@@ -172,6 +193,7 @@ class BatchingSink(Sink):
             )
         return rejected
 
+    @final
     def prepare(self, part: PartId, positions: Positions) -> None:
         with self._guard:
             op = self._open if self._open is not None and self._open.part == part else None
@@ -181,7 +203,14 @@ class BatchingSink(Sink):
         with op.lock:
             self._check_healthy(op)
             marker = PartMarker(part, "prepared", dict(positions), op.records)
-            if not self.save_marker(marker, expect=_OPEN):
+            try:
+                saved = self.save_marker(marker, expect=_OPEN)
+            except RetriableSinkError:
+                raise  # the marker did not change: the runtime repeats the prepare
+            except Exception as exc:
+                op.broken = f"the prepare failed: {exc}"
+                raise
+            if not saved:
                 # A first attempt that raised may have landed; anything else is an abort by
                 # another process (stale-part clean-up) behind this one's back.
                 try:
@@ -196,6 +225,7 @@ class BatchingSink(Sink):
             "part %s: prepared %d records (%d rejected)", part.token, op.records, op.rejected
         )
 
+    @final
     def commit(self, part: PartId) -> None:
         self._require_owned(part)
         self.publish(part)
@@ -207,6 +237,7 @@ class BatchingSink(Sink):
             )
         self.log.info("part %s: committed", part.token)
 
+    @final
     def abort(self, part: PartId) -> None:
         self._require_owned(part)
         with self._guard:
@@ -223,20 +254,30 @@ class BatchingSink(Sink):
         self.discard(part)
         self.log.info("part %s: aborted", part.token)
 
+    @final
     def in_doubt(self) -> list[PartId]:
         return sorted(p for p in self.list_parts("prepared") if self.owns(p))
 
+    @final
     def stale_parts(self, before_txn: int) -> list[PartId]:
-        """Open parts of this pipeline older than ``before_txn``, but this process's own.
-
-        A marker cannot tell whether its writer is alive: this relies on the runtime's promise
-        that no live participant still has a part older than ``before_txn`` open.
-        """
+        """Open parts of this pipeline whose writer is gone (:meth:`abandoned`: by default, those
+        older than ``before_txn``), but this process's own."""
         with self._guard:
             mine = self._open.part if self._open is not None else None
         return sorted(
-            p for p in self.list_parts("open") if p.txn < before_txn and p != mine and self.owns(p)
+            p
+            for p in self.list_parts("open")
+            if p != mine and self.owns(p) and self.abandoned(p, before_txn)
         )
+
+    def abandoned(self, part: PartId, before_txn: int) -> bool:
+        """Whether the writer of the open ``part`` is gone, so that :meth:`stale_parts` lists it.
+
+        The default relies on the runtime's bound: no live participant still has a part older
+        than ``before_txn`` open. A store that can tell a dead writer from a live one (a lock
+        the kernel drops with its holder) overrides it, and may then ignore ``before_txn``.
+        """
+        return part.txn < before_txn
 
     # -- internals -----------------------------------------------------------------------------
 
