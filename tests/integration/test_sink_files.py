@@ -39,7 +39,7 @@ from twophase.participants.sdk import (
     SinkContext,
     UnknownPartError,
 )
-from twophase.participants.sinks import files as files_module
+from twophase.participants.sinks.files import sink as files_module
 from twophase.participants.sinks.files import FileSink
 
 REPO = Path(__file__).resolve().parents[2]
