@@ -39,8 +39,8 @@ from twophase.participants.sdk import (
     SinkContext,
     UnknownPartError,
 )
-from twophase.participants.sinks.files import sink as files_module
 from twophase.participants.sinks.files import FileSink
+from twophase.participants.sinks.files import sink as files_module
 
 REPO = Path(__file__).resolve().parents[2]
 PIPELINE = "orders-pipe"
@@ -847,7 +847,7 @@ def test_buffered_records_are_bounded_across_many_output_files(tmp_path: Path) -
     records = [rec(i, ts=T0 + (i % 10) * DAY) for i in range(100)]  # ten dates, ten buffers
     sink.begin(p)
     sink.write(p, records)
-    op = sink._open
+    op = sink._open_files
     assert op is not None and op.buffered <= 30
     sink.prepare(p, {("orders", 0): 100})
     sink.commit(p)
@@ -993,13 +993,13 @@ def assert_recoverable_after_crash(base: Path, n: int) -> str:
     sink = make_sink(base, participant="p1")
     if prepared.exists():
         assert sink.in_doubt() == [p]
-        assert sink.stale_parts() == []
+        assert sink.stale_parts(0) == []
         sink.commit(p)
         rows = parquet_rows(base)
         assert len(rows) == n and sorted(r["id"] for r in rows) == list(range(n))
         return "prepared"
     assert sink.in_doubt() == []
-    assert sink.stale_parts() == [p]  # the dead writer's flock is gone
+    assert sink.stale_parts(0) == [p]  # the dead writer's flock is gone, whatever the txn
     sink.abort(p)
     assert entries(state_dir(base) / "open") == [] and visible_files(base) == []
     return "open"
@@ -1066,20 +1066,22 @@ def test_sigkill_during_commit_then_commit_exactly_once(tmp_path: Path, kill_at:
 
 
 def test_stale_parts_are_only_those_of_dead_writers(tmp_path: Path) -> None:
+    # stale_parts(0): the files sink asks the part's lock, never the transaction number, so even
+    # a bound below every part lists the dead writer's part and no live one.
     base = tmp_path / "out"
     live = spawn(tmp_path, "hold", base, 0, 10)
     try:
         wait_for(live, "OPEN")
         observer = make_sink(base, participant="p1")
-        assert observer.stale_parts() == []  # the writer is alive and holds its lock
+        assert observer.stale_parts(0) == []  # the writer is alive and holds its lock
         with pytest.raises(RetriableSinkError, match="another live process"):
             observer.abort(part(7))
         mine = part(8, "p1")
         observer.begin(mine)
-        assert observer.stale_parts() == []  # nor is this process's own open part stale
+        assert observer.stale_parts(0) == []  # nor is this process's own open part stale
     finally:
         kill(live)
-    assert observer.stale_parts() == [part(7)]
+    assert observer.stale_parts(0) == [part(7)]
     observer.abort(part(7))
     assert entries(state_dir(base) / "open") == [mine.token]
     observer.close()

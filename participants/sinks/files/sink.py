@@ -69,7 +69,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
@@ -84,14 +84,16 @@ from pydantic import Field, model_validator
 from twophase.participants.sdk import (
     AbortTransactionError,
     BackpressureError,
+    BatchingSink,
     CommittedInfo,
     FatalSinkError,
     PartId,
+    PartMarker,
+    PartState,
     Positions,
     Record,
     Rejected,
     RetriableSinkError,
-    Sink,
     SinkConfig,
     SinkContext,
     SinkError,
@@ -255,7 +257,10 @@ class _Buffer:
 
 
 @dataclass(slots=True)
-class _OpenPart:
+class _OpenFiles:
+    """What the open part keeps in memory: its directory and lock, the buffered records and the
+    files written so far (the part's life cycle itself is :class:`BatchingSink`'s)."""
+
     part: PartId
     directory: Path
     lock_fd: int
@@ -265,8 +270,6 @@ class _OpenPart:
     records: int = 0
     rejected: int = 0
     buffered: int = 0
-    #: Set when a write or flush failed half-way: the part can only be aborted.
-    broken: str | None = None
     started: float = field(default_factory=time.monotonic)
 
 
@@ -823,8 +826,12 @@ def _manifest_positions(raw: Any) -> dict[TopicPartition, int]:
     return out
 
 
-class FileSink(Sink):
-    """Exactly-once Parquet / JSON Lines files: staged, fsynced, published by atomic rename."""
+class FileSink(BatchingSink):
+    """Exactly-once Parquet / JSON Lines files: staged, fsynced, published by atomic rename.
+
+    The part's directory is its marker: ``open/{token}/`` is open, ``prepared/{token}/`` is
+    prepared, a manifest is committed, and nothing at all is aborted (or unknown).
+    """
 
     config_model: ClassVar[type[SinkConfig]] = FileSinkConfig
     config: FileSinkConfig
@@ -838,11 +845,12 @@ class FileSink(Sink):
         self._encoder: _Encoder = (
             _ParquetEncoder(config) if config.format == "parquet" else _JsonLinesEncoder(config)
         )
-        self._open: _OpenPart | None = None
-        # Guards the open part: write/prepare against an abort of it from the decision thread.
-        self._lock = threading.RLock()
-        # Serialises commit/abort/in_doubt in this process; other processes are safe because
-        # every step is idempotent and checks the file system, not memory.
+        # The open part in memory: set by its open marker, taken by its prepare or discard. The
+        # lock guards the field (a discard on the control thread, a begin on the data thread).
+        self._open_files: _OpenFiles | None = None
+        self._open_files_lock = threading.Lock()
+        # Serialises publish/discard/the prepared listing in this process; other processes are
+        # safe because every step is idempotent and checks the file system, not memory.
         self._decide_lock = threading.Lock()
         self._hardlinks = True
         self._dates: dict[int, str] = {}
@@ -890,14 +898,6 @@ class FileSink(Sink):
                 f"{where}{action}: Arrow refused the data: {exc}", sink=self.name
             ) from exc
 
-    def _require_owned(self, part: PartId) -> None:
-        if not self.owns(part):
-            raise FatalSinkError(
-                f"part {part.token} belongs to pipeline {part.pipeline!r}, this sink serves "
-                f"{self.context.pipeline!r}",
-                sink=self.name,
-            )
-
     # -- life cycle --
 
     def setup(self) -> None:
@@ -942,25 +942,157 @@ class FileSink(Sink):
             probe.with_name(probe.name + ".link").unlink(missing_ok=True)
         return True
 
-    def begin(self, part: PartId) -> None:
-        self._require_owned(part)
-        with self._lock:
-            if self._open is not None:
-                raise FatalSinkError(
-                    f"begin({part.token}) while part {self._open.part.token} is still open: "
-                    "prepare or abort it first",
-                    sink=self.name,
-                )
+    def close(self) -> None:
+        """Discard the open part, if any (it can never be prepared now); prepared parts stay."""
+        with self._open_files_lock:
+            op = self._open_files
+        if op is None:
+            return
+        try:
+            self.abort(op.part)
+        except SinkError as exc:
+            self.log.warning(
+                "part %s: could not discard the open part on close: %s", op.part.token, exc
+            )
+
+    # -- markers: the part's directory, or its manifest --
+
+    def load_marker(self, part: PartId) -> PartMarker | None:
+        with self._fs("reading the part's state", part, RetriableSinkError):
+            manifest = self._manifest(part)
+            try:
+                return self._marker(part, "committed", read_json(manifest), manifest)
+            except FileNotFoundError:
+                pass
+            staged = self._read_prepared(part, self._prepared_dir(part))
+            if staged is not None:
+                prepared = self._prepared_dir(part) / PREPARED_FILE
+                return self._marker(part, "prepared", staged[0], prepared)
+            if self._open_dir(part).exists():
+                return PartMarker(part, "open")
+        return None
+
+    def _marker(self, part: PartId, state: PartState, document: Any, path: Path) -> PartMarker:
+        """The marker a manifest or ``PREPARED.json`` stands for (both hold the positions)."""
+        try:
+            positions = _manifest_positions(document)
+            return PartMarker(part, state, positions, int(document.get("records", 0)))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise FatalSinkError(f"{path} is unreadable: {exc}", sink=self.name) from exc
+
+    def save_marker(self, marker: PartMarker, *, expect: Collection[PartState | None]) -> bool:
+        """``open``: create the part's directory with its LOCK held. ``prepared``: write what is
+        buffered, ``PREPARED.json``, and rename the directory to ``prepared/`` (the prepare)."""
+        part = marker.part
+        if marker.state == "open":
             with self._fs("begin", part, RetriableSinkError):
-                if self._manifest(part).exists():
-                    raise FatalSinkError(f"part {part.token} is already committed", sink=self.name)
-                if self._prepared_dir(part).exists():
-                    raise FatalSinkError(f"part {part.token} is already prepared", sink=self.name)
+                if self._state(part) not in expect:
+                    return False
                 target = self._open_dir(part)
-                if target.exists():
-                    self._discard_abandoned(part, target)
-                self._open = _OpenPart(part, target, self._create_locked(target))
-        self.log.debug("part %s: begun in %s", part.token, target)
+                opened = _OpenFiles(part, target, self._create_locked(target))
+            with self._open_files_lock:
+                self._open_files = opened
+            self.log.debug("part %s: begun in %s", part.token, target)
+            return True
+        if marker.state != "prepared":
+            raise FatalSinkError(
+                f"part {part.token}: the files sink keeps no {marker.state} marker", sink=self.name
+            )
+        op = self._opened(part)
+        if op is None or "open" not in expect:
+            return False  # not open here: the caller looks at what the part is
+        with self._fs("prepare", part, AbortTransactionError):
+            for key, buf in sorted(op.buffers.items(), key=lambda kv: str(kv[0])):
+                if buf.rows:
+                    self._flush(op, key, buf)
+            document = self._document(op, marker.positions)
+            write_json_atomic(op.directory / PREPARED_FILE, document)
+            rename_durable(op.directory, self._prepared_dir(part))  # the prepare: atomic, complete
+        with self._open_files_lock:
+            if self._open_files is op:
+                self._open_files = None
+        os.close(op.lock_fd)
+        self.log.debug(
+            "part %s: %d records in %d files staged in %.3fs",
+            part.token,
+            op.records,
+            len(op.files),
+            time.monotonic() - op.started,
+        )
+        return True
+
+    def _opened(self, part: PartId, *, take: bool = False) -> _OpenFiles | None:
+        """The open files of ``part`` if it is open in this process (and no longer, ``take``)."""
+        with self._open_files_lock:
+            op = self._open_files
+            if op is None or op.part != part:
+                return None
+            if take:
+                self._open_files = None
+            return op
+
+    def _state(self, part: PartId) -> PartState | None:
+        """What the directories say of ``part``, without reading any document."""
+        if self._manifest(part).exists():
+            return "committed"
+        if self._prepared_dir(part).exists():
+            return "prepared"
+        if self._open_dir(part).exists():
+            return "open"
+        return None
+
+    def list_parts(self, state: PartState) -> list[PartId]:
+        with self._fs(f"listing {state} parts", None, RetriableSinkError):
+            if state == "open":
+                return [p for _, p in self._parts_in(self._dir("open"), warn=False)]
+            if state == "prepared":
+                return self._prepared_parts()
+            if state == "committed":
+                return [
+                    PartId(self.context.pipeline, info.txn, info.participant)
+                    for info in self._scan_manifests().values()
+                ]
+        return []  # an aborted part leaves nothing behind
+
+    def _parts_in(self, directory: Path, *, warn: bool) -> Iterator[tuple[Path, PartId]]:
+        for entry in directory.iterdir():
+            if entry.name.startswith("."):
+                continue  # a begin under way (or dead: setup removes it)
+            try:
+                yield entry, PartId.parse(entry.name)
+            except ValueError:
+                if warn:
+                    self.log.warning("ignoring %s: not a part directory", entry)
+
+    def _prepared_parts(self) -> list[PartId]:
+        parts: list[PartId] = []
+        with self._decide_lock:
+            for entry, part in self._parts_in(self._dir("prepared"), warn=True):
+                if not self.owns(part):
+                    self.log.warning("ignoring %s: belongs to pipeline %s", entry, part.pipeline)
+                    continue
+                if self._manifest(part).exists():
+                    self._discard(entry)  # committed; a crash interrupted the cleanup
+                    continue
+                parts.append(part)
+        return parts
+
+    def abandoned(self, part: PartId, before_txn: int) -> bool:
+        """Whether the writer of the open ``part`` is gone: its ``flock`` on the part's LOCK is.
+
+        ``before_txn`` is not needed: the lock tells a live writer from a dead one, whatever
+        its transaction. Liveness comes from the kernel: the writer holds the lock until it
+        prepares, aborts or dies, so no pid, host name or clock is trusted. (On NFS, ``flock``
+        needs NFSv4 locks.)
+        """
+        fd = self._claim(self._open_dir(part))
+        if fd is None:
+            return False
+        if fd >= 0:
+            os.close(fd)
+        return True
+
+    # -- the write path --
 
     def _create_locked(self, target: Path) -> int:
         """Create ``target`` with its LOCK already held, so it never exists unlocked."""
@@ -994,31 +1126,15 @@ class FileSink(Sink):
                 rejected.append(_rejected(record, str(exc), exc.field_name))
         return rejected
 
-    def write(self, part: PartId, records: Sequence[Record]) -> Sequence[Rejected]:
-        with self._lock:
-            op = self._writable(part)
-            try:
-                with self._fs("write", part, AbortTransactionError):
-                    return self._write(op, records)
-            except SinkError as exc:
-                op.broken = str(exc)
-                raise
+    def stage(self, part: PartId, records: Sequence[Record]) -> Sequence[Rejected]:
+        """Buffer ``records`` per output file; a full buffer becomes a file in the open dir."""
+        op = self._opened(part)
+        if op is None:
+            raise AbortTransactionError(f"part {part.token} is not open here", sink=self.name)
+        with self._fs("write", part, AbortTransactionError):
+            return self._write(op, records)
 
-    def _writable(self, part: PartId) -> _OpenPart:
-        op = self._open
-        if op is None or op.part != part:
-            raise AbortTransactionError(
-                f"part {part.token} is not open here (never begun, aborted, or already prepared)",
-                sink=self.name,
-            )
-        if op.broken is not None:
-            raise AbortTransactionError(
-                f"part {part.token} failed earlier and can only be aborted: {op.broken}",
-                sink=self.name,
-            )
-        return op
-
-    def _write(self, op: _OpenPart, records: Sequence[Record]) -> list[Rejected]:
+    def _write(self, op: _OpenFiles, records: Sequence[Record]) -> list[Rejected]:
         rejected: list[Rejected] = []
         groups: dict[_Key, list[Record]] = {}
         for record in records:
@@ -1062,7 +1178,7 @@ class FileSink(Sink):
             text = self._dates[day] = (date(1970, 1, 1) + timedelta(days=day)).isoformat()
         return (topic, text)
 
-    def _append(self, op: _OpenPart, key: _Key, buf: _Buffer, chunk: Any) -> None:
+    def _append(self, op: _OpenFiles, key: _Key, buf: _Buffer, chunk: Any) -> None:
         total, start, limit = self._encoder.rows(chunk), 0, self.config.max_file_records
         while start < total:
             take = min(limit - buf.rows, total - start)
@@ -1075,7 +1191,7 @@ class FileSink(Sink):
             if buf.rows >= limit:
                 self._flush(op, key, buf)
 
-    def _flush(self, op: _OpenPart, key: _Key, buf: _Buffer) -> None:
+    def _flush(self, op: _OpenFiles, key: _Key, buf: _Buffer) -> None:
         """Write the buffered rows of ``key`` as one complete, fsynced file in the open dir."""
         data = self._encoder.serialize(buf.chunks, op.part)
         seq, ext = op.seq, self._encoder.extension
@@ -1093,37 +1209,7 @@ class FileSink(Sink):
         op.buffered -= buf.rows
         buf.chunks, buf.rows = [], 0
 
-    def prepare(self, part: PartId, positions: Positions) -> None:
-        self._require_owned(part)
-        with self._lock:
-            op = self._open
-            if op is None or op.part != part:
-                self._prepare_again(part, positions)
-                return
-            self._writable(part)
-            try:
-                with self._fs("prepare", part, AbortTransactionError):
-                    for key, buf in sorted(op.buffers.items(), key=lambda kv: str(kv[0])):
-                        if buf.rows:
-                            self._flush(op, key, buf)
-                    write_json_atomic(op.directory / PREPARED_FILE, self._document(op, positions))
-                    prepared = self._prepared_dir(part)
-                    rename_durable(op.directory, prepared)  # the prepare: atomic and complete
-            except SinkError as exc:
-                op.broken = str(exc)
-                raise
-            self._open = None
-            os.close(op.lock_fd)
-        self.log.info(
-            "part %s: prepared %d records in %d files (%d rejected) in %.3fs",
-            part.token,
-            op.records,
-            len(op.files),
-            op.rejected,
-            time.monotonic() - op.started,
-        )
-
-    def _document(self, op: _OpenPart, positions: Positions) -> dict[str, Any]:
+    def _document(self, op: _OpenFiles, positions: Positions) -> dict[str, Any]:
         return {
             "version": DOCUMENT_VERSION,
             "token": op.part.token,
@@ -1140,28 +1226,10 @@ class FileSink(Sink):
             "prepared_by": {"host": socket.gethostname(), "pid": os.getpid()},
         }
 
-    def _prepare_again(self, part: PartId, positions: Positions) -> None:
-        """prepare() of a part that is not open here: fine if it is already durably prepared."""
-        with self._fs("prepare", part, AbortTransactionError):
-            prepared = self._prepared_dir(part)
-            try:
-                document = read_json(prepared / PREPARED_FILE)
-            except FileNotFoundError:
-                if self._manifest(part).exists():
-                    self.log.warning("part %s: prepare after commit, nothing to do", part.token)
-                    return
-                raise AbortTransactionError(
-                    f"part {part.token} is not open here (never begun, or aborted)",
-                    sink=self.name,
-                ) from None
-            if document.get("positions") != _positions_json(positions):
-                raise FatalSinkError(
-                    f"part {part.token} is already prepared with other positions", sink=self.name
-                )
-            fsync_dir(prepared.parent)
+    # -- the commit and recovery path --
 
-    def commit(self, part: PartId) -> None:
-        self._require_owned(part)
+    def publish(self, part: PartId) -> None:
+        """Link every staged file to its target, then write the manifest: the commit point."""
         with self._decide_lock, self._fs("commit", part, RetriableSinkError):
             manifest = self._manifest(part)
             prepared = self._prepared_dir(part)
@@ -1199,8 +1267,8 @@ class FileSink(Sink):
             document["committed_at"] = _now()
             write_json_atomic(manifest, document)  # the commit point of this part here
             self._discard(prepared)
-        self.log.info(
-            "part %s: committed %d records in %d files", part.token, document["records"], len(files)
+        self.log.debug(
+            "part %s: %d records in %d files published", part.token, document["records"], len(files)
         )
 
     def _read_prepared(
@@ -1280,29 +1348,24 @@ class FileSink(Sink):
             sink=self.name,
         )
 
-    def abort(self, part: PartId) -> None:
-        self._require_owned(part)
-        with self._lock:
-            op = self._open
-            if op is not None and op.part == part:
-                self._open = None
-                os.close(op.lock_fd)  # the directory itself goes below, like any other
+    def discard(self, part: PartId) -> None:
+        """The open or prepared directory disappears by one rename into ``trash/``."""
+        op = self._opened(part, take=True)
+        if op is not None:
+            os.close(op.lock_fd)  # the directory itself goes below, like any other
+        prepared, opened = self._prepared_dir(part), self._open_dir(part)
+        if not (prepared.exists() or opened.exists()):
+            return  # nothing to discard (every begin asks): no need to wait for a commit
         with self._decide_lock, self._fs("abort", part, RetriableSinkError):
             if self._manifest(part).exists():
                 raise FatalSinkError(
                     f"abort of part {part.token}, which is already committed", sink=self.name
                 )
-            prepared = self._prepared_dir(part)
-            removed = False
             if prepared.exists():
                 self._refuse_if_publishing(part, prepared)
-                removed = self._discard(prepared)
-            opened = self._open_dir(part)
+                self._discard(prepared)
             if opened.exists():
                 self._discard_abandoned(part, opened)
-                removed = True
-        if removed:
-            self.log.info("part %s: aborted", part.token)
 
     def _refuse_if_publishing(self, part: PartId, prepared: Path) -> None:
         """Abort after commit started would leave a partial part visible: refuse loudly."""
@@ -1354,57 +1417,6 @@ class FileSink(Sink):
 
     def _discard(self, directory: Path) -> bool:
         return discard_tree(directory, self._dir("trash"))
-
-    def in_doubt(self) -> list[PartId]:
-        parts: list[PartId] = []
-        with self._decide_lock, self._fs("in_doubt", None, RetriableSinkError):
-            for entry in self._dir("prepared").iterdir():
-                if entry.name.startswith("."):
-                    continue
-                try:
-                    part = PartId.parse(entry.name)
-                except ValueError:
-                    self.log.warning("ignoring %s: not a part directory", entry)
-                    continue
-                if not self.owns(part):
-                    self.log.warning("ignoring %s: belongs to pipeline %s", entry, part.pipeline)
-                    continue
-                if self._manifest(part).exists():
-                    self._discard(entry)  # committed; a crash interrupted the cleanup
-                    continue
-                parts.append(part)
-        return sorted(parts)
-
-    def stale_parts(self, before_txn: int | None = None) -> list[PartId]:
-        """Open (never prepared) parts of this pipeline whose writer process is gone.
-
-        ``before_txn`` is accepted for the SDK signature and not needed: the lock below already
-        tells a live writer from a dead one, whatever its transaction.
-
-        They can never be prepared, so :meth:`abort` of each is always right. Liveness comes from
-        the kernel: the writer holds ``flock`` on the part's LOCK until it prepares, aborts or
-        dies, so no pid, host name or clock is trusted. (On NFS, ``flock`` needs NFSv4 locks.)
-        """
-        stale: list[PartId] = []
-        with self._lock:
-            mine = self._open.part if self._open is not None else None
-        # No lock needed past this point: a part this process opens meanwhile has its LOCK held.
-        with self._fs("stale_parts", None, RetriableSinkError):
-            for entry in self._dir("open").iterdir():
-                if entry.name.startswith("."):
-                    continue
-                try:
-                    part = PartId.parse(entry.name)
-                except ValueError:
-                    continue
-                if part == mine or not self.owns(part):
-                    continue
-                fd = self._claim(entry)
-                if fd is not None:
-                    stale.append(part)
-                    if fd >= 0:
-                        os.close(fd)
-        return sorted(stale)
 
     # -- housekeeping --
 
@@ -1531,16 +1543,3 @@ class FileSink(Sink):
                     found[name] = info
             self._manifest_cache = found
         return found
-
-    def close(self) -> None:
-        """Discard the open part, if any (it can never be prepared now); prepared parts stay."""
-        with self._lock:
-            op = self._open
-        if op is None:
-            return
-        try:
-            self.abort(op.part)
-        except SinkError as exc:
-            self.log.warning(
-                "part %s: could not discard the open part on close: %s", op.part.token, exc
-            )
