@@ -53,7 +53,7 @@ import abc
 import threading
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, final
+from typing import Any, Literal, final
 
 from twophase.participants.sdk.errors import (
     AbortTransactionError,
@@ -65,7 +65,7 @@ from twophase.participants.sdk.errors import (
 from twophase.participants.sdk.records import PartId, Positions, Record, Rejected, TopicPartition
 from twophase.participants.sdk.sink import Sink, SinkConfig, SinkContext
 
-__all__ = ["BatchingSink", "PartMarker", "PartState"]
+__all__ = ["BatchingSink", "PartMarker", "PartState", "positions_from_json", "positions_to_json"]
 
 PartState = Literal["open", "prepared", "committed", "aborted"]
 _OPEN: tuple[PartState] = ("open",)
@@ -83,6 +83,27 @@ class PartMarker:
     state: PartState
     positions: Mapping[TopicPartition, int] = field(default_factory=dict)
     records: int = 0
+
+
+def positions_to_json(positions: Positions) -> list[dict[str, Any]]:
+    """``positions`` the way the built-in sinks store them in a marker (JSON or BSON): a list of
+    ``{"topic", "partition", "offset"}``, sorted, so that equal positions store equal."""
+    return [
+        {"topic": topic, "partition": partition, "offset": offset}
+        for (topic, partition), offset in sorted(positions.items())
+    ]
+
+
+def positions_from_json(items: Any) -> dict[TopicPartition, int]:
+    """The positions :func:`positions_to_json` stored (the highest offset of a partition that
+    repeats); ``ValueError``, ``KeyError`` or ``TypeError`` for anything else."""
+    if not isinstance(items, list):
+        raise ValueError(f"positions: expected a list, got {type(items).__name__}")
+    out: dict[TopicPartition, int] = {}
+    for item in items:
+        tp = (str(item["topic"]), int(item["partition"]))
+        out[tp] = max(out.get(tp, 0), int(item["offset"]))
+    return out
 
 
 @dataclass(slots=True)

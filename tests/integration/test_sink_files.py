@@ -39,8 +39,7 @@ from twophase.participants.sdk import (
     SinkContext,
     UnknownPartError,
 )
-from twophase.participants.sinks.files import FileSink
-from twophase.participants.sinks.files import sink as files_module
+from twophase.participants.sinks.files import FileSink, _layout, _publish, _staging
 
 REPO = Path(__file__).resolve().parents[2]
 PIPELINE = "orders-pipe"
@@ -319,7 +318,7 @@ def test_commit_resumes_after_manifest_before_cleanup(
     def crash(path: Path, trash: Path) -> bool:
         raise OSError(5, "simulated I/O error while cleaning up")
 
-    monkeypatch.setattr(files_module, "discard_tree", crash)
+    monkeypatch.setattr(_layout, "discard_tree", crash)
     with pytest.raises(RetriableSinkError):
         sink.commit(p)
     monkeypatch.undo()
@@ -510,7 +509,7 @@ def test_forget_removes_staged_leftovers_so_a_forgotten_part_never_looks_prepare
     def crash(path: Path, trash: Path) -> bool:
         raise OSError(5, "simulated I/O error while cleaning up")
 
-    monkeypatch.setattr(files_module, "discard_tree", crash)
+    monkeypatch.setattr(_layout, "discard_tree", crash)
     with pytest.raises(RetriableSinkError):
         sink.commit(part(1))  # the manifest is written, the staged directory is left
     monkeypatch.undo()
@@ -1175,7 +1174,7 @@ def test_os_errors_map_to_the_three_branches(
 ) -> None:
     base = tmp_path / "out"
     sink = make_sink(base, max_file_records=2)
-    real_write = files_module.write_durable
+    real_write = _staging.write_durable
 
     def disk_full(path: Path, data: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -1183,10 +1182,10 @@ def test_os_errors_map_to_the_three_branches(
     # A failed flush poisons the part: the runtime must abort it, never retry the write.
     p = part(1)
     sink.begin(p)
-    monkeypatch.setattr(files_module, "write_durable", disk_full)
+    monkeypatch.setattr(_staging, "write_durable", disk_full)
     with pytest.raises(AbortTransactionError, match="No space"):
         sink.write(p, [rec(0), rec(1)])
-    monkeypatch.setattr(files_module, "write_durable", real_write)
+    monkeypatch.setattr(_staging, "write_durable", real_write)
     with pytest.raises(AbortTransactionError, match="can only be aborted"):
         sink.write(p, [rec(2)])
     with pytest.raises(AbortTransactionError):
@@ -1205,11 +1204,11 @@ def test_os_errors_map_to_the_three_branches(
     def full(path: Path) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(files_module, "makedirs_durable", full)
+    monkeypatch.setattr(_publish, "makedirs_durable", full)
     with pytest.raises(BackpressureError) as caught:
         sink.commit(q)
     assert caught.value.retry_after_s > 0
-    monkeypatch.setattr(files_module, "makedirs_durable", denied)
+    monkeypatch.setattr(_publish, "makedirs_durable", denied)
     with pytest.raises(FatalSinkError, match="Permission denied"):
         sink.commit(q)
     monkeypatch.undo()
