@@ -103,6 +103,7 @@ import re
 import secrets
 import socket
 import threading
+from collections.abc import Collection as Some
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -135,18 +136,21 @@ from pymongo.write_concern import WriteConcern
 from twophase.participants.sdk import (
     AbortTransactionError,
     BackpressureError,
+    BatchingSink,
     CommittedInfo,
     FatalSinkError,
     PartId,
-    Positions,
+    PartMarker,
+    PartState,
     Record,
     Rejected,
     RetriableSinkError,
-    Sink,
     SinkConfig,
     SinkContext,
     SinkError,
     UnknownPartError,
+    positions_from_json,
+    positions_to_json,
 )
 
 __all__ = ["MongoSink", "MongoSinkConfig"]
@@ -290,7 +294,10 @@ class _Reject(Exception):
 
 
 @dataclass(slots=True)
-class _OpenPart:
+class _OpenStaging:
+    """What the open part keeps in memory: the next staging seq, how many documents are staged,
+    and how to repeat a write that failed (the part's life cycle itself is BatchingSink's)."""
+
     part: PartId
     pk: str
     next_seq: int = 0
@@ -304,7 +311,7 @@ class _OpenPart:
     strict: bool = False
 
 
-class MongoSink(Sink):
+class MongoSink(BatchingSink):
     """Stages parts in MongoDB, commits them with chunked MongoDB transactions. See module doc."""
 
     config_model = MongoSinkConfig
@@ -317,7 +324,8 @@ class MongoSink(Sink):
         self._client: MongoClient[Doc] | None = None
         self._max_bson = 16 * 1024 * 1024
         self._lock = threading.Lock()
-        self._open: _OpenPart | None = None
+        #: The open part in memory: set by its open marker, taken by its prepare or discard.
+        self._open_staging: _OpenStaging | None = None
         #: This instance's name in commit leases: unique per process and instance, readable in logs.
         self._me = (
             f"{context.participant}@{socket.gethostname()}:{os.getpid()}/{secrets.token_hex(4)}"
@@ -454,61 +462,155 @@ class MongoSink(Sink):
         self._client.close()
         self._client = None
 
-    def begin(self, part: PartId) -> None:
-        pk = self._pk(part)
-        with self._lock:
-            if self._open is not None and self._open.part != part:
-                raise FatalSinkError(
-                    f"begin({part.token}) while part {self._open.part.token} is still open",
+    # -- markers --------------------------------------------------------------------------------
+
+    def load_marker(self, part: PartId) -> PartMarker | None:
+        with self._errors("marker", part.token, RetriableSinkError):
+            marker = self._markers.find_one(
+                {"_id": self._pk(part)}, {"state": 1, "positions": 1, "records": 1}
+            )
+        if marker is None:
+            return None
+        try:
+            positions = positions_from_json(marker.get("positions", []))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise FatalSinkError(
+                f"part {part.token}: its marker's positions are unreadable: {exc}", sink=self.name
+            ) from exc
+        return PartMarker(part, marker["state"], positions, int(marker.get("records", 0)))
+
+    def save_marker(self, marker: PartMarker, *, expect: Some[PartState | None]) -> bool:
+        """``open``: (re)open the marker, with nothing applied and no lease. ``prepared``: once
+        every staged document is there, the marker records the positions and the count."""
+        part = marker.part
+        if marker.state == OPEN:
+            with self._errors("begin", part.token, AbortTransactionError):
+                if not self._open_marker(part, expect):
+                    return False
+                strict = self._target_refuses()
+            with self._lock:
+                self._open_staging = _OpenStaging(part, self._pk(part), strict=strict)
+            return True
+        if marker.state != PREPARED:
+            raise FatalSinkError(
+                f"part {part.token}: the MongoDB sink saves no {marker.state} marker by itself",
+                sink=self.name,
+            )
+        op = self._opened(part)
+        if op is None:
+            return False  # not open here: the caller looks at what the part is
+        with self._errors("prepare", part.token, AbortTransactionError):
+            # Guards against staged documents lost behind our back (a wrong cleanup, a restore).
+            stored = self._staging.count_documents({"part": op.pk})
+            if stored != op.staged:
+                raise AbortTransactionError(
+                    f"prepare: part {part.token} has {stored} staged documents, expected {op.staged}",
                     sink=self.name,
                 )
-        with self._errors("begin", part.token, AbortTransactionError):
-            # An aborted part may be opened again: a rewind re-reads the same transaction.
-            marker = self._markers.find_one_and_update(
-                {"_id": pk, "state": {"$in": [OPEN, ABORTED]}},
+            # The count is this sink's own: a record written twice is staged once.
+            result = self._markers.update_one(
+                {"_id": op.pk, "state": {"$in": [s for s in expect if s is not None]}},
                 {
                     "$set": {
-                        "state": OPEN,
-                        "records": 0,
-                        "applied": 0,
-                        "opened_at": datetime.now(UTC),
-                    },
-                    "$unset": _NO_LEASE,
+                        "state": PREPARED,
+                        "records": op.staged,
+                        "positions": positions_to_json(marker.positions),
+                        "prepared_at": datetime.now(UTC),
+                    }
                 },
             )
-            if marker is None:
-                try:
-                    self._markers.insert_one(self._new_marker(part, OPEN))
-                except DuplicateKeyError:
-                    current = self._markers.find_one({"_id": pk})
-                    state = current["state"] if current else "gone"
-                    if state in (OPEN, ABORTED, "gone"):
-                        raise RetriableSinkError(
-                            f"begin: part {part.token} changed meanwhile", sink=self.name
-                        ) from None
-                    raise FatalSinkError(
-                        f"begin: part {part.token} is already {state}; it cannot be reopened",
-                        sink=self.name,
-                    ) from None
-            # A reopened part (rewind, or a crash of this participant) starts from nothing.
-            removed = self._staging.delete_many({"part": pk}).deleted_count
-        if removed:
-            self.log.warning(
-                "part %s: reopened, dropped %d staged documents of an earlier attempt",
-                part.token,
-                removed,
-            )
-        with self._errors("begin", part.token, AbortTransactionError):
-            strict = self._target_refuses()
+        if result.matched_count == 0:
+            return False  # aborted or removed meanwhile
+        self._opened(part, take=True)
+        return True
+
+    def _open_marker(self, part: PartId, expect: Some[PartState | None]) -> bool:
+        """Reset the marker of ``part`` to open if its state is in ``expect`` (insert it when
+        ``expect`` holds None and there is none); whether it did."""
+        pk = self._pk(part)
+        # An aborted part may be opened again: a rewind re-reads the same transaction.
+        marker = self._markers.find_one_and_update(
+            {"_id": pk, "state": {"$in": [s for s in expect if s is not None]}},
+            {
+                "$set": {"state": OPEN, "records": 0, "applied": 0, "opened_at": datetime.now(UTC)},
+                "$unset": _NO_LEASE,
+            },
+        )
+        if marker is not None:
+            return True
+        if None not in expect:
+            return False
+        try:
+            self._markers.insert_one(self._new_marker(part, OPEN))
+        except DuplicateKeyError:
+            return False  # another process wrote it meanwhile
+        return True
+
+    def _opened(self, part: PartId, *, take: bool = False) -> _OpenStaging | None:
+        """The staging state of ``part`` if it is open in this instance (and no longer, ``take``)."""
         with self._lock:
-            self._open = _OpenPart(part, pk, strict=strict)
-        self.log.debug("part %s: open", part.token)
+            op = self._open_staging
+            if op is None or op.part != part:
+                return None
+            if take:
+                self._open_staging = None
+            return op
+
+    def list_parts(self, state: PartState) -> list[PartId]:
+        """The parts of this pipeline and sink whose marker is in ``state``.
+
+        ``open`` also lists parts whose staged documents outlived their marker (an abort that
+        died between the marker and the clean-up, and was forgotten since): a writer or an
+        aborter that died left both, and :meth:`abort` removes both.
+        """
+        query: Doc = {
+            "pipeline": self.context.pipeline,
+            "sink": self.name,
+            "state": state,
+            "kind": "part",
+        }
+        with self._errors("list_parts", "-", RetriableSinkError):
+            found = {
+                PartId(m["pipeline"], int(m["txn"]), m["participant"])
+                for m in self._markers.find(query, {"pipeline": 1, "txn": 1, "participant": 1})
+            }
+            if state == OPEN:
+                found.update(self._leftover_parts())
+        return sorted(found)
+
+    def _leftover_parts(self) -> list[PartId]:
+        """Parts of this pipeline with staged documents and no prepared or committed marker."""
+        staged = {
+            str(pk)
+            for pk in self._staging.distinct("part", {"part": {"$regex": self._pk_prefix()}})
+        }
+        if not staged:
+            return []
+        decided = {
+            str(m["_id"])
+            for m in self._markers.find(
+                {"_id": {"$in": sorted(staged)}, "state": {"$in": [PREPARED, COMMITTED]}},
+                {"_id": 1},
+            )
+        }
+        prefix = f"{self.name}:"
+        parts: list[PartId] = []
+        for pk in staged - decided:
+            try:
+                part = PartId.parse(pk[len(prefix) :])
+            except ValueError:
+                continue  # not a part token of ours (a sink name that contains this one's)
+            if pk.startswith(prefix) and part.pipeline == self.context.pipeline:
+                parts.append(part)
+        return parts
+
+    # -- the write path -------------------------------------------------------------------------
 
     def check(self, records: Sequence[Record]) -> Sequence[Rejected]:
         """What :meth:`write` would refuse: the same staging code on a stand-in part of the
         same token length (so the staged size is the same), without writing anything."""
         part = PartId(self.context.pipeline, 0, self.context.participant)
-        op = _OpenPart(part, self._pk(part))
+        op = _OpenStaging(part, self._pk(part))
         rejected: list[Rejected] = []
         for record in records:
             try:
@@ -528,7 +630,7 @@ class MongoSink(Sink):
             ix.get("unique") and ix.get("name") != "_id_" for ix in self._target.list_indexes()
         )
 
-    def _tried_on_target(self, op: _OpenPart, staged: list[RawBSONDocument]) -> dict[int, str]:
+    def _tried_on_target(self, op: _OpenStaging, staged: list[RawBSONDocument]) -> dict[int, str]:
         """Which of ``staged`` the target refuses, and why: each batch is written to the
         target in a MongoDB transaction that is always aborted. A write error ends a
         transaction, so each round finds one refused document and the rest are tried again."""
@@ -567,12 +669,15 @@ class MongoSink(Sink):
             left = [i for i in left if i not in refused]
         return refused
 
-    def write(self, part: PartId, records: Sequence[Record]) -> Sequence[Rejected]:
+    def stage(self, part: PartId, records: Sequence[Record]) -> Sequence[Rejected]:
+        """Stage one document per record; a retried call stages each of them once."""
         batch = tuple(r.record_id for r in records)
+        op = self._opened(part)
+        if op is None:
+            raise AbortTransactionError(
+                f"write: part {part.token} is not open here", sink=self.name
+            )
         with self._lock:
-            op = self._open
-            if op is None or op.part != part:
-                raise FatalSinkError(f"write({part.token}): part is not open", sink=self.name)
             # A retry of a failed call gets the same seqs (its documents may be staged already);
             # anything else gets fresh ones, so no two staged documents ever share a seq.
             retry = op.failed is not None and op.failed[0] == batch
@@ -609,60 +714,12 @@ class MongoSink(Sink):
             op.staged += inserted + len(op.uncertain.intersection(duplicates))
             op.uncertain.clear()
             op.failed = None
-        if rejected:
-            self.log.info(
-                "part %s: %d of %d records rejected", part.token, len(rejected), len(records)
-            )
         return rejected
 
-    def prepare(self, part: PartId, positions: Positions) -> None:
-        pk = self._pk(part)
-        with self._lock:
-            op = self._open if self._open is not None and self._open.part == part else None
-        with self._errors("prepare", part.token, AbortTransactionError):
-            marker = self._markers.find_one({"_id": pk})
-            state = marker["state"] if marker else None
-            if state == PREPARED and op is None:
-                return  # a repeated prepare after the first one succeeded
-            if state in (COMMITTED, ABORTED):
-                raise AbortTransactionError(
-                    f"prepare: part {part.token} is already {state}", sink=self.name
-                )
-            if op is None:
-                raise AbortTransactionError(
-                    f"prepare: part {part.token} is not open in this process", sink=self.name
-                )
-            # Guards against staged documents lost behind our back (a wrong cleanup, a restore).
-            stored = self._staging.count_documents({"part": pk})
-            if stored != op.staged:
-                raise AbortTransactionError(
-                    f"prepare: part {part.token} has {stored} staged documents, expected {op.staged}",
-                    sink=self.name,
-                )
-            result = self._markers.update_one(
-                {"_id": pk, "state": {"$in": [OPEN, PREPARED]}},
-                {
-                    "$set": {
-                        "state": PREPARED,
-                        "records": op.staged,
-                        "positions": [
-                            {"topic": t, "partition": p, "offset": o}
-                            for (t, p), o in sorted(positions.items())
-                        ],
-                        "prepared_at": datetime.now(UTC),
-                    }
-                },
-            )
-            if result.matched_count == 0:
-                raise AbortTransactionError(
-                    f"prepare: part {part.token} was aborted or removed meanwhile", sink=self.name
-                )
-        with self._lock:
-            if self._open is op:
-                self._open = None
-        self.log.info("part %s: prepared %d documents", part.token, op.staged)
+    # -- the commit and recovery path ---------------------------------------------------------
 
-    def commit(self, part: PartId) -> None:
+    def publish(self, part: PartId) -> None:
+        """Apply ``part`` chunk by chunk, each chunk one transaction, under the commit lease."""
         pk = self._pk(part)
         self._enter_commit(part, "commit")
         try:
@@ -681,10 +738,13 @@ class MongoSink(Sink):
                 self._committing.discard(pk)
         with self._lock:
             self._leases.discard(pk)  # the last chunk released it (kept on errors, for close())
-        self.log.info("part %s: committed (%d steps)", part.token, steps)
+        self.log.debug("part %s: applied in %d steps", part.token, steps)
 
-    def abort(self, part: PartId) -> None:
+    def discard(self, part: PartId) -> None:
+        """Mark ``part`` aborted unless a committer holds or has applied it; remove its staged
+        documents."""
         pk = self._pk(part)
+        self._opened(part, take=True)
         self._enter_commit(part, "abort")
         try:
             with self._errors("abort", part.token, FatalSinkError):
@@ -728,70 +788,10 @@ class MongoSink(Sink):
                 self._committing.discard(pk)
         with self._lock:
             self._leases.discard(pk)
-            if self._open is not None and self._open.part == part:
-                self._open = None
-        self.log.info("part %s: aborted (%d staged documents removed)", part.token, removed)
+        if removed:
+            self.log.info("part %s: %d staged documents removed", part.token, removed)
 
-    def in_doubt(self) -> list[PartId]:
-        with self._errors("in_doubt", "-", RetriableSinkError):
-            found = self._markers.find(
-                {
-                    "pipeline": self.context.pipeline,
-                    "sink": self.name,
-                    "state": PREPARED,
-                    "kind": "part",
-                },
-                {"pipeline": 1, "txn": 1, "participant": 1},
-            )
-            return sorted(PartId(m["pipeline"], int(m["txn"]), m["participant"]) for m in found)
-
-    # -- beyond the SDK: recovery and housekeeping helpers for the runtime ---------------------
-
-    def stale_parts(self, before_txn: int) -> list[PartId]:
-        """Parts of this pipeline older than ``before_txn`` that were never prepared but left
-        staged documents or an ``open`` marker (their writer died). Pass a transaction number that
-        no live participant can still have open -- e.g. the oldest undecided transaction -- and
-        ``abort`` each part returned. This process's own open part is never returned.
-        """
-        pipeline = self.context.pipeline
-        with self._errors("stale_parts", "-", RetriableSinkError):
-            tokens: set[str] = set()
-            for m in self._markers.find(
-                {
-                    "pipeline": pipeline,
-                    "sink": self.name,
-                    "state": OPEN,
-                    "kind": "part",
-                    "txn": {"$lt": before_txn},
-                },
-                {"_id": 1},
-            ):
-                tokens.add(str(m["_id"]))
-            staged = {
-                str(pk)
-                for pk in self._staging.distinct("part", {"part": {"$regex": self._pk_prefix()}})
-            }
-            if staged:
-                decided = {
-                    str(m["_id"])
-                    for m in self._markers.find(
-                        {"_id": {"$in": sorted(staged)}, "state": {"$in": [PREPARED, COMMITTED]}},
-                        {"_id": 1},
-                    )
-                }
-                tokens |= staged - decided
-        with self._lock:
-            own = self._open.pk if self._open is not None else None
-        prefix = f"{self.name}:"
-        parts: list[PartId] = []
-        for pk in tokens - {own}:
-            try:
-                part = PartId.parse(pk[len(prefix) :])
-            except ValueError:
-                continue  # not a part token of ours (a sink name that contains this one's)
-            if pk.startswith(prefix) and part.pipeline == pipeline and part.txn < before_txn:
-                parts.append(part)
-        return sorted(parts)
+    # -- housekeeping ---------------------------------------------------------------------------
 
     def committed_positions(self) -> dict[tuple[str, int], int]:
         """Next offset per source partition, as committed into this sink with the data."""
@@ -876,7 +876,7 @@ class MongoSink(Sink):
             "created_at": datetime.now(UTC),
         }
 
-    def _stage(self, op: _OpenPart, record: Record, seq: int) -> RawBSONDocument:
+    def _stage(self, op: _OpenStaging, record: Record, seq: int) -> RawBSONDocument:
         value: Any = record.value
         if not isinstance(value, Mapping):
             raise _Reject(f"value is a {type(value).__name__}, not a JSON object")
@@ -923,7 +923,9 @@ class MongoSink(Sink):
             return next(iter(parts.values()))
         return parts
 
-    def _insert_staged(self, op: _OpenPart, staged: list[RawBSONDocument]) -> tuple[int, list[str]]:
+    def _insert_staged(
+        self, op: _OpenStaging, staged: list[RawBSONDocument]
+    ) -> tuple[int, list[str]]:
         ids = [str(d["_id"]) for d in staged]
         try:
             with self._errors("write", op.part.token, AbortTransactionError):
