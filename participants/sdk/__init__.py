@@ -6,7 +6,8 @@ in a pipeline's ``sinks[].type``.
 
 * :class:`Sink` -- the contract (:mod:`twophase.participants.sdk.sink` documents every rule).
 * :class:`BatchingSink` -- the contract built on six store operations, for stores with local
-  transactions but no two-phase commit (:mod:`twophase.participants.sdk.batching`), and the
+  transactions but no two-phase commit (:mod:`twophase.participants.sdk.batching`), with
+  :class:`OpenSlot` for what its store operations hold in memory about the open part, and the
   marker's positions as JSON (:func:`positions_to_json`, :func:`positions_from_json`).
 * the durable file-system steps of :mod:`twophase.participants.sdk.staging`, for sinks that stage files.
 * :mod:`twophase.participants.sdk.values` -- the value conversions the built-in sinks share
@@ -19,6 +20,7 @@ Guide: ``docs/write-a-sink.md``.
 
 from twophase.participants.sdk.batching import (
     BatchingSink,
+    OpenSlot,
     PartMarker,
     PartState,
     positions_from_json,
@@ -60,6 +62,7 @@ __all__ = [
     "BatchingSink",
     "CommittedInfo",
     "FatalSinkError",
+    "OpenSlot",
     "PartId",
     "PartMarker",
     "PartState",

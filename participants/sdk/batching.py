@@ -34,8 +34,8 @@ Everything else -- ``begin``/``write``/``prepare``/``commit``/``abort``/``in_dou
   prepare, and from then on any process can ``publish``. Data a store buffers in memory (the
   files sink's open files) is written there, before the marker.
 * Markers are keyed by sink name and part (two sinks may share one marker table).
-* A store operation may keep what it needs of the open part in memory (buffers, a lock): the
-  ``open`` marker starts it, the ``prepared`` marker or ``discard`` ends it.
+* A store operation may keep what it needs of the open part in memory (buffers, a lock) in an
+  :class:`OpenSlot`: the ``open`` marker starts it, the ``prepared`` marker or ``discard`` ends it.
 
 Optional: :meth:`BatchingSink.abandoned` says whether an open part's writer is gone (by default:
 the part is older than the runtime's bound); a store that can tell a live writer from a dead
@@ -53,7 +53,7 @@ import abc
 import threading
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, final
+from typing import Any, Generic, Literal, TypeVar, final
 
 from twophase.participants.sdk.errors import (
     AbortTransactionError,
@@ -65,7 +65,14 @@ from twophase.participants.sdk.errors import (
 from twophase.participants.sdk.records import PartId, Positions, Record, Rejected, TopicPartition
 from twophase.participants.sdk.sink import Sink, SinkConfig, SinkContext
 
-__all__ = ["BatchingSink", "PartMarker", "PartState", "positions_from_json", "positions_to_json"]
+__all__ = [
+    "BatchingSink",
+    "OpenSlot",
+    "PartMarker",
+    "PartState",
+    "positions_from_json",
+    "positions_to_json",
+]
 
 PartState = Literal["open", "prepared", "committed", "aborted"]
 _OPEN: tuple[PartState] = ("open",)
@@ -104,6 +111,39 @@ def positions_from_json(items: Any) -> dict[TopicPartition, int]:
         tp = (str(item["topic"]), int(item["partition"]))
         out[tp] = max(out.get(tp, 0), int(item["offset"]))
     return out
+
+
+_T = TypeVar("_T")
+
+
+class OpenSlot(Generic[_T]):
+    """What a store operation keeps in memory about the open part (buffers, a lock, counters):
+    put there by ``save_marker`` of the ``open`` marker, taken by that of the ``prepared`` marker
+    or by ``discard``. Thread-safe: ``discard`` runs on the control thread, and a ``begin`` of the
+    next part may put while it takes another part's."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: tuple[PartId, _T] | None = None
+
+    def put(self, part: PartId, value: _T) -> None:
+        with self._lock:
+            self._held = (part, value)
+
+    def get(self, part: PartId, *, take: bool = False) -> _T | None:
+        """What is held for ``part`` (None for any other part); with ``take``, no longer held."""
+        with self._lock:
+            if self._held is None or self._held[0] != part:
+                return None
+            value = self._held[1]
+            if take:
+                self._held = None
+            return value
+
+    def held(self) -> tuple[PartId, _T] | None:
+        """The part something is held for, and what."""
+        with self._lock:
+            return self._held
 
 
 @dataclass(slots=True)

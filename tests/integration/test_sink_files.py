@@ -846,7 +846,7 @@ def test_buffered_records_are_bounded_across_many_output_files(tmp_path: Path) -
     records = [rec(i, ts=T0 + (i % 10) * DAY) for i in range(100)]  # ten dates, ten buffers
     sink.begin(p)
     sink.write(p, records)
-    op = sink._open_files
+    op = sink._open_files.get(p)
     assert op is not None and op.buffered <= 30
     sink.prepare(p, {("orders", 0): 100})
     sink.commit(p)

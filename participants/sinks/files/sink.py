@@ -13,24 +13,7 @@ from typing import Any, ClassVar
 
 import pyarrow as pa
 
-from twophase.participants.sdk import (
-    AbortTransactionError,
-    BackpressureError,
-    BatchingSink,
-    CommittedInfo,
-    FatalSinkError,
-    PartId,
-    PartMarker,
-    PartState,
-    Record,
-    Rejected,
-    RetriableSinkError,
-    SinkConfig,
-    SinkContext,
-    SinkError,
-    TopicPartition,
-    UnknownPartError,
-)
+from twophase.participants import sdk
 from twophase.participants.sdk.staging import (
     makedirs_durable,
     read_json,
@@ -62,17 +45,17 @@ _FATAL_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.EXDEV})
 _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
-class FileSink(BatchingSink):
+class FileSink(sdk.BatchingSink):
     """Exactly-once Parquet / JSON Lines files: staged, fsynced, published by atomic rename.
 
     The part's directory is its marker: ``open/{token}/`` is open, ``prepared/{token}/`` is
     prepared, a manifest is committed, and nothing at all is aborted (or unknown).
     """
 
-    config_model: ClassVar[type[SinkConfig]] = FileSinkConfig
+    config_model: ClassVar[type[sdk.SinkConfig]] = FileSinkConfig
     config: FileSinkConfig
 
-    def __init__(self, config: SinkConfig, context: SinkContext) -> None:
+    def __init__(self, config: sdk.SinkConfig, context: sdk.SinkContext) -> None:
         if not isinstance(config, FileSinkConfig):
             raise TypeError(f"FileSink needs a FileSinkConfig, got {type(config).__name__}")
         super().__init__(config, context)
@@ -81,10 +64,9 @@ class FileSink(BatchingSink):
         self.state = self._layout.state
         self._encoder = encoder_for(config)
         self._groups = OutputGroups(config.partition_by)
-        # The open part in memory: set by its open marker, taken by its prepare or discard. The
-        # lock guards the field (a discard on the control thread, a begin on the data thread).
-        self._open_files: OpenFiles | None = None
-        self._open_files_lock = threading.Lock()
+        # The open part's buffers, files and lock: put by its open marker, taken by its prepare
+        # or discard.
+        self._open_files: sdk.OpenSlot[OpenFiles] = sdk.OpenSlot()
         # Serialises publish/discard/the prepared listing/forget in this process; other
         # processes are safe because every step is idempotent and checks the file system.
         self._decide_lock = threading.Lock()
@@ -94,25 +76,27 @@ class FileSink(BatchingSink):
     # -- errors --
 
     @contextlib.contextmanager
-    def _fs(self, action: str, part: PartId | None, failure: type[SinkError]) -> Iterator[None]:
+    def _fs(
+        self, action: str, part: sdk.PartId | None, failure: type[sdk.SinkError]
+    ) -> Iterator[None]:
         """Map OSError to the SDK's three branches; permissions and read-only stores are fatal."""
         try:
             yield
-        except SinkError:
+        except sdk.SinkError:
             raise
         except OSError as exc:
             where = f"part {part.token}: " if part else ""
             message = f"{where}{action} failed under {self.base}: {exc}"
             if exc.errno in _FATAL_ERRNOS:
-                raise FatalSinkError(message, sink=self.name) from exc
-            if failure is RetriableSinkError and exc.errno in _DISK_FULL_ERRNOS:
-                raise BackpressureError(
+                raise sdk.FatalSinkError(message, sink=self.name) from exc
+            if failure is sdk.RetriableSinkError and exc.errno in _DISK_FULL_ERRNOS:
+                raise sdk.BackpressureError(
                     message, retry_after_s=_DISK_FULL_RETRY_S, sink=self.name
                 ) from exc
             raise failure(message, sink=self.name) from exc
         except pa.ArrowException as exc:
             where = f"part {part.token}: " if part else ""
-            raise FatalSinkError(
+            raise sdk.FatalSinkError(
                 f"{where}{action}: Arrow refused the data: {exc}", sink=self.name
             ) from exc
 
@@ -120,7 +104,7 @@ class FileSink(BatchingSink):
 
     def setup(self) -> None:
         layout = self._layout
-        with self._fs("setup", None, RetriableSinkError):
+        with self._fs("setup", None, sdk.RetriableSinkError):
             for kind in ("open", "prepared", "manifests", "trash"):
                 makedirs_durable(layout.dir(kind))
             for leftover in layout.dir("trash").iterdir():
@@ -132,7 +116,7 @@ class FileSink(BatchingSink):
                     if fd >= 0:
                         os.close(fd)
             if os.stat(self.base).st_dev != os.stat(self.state).st_dev:
-                raise FatalSinkError(
+                raise sdk.FatalSinkError(
                     f"{self.state} is on another file system than {self.base}: "
                     "publishing by rename needs one file system",
                     sink=self.name,
@@ -149,21 +133,21 @@ class FileSink(BatchingSink):
 
     def close(self) -> None:
         """Discard the open part, if any (it can never be prepared now); prepared parts stay."""
-        with self._open_files_lock:
-            op = self._open_files
-        if op is None:
+        held = self._open_files.held()
+        if held is None:
             return
+        part = held[0]
         try:
-            self.abort(op.part)
-        except SinkError as exc:
+            self.abort(part)
+        except sdk.SinkError as exc:
             self.log.warning(
-                "part %s: could not discard the open part on close: %s", op.part.token, exc
+                "part %s: could not discard the open part on close: %s", part.token, exc
             )
 
     # -- markers: the part's directory, or its manifest --
 
-    def load_marker(self, part: PartId) -> PartMarker | None:
-        with self._fs("reading the part's state", part, RetriableSinkError):
+    def load_marker(self, part: sdk.PartId) -> sdk.PartMarker | None:
+        with self._fs("reading the part's state", part, sdk.RetriableSinkError):
             manifest = self._layout.manifest(part)
             try:
                 return self._marker(part, "committed", read_json(manifest), manifest)
@@ -174,23 +158,27 @@ class FileSink(BatchingSink):
             if staged is not None:
                 return self._marker(part, "prepared", staged[0], prepared / PREPARED_FILE)
             if self._layout.open_dir(part).exists():
-                return PartMarker(part, "open")
+                return sdk.PartMarker(part, "open")
         return None
 
-    def _marker(self, part: PartId, state: PartState, document: Any, path: Path) -> PartMarker:
+    def _marker(
+        self, part: sdk.PartId, state: sdk.PartState, document: Any, path: Path
+    ) -> sdk.PartMarker:
         """The marker a manifest or ``PREPARED.json`` stands for (both hold the positions)."""
         try:
             positions = manifest_positions(document)
-            return PartMarker(part, state, positions, int(document.get("records", 0)))
+            return sdk.PartMarker(part, state, positions, int(document.get("records", 0)))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise FatalSinkError(f"{path} is unreadable: {exc}", sink=self.name) from exc
+            raise sdk.FatalSinkError(f"{path} is unreadable: {exc}", sink=self.name) from exc
 
-    def save_marker(self, marker: PartMarker, *, expect: Collection[PartState | None]) -> bool:
+    def save_marker(
+        self, marker: sdk.PartMarker, *, expect: Collection[sdk.PartState | None]
+    ) -> bool:
         """``open``: create the part's directory with its LOCK held. ``prepared``: write what is
         buffered, ``PREPARED.json``, and rename the directory to ``prepared/`` (the prepare)."""
         part = marker.part
         if marker.state == "open":
-            with self._fs("begin", part, RetriableSinkError):
+            with self._fs("begin", part, sdk.RetriableSinkError):
                 if self._layout.state_of(part) not in expect:
                     return False
                 target = self._layout.open_dir(part)
@@ -202,24 +190,23 @@ class FileSink(BatchingSink):
                     self.config.max_file_records,
                     self.config.buffered_limit,
                 )
-            with self._open_files_lock:
-                self._open_files = opened
+            self._open_files.put(part, opened)
             self.log.debug("part %s: begun in %s", part.token, target)
             return True
         if marker.state != "prepared":
-            raise FatalSinkError(
+            raise sdk.FatalSinkError(
                 f"part {part.token}: the files sink keeps no {marker.state} marker", sink=self.name
             )
-        op = self._opened(part)
+        op = self._open_files.get(part)
         if op is None or "open" not in expect:
             return False  # not open here: the caller looks at what the part is
-        with self._fs("prepare", part, AbortTransactionError):
+        with self._fs("prepare", part, sdk.AbortTransactionError):
             op.flush_all()
             document = op.document(self.name, self.config.format, marker.positions)
             write_json_atomic(op.directory / PREPARED_FILE, document)
             # The prepare: atomic and complete.
             rename_durable(op.directory, self._layout.prepared_dir(part))
-        self._opened(part, take=True)
+        self._open_files.get(part, take=True)
         os.close(op.lock_fd)
         self.log.debug(
             "part %s: %d records in %d files staged in %.3fs",
@@ -230,41 +217,31 @@ class FileSink(BatchingSink):
         )
         return True
 
-    def _opened(self, part: PartId, *, take: bool = False) -> OpenFiles | None:
-        """The open files of ``part`` if it is open in this process (and no longer, ``take``)."""
-        with self._open_files_lock:
-            op = self._open_files
-            if op is None or op.part != part:
-                return None
-            if take:
-                self._open_files = None
-            return op
-
-    def list_parts(self, state: PartState) -> list[PartId]:
-        with self._fs(f"listing {state} parts", None, RetriableSinkError):
+    def list_parts(self, state: sdk.PartState) -> list[sdk.PartId]:
+        with self._fs(f"listing {state} parts", None, sdk.RetriableSinkError):
             if state == "open":
                 return [p for _, p in self._parts_in(self._layout.dir("open"), warn=False)]
             if state == "prepared":
                 return self._prepared_parts()
             if state == "committed":
                 return [
-                    PartId(self.context.pipeline, info.txn, info.participant)
+                    sdk.PartId(self.context.pipeline, info.txn, info.participant)
                     for info in self._manifests.scan().values()
                 ]
         return []  # an aborted part leaves nothing behind
 
-    def _parts_in(self, directory: Path, *, warn: bool) -> Iterator[tuple[Path, PartId]]:
+    def _parts_in(self, directory: Path, *, warn: bool) -> Iterator[tuple[Path, sdk.PartId]]:
         for entry in directory.iterdir():
             if entry.name.startswith("."):
                 continue  # a begin under way (or dead: setup removes it)
             try:
-                yield entry, PartId.parse(entry.name)
+                yield entry, sdk.PartId.parse(entry.name)
             except ValueError:
                 if warn:
                     self.log.warning("ignoring %s: not a part directory", entry)
 
-    def _prepared_parts(self) -> list[PartId]:
-        parts: list[PartId] = []
+    def _prepared_parts(self) -> list[sdk.PartId]:
+        parts: list[sdk.PartId] = []
         with self._decide_lock:
             for entry, part in self._parts_in(self._layout.dir("prepared"), warn=True):
                 if not self.owns(part):
@@ -276,7 +253,7 @@ class FileSink(BatchingSink):
                 parts.append(part)
         return parts
 
-    def abandoned(self, part: PartId, before_txn: int) -> bool:
+    def abandoned(self, part: sdk.PartId, before_txn: int) -> bool:
         """Whether the writer of the open ``part`` is gone: its ``flock`` on the part's LOCK is.
 
         ``before_txn`` is not needed: the lock tells a live writer from a dead one, whatever
@@ -293,10 +270,10 @@ class FileSink(BatchingSink):
 
     # -- the write path --
 
-    def check(self, records: Sequence[Record]) -> Sequence[Rejected]:
+    def check(self, records: Sequence[sdk.Record]) -> Sequence[sdk.Rejected]:
         """What :meth:`write` would refuse: the same per-record code (the output group, then
         :meth:`Encoder.row`), without buffering anything."""
-        rejected: list[Rejected] = []
+        rejected: list[sdk.Rejected] = []
         row, key = self._encoder.row, self._groups.key
         for record in records:
             group = key(record)
@@ -309,20 +286,20 @@ class FileSink(BatchingSink):
                 rejected.append(refusal(record, str(exc), exc.field_name))
         return rejected
 
-    def stage(self, part: PartId, records: Sequence[Record]) -> Sequence[Rejected]:
+    def stage(self, part: sdk.PartId, records: Sequence[sdk.Record]) -> Sequence[sdk.Rejected]:
         """Buffer ``records`` per output file; a full buffer becomes a file in the open dir."""
-        op = self._opened(part)
+        op = self._open_files.get(part)
         if op is None:
-            raise AbortTransactionError(f"part {part.token} is not open here", sink=self.name)
-        with self._fs("write", part, AbortTransactionError):
+            raise sdk.AbortTransactionError(f"part {part.token} is not open here", sink=self.name)
+        with self._fs("write", part, sdk.AbortTransactionError):
             return op.write(records, self._groups)
 
     # -- the commit and recovery path --
 
-    def publish(self, part: PartId) -> None:
+    def publish(self, part: sdk.PartId) -> None:
         """Link every staged file to its target, then write the manifest: the commit point."""
         layout = self._layout
-        with self._decide_lock, self._fs("commit", part, RetriableSinkError):
+        with self._decide_lock, self._fs("commit", part, sdk.RetriableSinkError):
             manifest = layout.manifest(part)
             prepared = layout.prepared_dir(part)
             if manifest.exists():
@@ -335,7 +312,7 @@ class FileSink(BatchingSink):
             if staged is None:
                 if manifest.exists():  # a concurrent committer finished between our two looks
                     return
-                raise UnknownPartError(
+                raise sdk.UnknownPartError(
                     f"commit of part {part.token}: neither prepared nor committed in {self.state}",
                     sink=self.name,
                 )
@@ -353,18 +330,18 @@ class FileSink(BatchingSink):
             "part %s: %d records in %d files published", part.token, document["records"], len(files)
         )
 
-    def discard(self, part: PartId) -> None:
+    def discard(self, part: sdk.PartId) -> None:
         """The open or prepared directory disappears by one rename into ``trash/``."""
-        op = self._opened(part, take=True)
+        op = self._open_files.get(part, take=True)
         if op is not None:
             os.close(op.lock_fd)  # the directory itself goes below, like any other
         layout = self._layout
         prepared, opened = layout.prepared_dir(part), layout.open_dir(part)
         if not (prepared.exists() or opened.exists()):
             return  # nothing to discard (every begin asks): no need to wait for a commit
-        with self._decide_lock, self._fs("abort", part, RetriableSinkError):
+        with self._decide_lock, self._fs("abort", part, sdk.RetriableSinkError):
             if layout.manifest(part).exists():
-                raise FatalSinkError(
+                raise sdk.FatalSinkError(
                     f"abort of part {part.token}, which is already committed", sink=self.name
                 )
             if prepared.exists():
@@ -374,10 +351,10 @@ class FileSink(BatchingSink):
             if opened.exists():
                 self._discard_abandoned(part, opened)
 
-    def _discard_abandoned(self, part: PartId, opened: Path) -> None:
+    def _discard_abandoned(self, part: sdk.PartId, opened: Path) -> None:
         fd = claim(opened)
         if fd is None:
-            raise RetriableSinkError(
+            raise sdk.RetriableSinkError(
                 f"part {part.token} is open in another live process ({opened / LOCK_FILE})",
                 sink=self.name,
             )
@@ -389,7 +366,7 @@ class FileSink(BatchingSink):
 
     # -- housekeeping --
 
-    def committed_positions(self) -> dict[TopicPartition, int]:
+    def committed_positions(self) -> dict[sdk.TopicPartition, int]:
         """Next offset per source partition: the highest in the manifests of this pipeline.
 
         A manifest is written at the commit point of its part, so prepared and aborted parts
@@ -402,16 +379,16 @@ class FileSink(BatchingSink):
         a process reads all of them, later ones only the new ones. :meth:`forget` keeps their
         number bounded.
         """
-        with self._fs("committed_positions", None, RetriableSinkError):
+        with self._fs("committed_positions", None, sdk.RetriableSinkError):
             return self._manifests.positions()
 
-    def last_committed(self) -> CommittedInfo | None:
+    def last_committed(self) -> sdk.CommittedInfo | None:
         """The manifest of this pipeline with the highest txn (of that txn's parts, the one
         committed last), with the ``committed_at`` it records (the committer's clock).
 
         Same cost as :meth:`committed_positions`: one listing, new manifests parsed once.
         """
-        with self._fs("last_committed", None, RetriableSinkError):
+        with self._fs("last_committed", None, sdk.RetriableSinkError):
             return self._manifests.last()
 
     def forget(self, before_txn: int) -> int:
@@ -433,7 +410,7 @@ class FileSink(BatchingSink):
         decision log is past it), which is what the SDK asks of them.
         """
         layout = self._layout
-        with self._decide_lock, self._fs("forget", None, RetriableSinkError):
+        with self._decide_lock, self._fs("forget", None, sdk.RetriableSinkError):
             forgotten = self._manifests.forget(
                 before_txn, lambda part: layout.discard(layout.prepared_dir(part))
             )
