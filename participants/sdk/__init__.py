@@ -6,7 +6,9 @@ in a pipeline's ``sinks[].type``.
 
 * :class:`Sink` -- the contract (:mod:`twophase.participants.sdk.sink` documents every rule).
 * :class:`BatchingSink` -- the contract built on six store operations, for stores with local
-  transactions but no two-phase commit (:mod:`twophase.participants.sdk.batching`).
+  transactions but no two-phase commit (:mod:`twophase.participants.sdk.batching`), with
+  :class:`OpenSlot` for what its store operations hold in memory about the open part, and the
+  marker's positions as JSON (:func:`positions_to_json`, :func:`positions_from_json`).
 * the durable file-system steps of :mod:`twophase.participants.sdk.staging`, for sinks that stage files.
 * :mod:`twophase.participants.sdk.values` -- the value conversions the built-in sinks share
   (``docs/types.md``), so a record meets the same rule in every sink.
@@ -16,7 +18,14 @@ in a pipeline's ``sinks[].type``.
 Guide: ``docs/write-a-sink.md``.
 """
 
-from twophase.participants.sdk.batching import BatchingSink, PartMarker, PartState
+from twophase.participants.sdk.batching import (
+    BatchingSink,
+    OpenSlot,
+    PartMarker,
+    PartState,
+    positions_from_json,
+    positions_to_json,
+)
 from twophase.participants.sdk.errors import (
     AbortTransactionError,
     BackpressureError,
@@ -53,6 +62,7 @@ __all__ = [
     "BatchingSink",
     "CommittedInfo",
     "FatalSinkError",
+    "OpenSlot",
     "PartId",
     "PartMarker",
     "PartState",
@@ -70,6 +80,8 @@ __all__ = [
     "discard_tree",
     "fsync_dir",
     "makedirs_durable",
+    "positions_from_json",
+    "positions_to_json",
     "read_json",
     "remove_tree",
     "rename_durable",

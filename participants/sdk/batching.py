@@ -24,12 +24,25 @@ Everything else -- ``begin``/``write``/``prepare``/``commit``/``abort``/``in_dou
 
 * ``stage`` runs on the data thread while ``publish``/``discard``/``load_marker`` run on the
   control thread: use a connection per thread, or one connection under a lock.
-* ``stage`` is atomic: if it raises :class:`RetriableSinkError` nothing of the batch was staged
-  (the runtime repeats the call). Any other error loses the part: later writes and the prepare
-  raise :class:`AbortTransactionError` until it is aborted.
+* ``stage`` is atomic, or repeatable: if it raises :class:`RetriableSinkError`, the runtime
+  repeats the same call, and the part must then hold the batch once (nothing of it landed, or
+  what landed is recognised, as the MongoDB sink does by deterministic ids). Any other error
+  loses the part: later writes and the prepare raise :class:`AbortTransactionError` until it
+  is aborted. So does a ``save_marker`` of the ``prepared`` marker that raises anything but
+  :class:`RetriableSinkError`.
 * Staged data must be durable when ``save_marker`` of the ``prepared`` marker returns: that is the
-  prepare, and from then on any process can ``publish``.
+  prepare, and from then on any process can ``publish``. Data a store buffers in memory (the
+  files sink's open files) is written there, before the marker.
 * Markers are keyed by sink name and part (two sinks may share one marker table).
+* A store operation may keep what it needs of the open part in memory (buffers, a lock) in an
+  :class:`OpenSlot`: the ``open`` marker starts it, the ``prepared`` marker or ``discard`` ends it.
+
+Optional: :meth:`BatchingSink.abandoned` says whether an open part's writer is gone (by default:
+the part is older than the runtime's bound); a store that can tell a live writer from a dead
+one better -- the files sink holds a ``flock`` -- overrides it.
+
+The methods of the contract are ``final``: a subclass changes what the store does, never the
+rules around it.
 
 Example: ``examples/twophase-sqlite-sink`` (about 200 lines); guide: ``docs/write-a-sink.md``.
 """
@@ -40,7 +53,7 @@ import abc
 import threading
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Generic, Literal, TypeVar, final
 
 from twophase.participants.sdk.errors import (
     AbortTransactionError,
@@ -52,7 +65,14 @@ from twophase.participants.sdk.errors import (
 from twophase.participants.sdk.records import PartId, Positions, Record, Rejected, TopicPartition
 from twophase.participants.sdk.sink import Sink, SinkConfig, SinkContext
 
-__all__ = ["BatchingSink", "PartMarker", "PartState"]
+__all__ = [
+    "BatchingSink",
+    "OpenSlot",
+    "PartMarker",
+    "PartState",
+    "positions_from_json",
+    "positions_to_json",
+]
 
 PartState = Literal["open", "prepared", "committed", "aborted"]
 _OPEN: tuple[PartState] = ("open",)
@@ -70,6 +90,60 @@ class PartMarker:
     state: PartState
     positions: Mapping[TopicPartition, int] = field(default_factory=dict)
     records: int = 0
+
+
+def positions_to_json(positions: Positions) -> list[dict[str, Any]]:
+    """``positions`` the way the built-in sinks store them in a marker (JSON or BSON): a list of
+    ``{"topic", "partition", "offset"}``, sorted, so that equal positions store equal."""
+    return [
+        {"topic": topic, "partition": partition, "offset": offset}
+        for (topic, partition), offset in sorted(positions.items())
+    ]
+
+
+def positions_from_json(items: Any) -> dict[TopicPartition, int]:
+    """The positions :func:`positions_to_json` stored (the highest offset of a partition that
+    repeats); ``ValueError``, ``KeyError`` or ``TypeError`` for anything else."""
+    if not isinstance(items, list):
+        raise ValueError(f"positions: expected a list, got {type(items).__name__}")
+    out: dict[TopicPartition, int] = {}
+    for item in items:
+        tp = (str(item["topic"]), int(item["partition"]))
+        out[tp] = max(out.get(tp, 0), int(item["offset"]))
+    return out
+
+
+_T = TypeVar("_T")
+
+
+class OpenSlot(Generic[_T]):
+    """What a store operation keeps in memory about the open part (buffers, a lock, counters):
+    put there by ``save_marker`` of the ``open`` marker, taken by that of the ``prepared`` marker
+    or by ``discard``. Thread-safe: ``discard`` runs on the control thread, and a ``begin`` of the
+    next part may put while it takes another part's."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: tuple[PartId, _T] | None = None
+
+    def put(self, part: PartId, value: _T) -> None:
+        with self._lock:
+            self._held = (part, value)
+
+    def get(self, part: PartId, *, take: bool = False) -> _T | None:
+        """What is held for ``part`` (None for any other part); with ``take``, no longer held."""
+        with self._lock:
+            if self._held is None or self._held[0] != part:
+                return None
+            value = self._held[1]
+            if take:
+                self._held = None
+            return value
+
+    def held(self) -> tuple[PartId, _T] | None:
+        """The part something is held for, and what."""
+        with self._lock:
+            return self._held
 
 
 @dataclass(slots=True)
@@ -100,11 +174,17 @@ class BatchingSink(Sink):
     @abc.abstractmethod
     def publish(self, part: PartId) -> None:
         """In one local transaction, if ``part`` is prepared: move its staged data into the target,
-        set its marker to committed and store its positions. Otherwise change nothing."""
+        set its marker to committed and store its positions. Otherwise change nothing.
+
+        A store whose transactions cannot hold a whole part commits it in steps instead, each
+        repeatable by any process after a crash, the marker last (the MongoDB sink's chunks, the
+        files sink's links and manifest). Raising :class:`UnknownPartError` here when the part
+        turns out to be neither prepared nor committed is fine: :meth:`commit` would."""
 
     @abc.abstractmethod
     def discard(self, part: PartId) -> None:
         """Mark ``part`` aborted unless it is committed (or has no marker); delete its staged data.
+        A store may remove the marker instead: no marker is as good as ``aborted``.
 
         Called only for parts that are not committed; the guard is for a store shared with a
         misbehaving writer.
@@ -124,6 +204,7 @@ class BatchingSink(Sink):
 
     # -- the Sink contract, built on them -------------------------------------------------------
 
+    @final
     def begin(self, part: PartId) -> None:
         self._require_owned(part)
         with self._guard:
@@ -147,6 +228,7 @@ class BatchingSink(Sink):
             self._open = _OpenPart(part)
         self.log.debug("part %s: open", part.token)
 
+    @final
     def write(self, part: PartId, records: Sequence[Record]) -> Sequence[Rejected]:
         op = self._writable(part, "write")
         with op.lock:
@@ -172,6 +254,7 @@ class BatchingSink(Sink):
             )
         return rejected
 
+    @final
     def prepare(self, part: PartId, positions: Positions) -> None:
         with self._guard:
             op = self._open if self._open is not None and self._open.part == part else None
@@ -181,7 +264,14 @@ class BatchingSink(Sink):
         with op.lock:
             self._check_healthy(op)
             marker = PartMarker(part, "prepared", dict(positions), op.records)
-            if not self.save_marker(marker, expect=_OPEN):
+            try:
+                saved = self.save_marker(marker, expect=_OPEN)
+            except RetriableSinkError:
+                raise  # the marker did not change: the runtime repeats the prepare
+            except Exception as exc:
+                op.broken = f"the prepare failed: {exc}"
+                raise
+            if not saved:
                 # A first attempt that raised may have landed; anything else is an abort by
                 # another process (stale-part clean-up) behind this one's back.
                 try:
@@ -196,6 +286,7 @@ class BatchingSink(Sink):
             "part %s: prepared %d records (%d rejected)", part.token, op.records, op.rejected
         )
 
+    @final
     def commit(self, part: PartId) -> None:
         self._require_owned(part)
         self.publish(part)
@@ -207,6 +298,7 @@ class BatchingSink(Sink):
             )
         self.log.info("part %s: committed", part.token)
 
+    @final
     def abort(self, part: PartId) -> None:
         self._require_owned(part)
         with self._guard:
@@ -223,20 +315,30 @@ class BatchingSink(Sink):
         self.discard(part)
         self.log.info("part %s: aborted", part.token)
 
+    @final
     def in_doubt(self) -> list[PartId]:
         return sorted(p for p in self.list_parts("prepared") if self.owns(p))
 
+    @final
     def stale_parts(self, before_txn: int) -> list[PartId]:
-        """Open parts of this pipeline older than ``before_txn``, but this process's own.
-
-        A marker cannot tell whether its writer is alive: this relies on the runtime's promise
-        that no live participant still has a part older than ``before_txn`` open.
-        """
+        """Open parts of this pipeline whose writer is gone (:meth:`abandoned`: by default, those
+        older than ``before_txn``), but this process's own."""
         with self._guard:
             mine = self._open.part if self._open is not None else None
         return sorted(
-            p for p in self.list_parts("open") if p.txn < before_txn and p != mine and self.owns(p)
+            p
+            for p in self.list_parts("open")
+            if p != mine and self.owns(p) and self.abandoned(p, before_txn)
         )
+
+    def abandoned(self, part: PartId, before_txn: int) -> bool:
+        """Whether the writer of the open ``part`` is gone, so that :meth:`stale_parts` lists it.
+
+        The default relies on the runtime's bound: no live participant still has a part older
+        than ``before_txn`` open. A store that can tell a dead writer from a live one (a lock
+        the kernel drops with its holder) overrides it, and may then ignore ``before_txn``.
+        """
+        return part.txn < before_txn
 
     # -- internals -----------------------------------------------------------------------------
 

@@ -39,8 +39,7 @@ from twophase.participants.sdk import (
     SinkContext,
     UnknownPartError,
 )
-from twophase.participants.sinks import files as files_module
-from twophase.participants.sinks.files import FileSink
+from twophase.participants.sinks.files import FileSink, _layout, _publish, _staging
 
 REPO = Path(__file__).resolve().parents[2]
 PIPELINE = "orders-pipe"
@@ -319,7 +318,7 @@ def test_commit_resumes_after_manifest_before_cleanup(
     def crash(path: Path, trash: Path) -> bool:
         raise OSError(5, "simulated I/O error while cleaning up")
 
-    monkeypatch.setattr(files_module, "discard_tree", crash)
+    monkeypatch.setattr(_layout, "discard_tree", crash)
     with pytest.raises(RetriableSinkError):
         sink.commit(p)
     monkeypatch.undo()
@@ -510,7 +509,7 @@ def test_forget_removes_staged_leftovers_so_a_forgotten_part_never_looks_prepare
     def crash(path: Path, trash: Path) -> bool:
         raise OSError(5, "simulated I/O error while cleaning up")
 
-    monkeypatch.setattr(files_module, "discard_tree", crash)
+    monkeypatch.setattr(_layout, "discard_tree", crash)
     with pytest.raises(RetriableSinkError):
         sink.commit(part(1))  # the manifest is written, the staged directory is left
     monkeypatch.undo()
@@ -847,7 +846,7 @@ def test_buffered_records_are_bounded_across_many_output_files(tmp_path: Path) -
     records = [rec(i, ts=T0 + (i % 10) * DAY) for i in range(100)]  # ten dates, ten buffers
     sink.begin(p)
     sink.write(p, records)
-    op = sink._open
+    op = sink._open_files.get(p)
     assert op is not None and op.buffered <= 30
     sink.prepare(p, {("orders", 0): 100})
     sink.commit(p)
@@ -993,13 +992,13 @@ def assert_recoverable_after_crash(base: Path, n: int) -> str:
     sink = make_sink(base, participant="p1")
     if prepared.exists():
         assert sink.in_doubt() == [p]
-        assert sink.stale_parts() == []
+        assert sink.stale_parts(0) == []
         sink.commit(p)
         rows = parquet_rows(base)
         assert len(rows) == n and sorted(r["id"] for r in rows) == list(range(n))
         return "prepared"
     assert sink.in_doubt() == []
-    assert sink.stale_parts() == [p]  # the dead writer's flock is gone
+    assert sink.stale_parts(0) == [p]  # the dead writer's flock is gone, whatever the txn
     sink.abort(p)
     assert entries(state_dir(base) / "open") == [] and visible_files(base) == []
     return "open"
@@ -1066,20 +1065,22 @@ def test_sigkill_during_commit_then_commit_exactly_once(tmp_path: Path, kill_at:
 
 
 def test_stale_parts_are_only_those_of_dead_writers(tmp_path: Path) -> None:
+    # stale_parts(0): the files sink asks the part's lock, never the transaction number, so even
+    # a bound below every part lists the dead writer's part and no live one.
     base = tmp_path / "out"
     live = spawn(tmp_path, "hold", base, 0, 10)
     try:
         wait_for(live, "OPEN")
         observer = make_sink(base, participant="p1")
-        assert observer.stale_parts() == []  # the writer is alive and holds its lock
+        assert observer.stale_parts(0) == []  # the writer is alive and holds its lock
         with pytest.raises(RetriableSinkError, match="another live process"):
             observer.abort(part(7))
         mine = part(8, "p1")
         observer.begin(mine)
-        assert observer.stale_parts() == []  # nor is this process's own open part stale
+        assert observer.stale_parts(0) == []  # nor is this process's own open part stale
     finally:
         kill(live)
-    assert observer.stale_parts() == [part(7)]
+    assert observer.stale_parts(0) == [part(7)]
     observer.abort(part(7))
     assert entries(state_dir(base) / "open") == [mine.token]
     observer.close()
@@ -1173,7 +1174,7 @@ def test_os_errors_map_to_the_three_branches(
 ) -> None:
     base = tmp_path / "out"
     sink = make_sink(base, max_file_records=2)
-    real_write = files_module.write_durable
+    real_write = _staging.write_durable
 
     def disk_full(path: Path, data: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -1181,10 +1182,10 @@ def test_os_errors_map_to_the_three_branches(
     # A failed flush poisons the part: the runtime must abort it, never retry the write.
     p = part(1)
     sink.begin(p)
-    monkeypatch.setattr(files_module, "write_durable", disk_full)
+    monkeypatch.setattr(_staging, "write_durable", disk_full)
     with pytest.raises(AbortTransactionError, match="No space"):
         sink.write(p, [rec(0), rec(1)])
-    monkeypatch.setattr(files_module, "write_durable", real_write)
+    monkeypatch.setattr(_staging, "write_durable", real_write)
     with pytest.raises(AbortTransactionError, match="can only be aborted"):
         sink.write(p, [rec(2)])
     with pytest.raises(AbortTransactionError):
@@ -1203,11 +1204,11 @@ def test_os_errors_map_to_the_three_branches(
     def full(path: Path) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(files_module, "makedirs_durable", full)
+    monkeypatch.setattr(_publish, "makedirs_durable", full)
     with pytest.raises(BackpressureError) as caught:
         sink.commit(q)
     assert caught.value.retry_after_s > 0
-    monkeypatch.setattr(files_module, "makedirs_durable", denied)
+    monkeypatch.setattr(_publish, "makedirs_durable", denied)
     with pytest.raises(FatalSinkError, match="Permission denied"):
         sink.commit(q)
     monkeypatch.undo()

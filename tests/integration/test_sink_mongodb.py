@@ -306,8 +306,8 @@ def test_commit_interrupted_between_chunks_completes_exactly_once(
     records = [rec(i, {"v": i}) for i in range(30)]
     run_part(first, part, records, commit=False)
 
-    assert first._commit_step(part) is False
-    assert first._commit_step(part) is False
+    assert first._commits.step(part) is False
+    assert first._commits.step(part) is False
     # The process dies here: 14 documents are visible, the part is still in doubt.
     assert db.target.count_documents({}) == 14
     assert db["target__twophase_staging"].count_documents({}) == 16
@@ -478,7 +478,7 @@ sink.setup()
 if mode.startswith("park:"):
     # Apply some chunks, then hang on to the lease until the parent kills this process.
     for _ in range(int(mode[5:])):
-        assert not sink._commit_step(part)
+        assert not sink._commits.step(part)
     print("PARKED", flush=True)
     time.sleep(3600)
 print("READY", flush=True)
@@ -622,7 +622,7 @@ def test_abort_waits_for_a_live_commit_lease(make_sink: MakeSink, db: Database[D
     # The holder commits to the end: the waiting abort then learns the part is committed.
     finished = PartId("p1", 1, "w1")
     run_part(holder, finished, [rec(i, {"v": i}) for i in range(10)], commit=False)
-    assert holder._claim(finished)  # committing, nothing applied yet
+    assert holder._commits.claim(finished)  # committing, nothing applied yet
     with pytest.raises(BackpressureError, match="being committed by w1@") as err:
         other.abort(finished)
     assert 0 < err.value.retry_after_s <= SHORT_LEASE_S
@@ -633,7 +633,7 @@ def test_abort_waits_for_a_live_commit_lease(make_sink: MakeSink, db: Database[D
     # The holder dies before applying anything: once its lease expires the abort goes through.
     dead = PartId("p1", 2, "w1")
     run_part(holder, dead, [rec(100 + i, {"v": i}) for i in range(10)], commit=False)
-    assert holder._claim(dead)
+    assert holder._commits.claim(dead)
     with pytest.raises(BackpressureError, match="being committed by w1@"):
         other.abort(dead)
     t0 = time.perf_counter()
@@ -890,7 +890,7 @@ def test_a_server_internal_error_while_applying_a_decision_is_retried(make_sink:
     sink = make_sink()
     failure = OperationFailure("internal server error", code=1)
     for what in ("commit", "abort"):
-        with pytest.raises(RetriableSinkError), sink._errors(what, "t", FatalSinkError):
+        with pytest.raises(RetriableSinkError), sink._store.errors(what, "t", FatalSinkError):
             raise failure
-    with pytest.raises(FatalSinkError), sink._errors("prepare", "t", FatalSinkError):
+    with pytest.raises(FatalSinkError), sink._store.errors("prepare", "t", FatalSinkError):
         raise failure

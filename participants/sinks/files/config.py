@@ -1,0 +1,63 @@
+"""The files sink's configuration: the ``sinks[]`` entry of ``type: files``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Self
+
+from pydantic import Field, model_validator
+
+from twophase.participants.sdk import SinkConfig
+
+__all__ = ["SOURCE_COLUMNS", "FieldType", "FileSinkConfig"]
+
+#: The columns ``source_columns`` adds to every row: where the record came from.
+SOURCE_COLUMNS = ("_topic", "_partition", "_offset", "_timestamp_ms")
+
+FieldType = Literal[
+    "string", "int32", "int64", "float32", "float64", "bool", "timestamp", "date", "json"
+]
+
+
+class FileSinkConfig(SinkConfig):
+    """``sinks[]`` entry of ``type: files``."""
+
+    type: Literal["files"]
+    #: Base directory of the dataset; must be one local (POSIX) file system.
+    path: Path
+    #: ``parquet``, or ``jsonl`` (JSON Lines: one record per line).
+    format: Literal["parquet", "jsonl"] = "parquet"
+    #: Parquet codec. Default snappy for Parquet; JSON Lines supports only ``none``.
+    compression: Literal["snappy", "zstd", "none"] | None = None
+    #: ``topic+date``: ``{path}/{topic}/date=YYYY-MM-DD/`` (UTC date of the record timestamp;
+    #: ``date=__HIVE_DEFAULT_PARTITION__`` when it has none or is after 9999-12-31).
+    partition_by: Literal["topic+date", "topic", "none"] = "topic+date"
+    #: A file is closed and a new one started after this many records.
+    max_file_records: int = Field(default=250_000, ge=1)
+    #: Records held in memory across all files of the open part; default 2 x max_file_records.
+    max_buffered_records: int | None = Field(default=None, ge=1)
+    #: ``{field: type}``. Records are checked against it; without it Parquet infers per file.
+    schema_: dict[str, FieldType] | None = Field(default=None, alias="schema")
+    #: With ``schema``: reject records that carry fields it does not name, or drop those fields.
+    unknown_fields: Literal["reject", "drop"] = "reject"
+    #: Add ``_topic``, ``_partition``, ``_offset``, ``_timestamp_ms`` to every row.
+    source_columns: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if self.format == "jsonl" and self.compression not in (None, "none"):
+            raise ValueError("compression: JSON Lines files support only 'none'")
+        if self.schema_ is not None:
+            if not self.schema_:
+                raise ValueError("schema: name at least one field (or leave it out to infer)")
+            if self.source_columns and (clash := set(SOURCE_COLUMNS) & set(self.schema_)):
+                raise ValueError(f"schema: {sorted(clash)} collide with source_columns")
+        return self
+
+    @property
+    def parquet_compression(self) -> str:
+        return self.compression or "snappy"
+
+    @property
+    def buffered_limit(self) -> int:
+        return self.max_buffered_records or 2 * self.max_file_records

@@ -1,0 +1,422 @@
+"""The commit and recovery path: staged documents move into the target in chunked MongoDB
+transactions, under a commit lease; an abort flips the marker and removes the staged documents.
+
+Staged documents are applied to the target with ``replace_one(upsert=True)`` by ``_id`` inside
+MongoDB transactions that also delete them from staging and advance the marker's ``applied``
+counter; the last one flips the marker to ``committed`` and raises the stored committed
+positions (``$max``) -- data, marker and positions in one local transaction. MongoDB
+transactions have size and time limits, so a large part is applied in chunks of
+``commit_chunk_size`` documents (and at most ``commit_chunk_bytes``); a part that fits in one
+chunk commits in a single transaction. Because ``_id`` s are deterministic, every chunk is atomic
+and a chunk only ever applies documents it removes from staging in the same transaction, a commit
+that crashes between chunks resumes where it stopped (from any process) and the result is still
+exactly once. The package docstring tells why the lease exists and how it is taken over.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import UTC, datetime
+
+import pymongo
+from bson.raw_bson import RawBSONDocument
+from pymongo import ASCENDING, ReplaceOne, UpdateOne
+from pymongo.client_session import ClientSession
+from pymongo.errors import PyMongoError
+from pymongo.read_concern import ReadConcern
+from pymongo.read_preferences import ReadPreference
+from pymongo.write_concern import WriteConcern
+
+from twophase.participants.sdk import (
+    BackpressureError,
+    FatalSinkError,
+    PartId,
+    RetriableSinkError,
+    UnknownPartError,
+)
+from twophase.participants.sinks.mongodb._documents import id_key
+from twophase.participants.sinks.mongodb._store import (
+    ABORTED,
+    COMMITTED,
+    OPEN,
+    PREPARED,
+    RAW,
+    Doc,
+    Store,
+)
+
+__all__ = ["NO_LEASE", "Committer"]
+
+#: A committer that finds another's live lease asks to be retried after this long. The holder
+#: usually finishes within seconds, so waiting out the whole lease would waste most of it; one
+#: cheap marker read per second per waiter notices the commit (or an expired lease) promptly.
+_LEASE_POLL_S = 1.0
+#: Releasing leases on close() only spares other processes the wait for expiry; a shutdown never
+#: waits longer than this for it.
+_LEASE_RELEASE_TIMEOUT_S = 5.0
+#: The lease has expired by the server's clock. Compared as epoch milliseconds: SecantusDB 0.7
+#: answers false to every comparison of a stored date with ``$$NOW`` (either direction); on
+#: MongoDB both forms mean the same. A missing ``lease_until`` converts to null, which sorts low.
+_LEASE_EXPIRED: Doc = {"$expr": {"$lt": [{"$toLong": "$lease_until"}, {"$toLong": "$$NOW"}]}}
+NO_LEASE: Doc = {"lease_owner": "", "lease_holder": "", "lease_until": ""}
+
+
+class Committer:
+    """Commits and aborts parts of one sink instance, under commit leases named after it."""
+
+    def __init__(self, store: Store, me: str, participant: str, log: logging.Logger) -> None:
+        self.store = store
+        #: This instance's name in commit leases: unique per process and instance, readable in logs.
+        self._me = me
+        self.participant = participant
+        self.log = log
+        self._lock = threading.Lock()
+        #: Marker ``_id`` s whose commit runs on some thread of this instance right now: a second
+        #: thread would hold the same lease, so it waits like any other committer.
+        self._committing: set[str] = set()
+        #: Marker ``_id`` s this instance holds a lease on, released by close().
+        self._leases: set[str] = set()
+
+    def commit(self, part: PartId) -> None:
+        """Apply ``part`` chunk by chunk, each chunk one transaction, under the commit lease;
+        nothing if it is committed, :class:`UnknownPartError` if it is not prepared."""
+        pk = self.store.pk(part)
+        self._enter_commit(part, "commit")
+        try:
+            # Read first: repeated decisions (recovery, sweeps) of a committed part cost one read.
+            with self.store.errors("commit", part.token, FatalSinkError):
+                marker = self.store.markers.find_one({"_id": pk}, {"state": 1})
+            if marker is not None and marker["state"] == COMMITTED:
+                self.log.debug("part %s: already committed", part.token)
+                return
+            self.require_prepared(part, marker)
+            steps = 1
+            while not self.step(part):
+                steps += 1
+        finally:
+            with self._lock:
+                self._committing.discard(pk)
+        with self._lock:
+            self._leases.discard(pk)  # the last chunk released it (kept on errors, for close())
+        self.log.debug("part %s: applied in %d steps", part.token, steps)
+
+    def abort(self, part: PartId) -> int:
+        """Mark ``part`` aborted unless a committer holds or has applied it (or it is committed:
+        :class:`FatalSinkError`); remove its staged documents, and say how many."""
+        pk = self.store.pk(part)
+        self._enter_commit(part, "abort")
+        try:
+            with self.store.errors("abort", part.token, FatalSinkError):
+                marker = self.store.markers.find_one_and_update(
+                    {
+                        "_id": pk,
+                        "state": {"$in": [OPEN, PREPARED]},
+                        "applied": 0,
+                        "$or": self._lease_free(),
+                    },
+                    {
+                        "$set": {"state": ABORTED, "aborted_at": datetime.now(UTC)},
+                        "$unset": NO_LEASE,
+                    },
+                )
+                if marker is None:
+                    current = self.store.markers.find_one({"_id": pk})
+                    state = current["state"] if current else None
+                    if state == COMMITTED:
+                        raise FatalSinkError(
+                            f"abort: part {part.token} is already committed", sink=self.store.sink
+                        )
+                    if state in (OPEN, PREPARED) and current and current.get("applied", 0) > 0:
+                        raise FatalSinkError(
+                            f"abort: part {part.token} is being committed ({current['applied']} "
+                            "documents applied); only commit can finish it",
+                            sink=self.store.sink,
+                        )
+                    if current and state in (OPEN, PREPARED) and current.get("lease_owner"):
+                        # A committer holds it and has applied nothing yet: wait; it either
+                        # commits (then this abort is refused) or dies and its lease expires.
+                        raise self._busy("abort", part, current)
+                    if state in (OPEN, PREPARED):
+                        raise RetriableSinkError(
+                            f"abort: part {part.token} changed meanwhile", sink=self.store.sink
+                        )
+                    # None (unknown part) or already aborted: nothing to mark.
+                removed = self.store.staging.delete_many({"part": pk}).deleted_count
+        finally:
+            with self._lock:
+                self._committing.discard(pk)
+        with self._lock:
+            self._leases.discard(pk)
+        return removed
+
+    def _enter_commit(self, part: PartId, what: str) -> None:
+        """Refuse a second commit/abort of ``part`` on another thread of this instance: both
+        would act under the same lease name and collide like two processes without leases."""
+        pk = self.store.pk(part)
+        with self._lock:
+            if pk not in self._committing:
+                self._committing.add(pk)
+                return
+        raise BackpressureError(
+            f"{what}: part {part.token} is being committed by another thread of this process; "
+            f"retry after {_LEASE_POLL_S:.1f}s",
+            retry_after_s=_LEASE_POLL_S,
+            sink=self.store.sink,
+        )
+
+    def require_prepared(self, part: PartId, marker: Doc | None) -> Doc:
+        """``marker`` when the part is prepared; else :class:`UnknownPartError`."""
+        if marker is None:
+            raise UnknownPartError(
+                f"commit: part {part.token} is not in this store", sink=self.store.sink
+            )
+        if marker["state"] != PREPARED:
+            raise UnknownPartError(
+                f"commit: part {part.token} is {marker['state']}, not prepared",
+                sink=self.store.sink,
+            )
+        return marker
+
+    def _busy(self, what: str, part: PartId, marker: Doc) -> BackpressureError:
+        wait = min(_LEASE_POLL_S, self.store.cfg.commit_lease_s)
+        until = marker.get("lease_until")
+        return BackpressureError(
+            f"{what}: part {part.token} is being committed by {marker.get('lease_owner')} "
+            f"(lease until {until.isoformat(timespec='seconds') if until else '?'} server time, "
+            f"{marker.get('applied', 0)} of {marker.get('records', '?')} applied); "
+            f"retry after {wait:.1f}s",
+            retry_after_s=wait,
+            sink=self.store.sink,
+        )
+
+    def _lease_free(self) -> list[Doc]:
+        """A marker whose commit lease this instance may take: its own, none, expired, or held
+        by another incarnation of this participant. Participant ids are unique among live
+        processes, so that holder is dead (or, cut off, about to find its lease gone: every
+        chunk transaction re-checks ``lease_owner``, so a takeover never applies twice)."""
+        return [
+            {"lease_owner": self._me},
+            {"lease_until": None},
+            _LEASE_EXPIRED,
+            {"lease_holder": self.participant},
+        ]
+
+    def claim(self, part: PartId) -> bool:
+        """Take or renew ``part``'s commit lease, outside any transaction.
+
+        True when this instance holds it now; False when the part is committed already. Raises
+        :class:`BackpressureError` while another committer's lease is live.
+        """
+        pk = self.store.pk(part)
+        lease_ms = int(self.store.cfg.commit_lease_s * 1000)
+        before = self.store.markers.find_one_and_update(
+            {
+                "_id": pk,
+                "state": PREPARED,
+                "$or": self._lease_free(),
+            },
+            # Server time: the clocks of the processes that share a part never matter.
+            [
+                {
+                    "$set": {
+                        "lease_owner": self._me,
+                        "lease_holder": self.participant,
+                        "lease_until": {"$add": ["$$NOW", lease_ms]},
+                    }
+                }
+            ],
+            projection={"lease_owner": 1, "lease_holder": 1, "applied": 1},
+        )
+        if before is not None:
+            with self._lock:
+                self._leases.add(pk)
+            previous = before.get("lease_owner")
+            if previous not in (None, "", self._me):
+                self.log.warning(
+                    "part %s: taking over the commit from %s, %s, at %s applied",
+                    part.token,
+                    previous,
+                    "an earlier incarnation of this participant"
+                    if before.get("lease_holder") == self.participant
+                    else "whose lease expired",
+                    before.get("applied"),
+                )
+            return True
+        current = self.store.markers.find_one({"_id": pk})
+        if current is not None and current["state"] == COMMITTED:
+            return False
+        raise self._busy("commit", part, self.require_prepared(part, current))
+
+    def step(self, part: PartId) -> bool:
+        """Renew the lease, apply one chunk of ``part`` in one transaction; True once committed."""
+        cfg = self.store.cfg
+        with self.store.errors("commit", part.token, FatalSinkError):
+            if not self.claim(part):
+                return True
+        with (
+            self.store.errors("commit", part.token, FatalSinkError),
+            self.store.client.start_session() as session,
+            session.start_transaction(
+                # Snapshot reads + majority commit: a chunk sees and removes exactly what it applies.
+                read_concern=ReadConcern("snapshot"),
+                write_concern=WriteConcern(
+                    w="majority", wtimeout=int(cfg.write_concern_timeout_s * 1000)
+                ),
+                read_preference=ReadPreference.PRIMARY,
+                max_commit_time_ms=int(cfg.max_commit_time_s * 1000),
+            ),
+        ):
+            return self._commit_chunk(part, session)
+
+    def _commit_chunk(self, part: PartId, session: ClientSession) -> bool:
+        pk = self.store.pk(part)
+        cfg = self.store.cfg
+        staging_raw = self.store.staging.with_options(codec_options=RAW)
+        marker = self.store.markers.find_one({"_id": pk}, session=session)
+        if marker is not None and marker["state"] == COMMITTED:
+            return True
+        marker = self.require_prepared(part, marker)
+        if marker.get("lease_owner") != self._me:
+            raise self._busy("commit", part, marker)  # taken over since our claim: let it finish
+        applied = int(marker.get("applied", 0))
+        batch = list(
+            staging_raw.find({"part": pk}, session=session)
+            .sort("seq", ASCENDING)
+            .limit(cfg.commit_chunk_size + 1)
+            .batch_size(cfg.commit_chunk_size + 1)
+        )
+        chunk: list[RawBSONDocument] = []
+        size = 0
+        for staged in batch[: cfg.commit_chunk_size]:
+            size += len(staged.raw)
+            if chunk and size > cfg.commit_chunk_bytes:
+                break
+            chunk.append(staged)
+        final = len(chunk) == len(batch)
+        if final and applied + len(chunk) != int(marker.get("records", 0)):
+            raise FatalSinkError(
+                f"commit: part {part.token} was prepared with {marker.get('records')} documents "
+                f"but {applied + len(chunk)} were staged; staging was changed behind this sink's "
+                "back",
+                sink=self.store.sink,
+            )
+        # The marker first, guarded by what this transaction read: a takeover or an abort since
+        # its snapshot is a write to this document, so this write conflicts before any document
+        # is touched, instead of after a whole chunk's work.
+        update: Doc
+        if final:
+            update = {
+                "$set": {
+                    "state": COMMITTED,
+                    "applied": applied + len(chunk),
+                    "committed_at": datetime.now(UTC),
+                },
+                "$unset": NO_LEASE,
+            }
+        else:
+            update = {
+                "$inc": {"applied": len(chunk)},
+                "$set": {"applied_through": chunk[-1]["seq"]},
+            }
+        guard = {"_id": pk, "state": PREPARED, "lease_owner": self._me, "applied": applied}
+        if self.store.markers.update_one(guard, update, session=session).matched_count != 1:
+            raise RetriableSinkError(
+                f"commit: part {part.token}: marker changed meanwhile", sink=self.store.sink
+            )
+        writes = self._apply(part, chunk, session) if chunk else 0
+        if chunk:
+            # The chunk is this part's lowest seqs and seqs are unique per staged document, so a
+            # range removes exactly the chunk (and uses the part_seq index; a long $in does not
+            # on every server).
+            removed = staging_raw.delete_many(
+                {"part": pk, "seq": {"$lte": chunk[-1]["seq"]}}, session=session
+            ).deleted_count
+            if removed != len(chunk):
+                raise FatalSinkError(
+                    f"commit: part {part.token}: removed {removed} staged documents for a chunk "
+                    f"of {len(chunk)}; staging was changed behind this sink's back",
+                    sink=self.store.sink,
+                )
+        if not final:
+            self.log.debug(
+                "part %s: applying, chunk of %d staged (%d writes)", part.token, len(chunk), writes
+            )
+            return False
+        moves = [
+            UpdateOne(
+                {"_id": f"{self.store.sink}:{part.pipeline}:{p['topic']}:{p['partition']}"},
+                {
+                    "$max": {"offset": int(p["offset"])},
+                    "$setOnInsert": {
+                        "kind": "positions",
+                        "pipeline": part.pipeline,
+                        "sink": self.store.sink,
+                        "topic": p["topic"],
+                        "partition": int(p["partition"]),
+                    },
+                },
+                upsert=True,
+            )
+            for p in marker.get("positions", [])
+        ]
+        if moves:
+            self.store.markers.bulk_write(moves, ordered=True, session=session)
+        return True
+
+    def _apply(self, part: PartId, chunk: list[RawBSONDocument], session: ClientSession) -> int:
+        """Replace-upsert the chunk's documents into the target, last one per ``_id`` winning."""
+        latest: dict[bytes, RawBSONDocument] = {}
+        for staged in chunk:
+            doc = staged["doc"]
+            latest.pop(id_key(doc["_id"]), None)  # keep the order of the last occurrence
+            latest[id_key(doc["_id"])] = doc
+        vf = self.store.cfg.version_field if self.store.cfg.mode == "upsert" else None
+        ops: list[ReplaceOne[RawBSONDocument] | UpdateOne]
+        if vf:
+            # One server-side step per key, no read round trip: keep the stored document when
+            # this pipeline already wrote it from a later transaction, else replace it.
+            newer = {
+                "$and": [
+                    {"$eq": [f"${vf}.pipeline", part.pipeline]},
+                    {"$in": [{"$type": f"${vf}.txn"}, ["int", "long"]]},
+                    {"$gt": [f"${vf}.txn", part.txn]},
+                ]
+            }
+            ops = [
+                UpdateOne(
+                    {"_id": doc["_id"]},
+                    [{"$replaceWith": {"$cond": [newer, "$$ROOT", {"$literal": doc}]}}],
+                    upsert=True,
+                )
+                for doc in latest.values()
+            ]
+        else:
+            ops = [ReplaceOne({"_id": doc["_id"]}, doc, upsert=True) for doc in latest.values()]
+        if ops:
+            self.store.target.with_options(codec_options=RAW).bulk_write(
+                ops, ordered=True, session=session
+            )
+        return len(ops)
+
+    def release_leases(self) -> None:
+        """Hand back the leases this instance holds (a clean shutdown)."""
+        with self._lock:
+            held = sorted(self._leases)
+            self._leases.clear()
+        if held:
+            # A restarted process has a new lease name: without this it would wait out its own
+            # predecessor's lease.
+            try:
+                with pymongo.timeout(_LEASE_RELEASE_TIMEOUT_S):
+                    self.store.markers.update_many(
+                        {"_id": {"$in": held}, "state": PREPARED, "lease_owner": self._me},
+                        {"$unset": NO_LEASE},
+                    )
+            except PyMongoError as exc:
+                self.log.warning(
+                    "could not release the commit lease of %d parts (they expire within %.0fs): %s",
+                    len(held),
+                    self.store.cfg.commit_lease_s,
+                    exc,
+                )

@@ -1,0 +1,144 @@
+"""Type mapping: a record becomes a MongoDB document with a deterministic ``_id``, or a reason.
+
+* ``mode: insert`` -- ``_id`` is the record id ``"topic:partition:offset"``. A value that has its
+  own ``_id`` is rejected (it would be silently overwritten); use ``mode: upsert, key: [_id]``.
+* ``mode: upsert`` -- ``_id`` is the key: the value of the single key field itself, or for a
+  composite key a sub-document ``{k1: v1, k2: v2}`` in the configured key order (type-preserving
+  and queryable, unlike a joined string); with ``version_field``, the document carries
+  ``{pipeline, txn}`` so an older part never overwrites a newer one.
+
+Refused here, at write time: field names MongoDB cannot store, nesting past its limit, integers
+with no exact BSON form, and documents over the server's size limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import bson
+from bson.raw_bson import RawBSONDocument
+
+from twophase.participants.sdk import PartId, Record
+from twophase.participants.sinks.mongodb._store import Doc, Store
+
+__all__ = ["Documents", "Reject", "id_key"]
+
+#: MongoDB refuses documents nested deeper than 100 levels; a staged document adds one level.
+_MAX_DEPTH = 99
+#: Digits of a BSON Decimal128 (IEEE 754 decimal128): an integer with more has no exact form.
+_DECIMAL128_DIGITS = 34
+
+
+class Reject(Exception):
+    """One record cannot become a document."""
+
+
+class Documents:
+    """Builds the staged documents of one sink (``write`` and ``check`` both use it)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.cfg = store.cfg
+
+    def staged(self, part: PartId, pk: str, record: Record, seq: int) -> RawBSONDocument:
+        """The staged document of ``record`` (number ``seq`` of the part with marker ``pk``),
+        ready to insert as it is; :class:`Reject` when the record cannot become a document."""
+        value: Any = record.value
+        if not isinstance(value, Mapping):
+            raise Reject(f"value is a {type(value).__name__}, not a JSON object")
+        _check_fields(value, "", 1)
+        body: Doc
+        if self.cfg.mode == "insert":
+            if "_id" in value:
+                raise Reject(
+                    "value has an _id field; insert mode sets _id to the record id "
+                    "(use mode: upsert with key: [_id] to keep it)"
+                )
+            body = {"_id": record.record_id, **value}
+        else:
+            doc_id = self.key_of(value)
+            body = {**value, "_id": doc_id}
+            if self.cfg.version_field:
+                body[self.cfg.version_field] = {"pipeline": part.pipeline, "txn": part.txn}
+        staged = {"_id": f"{pk}|{record.record_id}", "part": pk, "seq": seq, "doc": body}
+        try:
+            try:
+                raw = bson.encode(staged)
+            except OverflowError:
+                # An integer outside int64 (rare: checked only when BSON says so).
+                staged["doc"] = _wide_ints_as_decimal(body, "")
+                raw = bson.encode(staged)
+        except (bson.InvalidDocument, OverflowError, TypeError, ValueError) as exc:
+            raise Reject(f"value cannot be stored as BSON: {exc}") from None
+        if len(raw) > self.store.max_bson:
+            raise Reject(
+                f"document is {len(raw)} bytes staged; MongoDB's limit is {self.store.max_bson}"
+            )
+        return RawBSONDocument(raw)
+
+    def key_of(self, value: Mapping[str, Any]) -> Any:
+        """The ``_id`` of an upserted document: the key field's value, or ``{k1: v1, ...}``."""
+        parts: Doc = {}
+        for name in self.cfg.key:
+            v = value.get(name)
+            if v is None:
+                raise Reject(f"key field {name!r} is {'null' if name in value else 'missing'}")
+            if isinstance(v, list | tuple):
+                raise Reject(f"key field {name!r} is an array; arrays cannot be part of _id")
+            parts[name] = v
+        if len(parts) == 1:
+            return next(iter(parts.values()))
+        return parts
+
+
+def _check_fields(value: Mapping[Any, Any] | Sequence[Any], path: str, depth: int) -> None:
+    """Reject field names MongoDB refuses or misreads, at any depth."""
+    if depth > _MAX_DEPTH:
+        raise Reject(f"nested deeper than {_MAX_DEPTH} levels at {path or 'top'}")
+    if isinstance(value, Mapping):
+        for name, inner in value.items():
+            if not isinstance(name, str):
+                raise Reject(f"field name {name!r} at {path or 'top'} is not a string")
+            where = f"{path}.{name}" if path else name
+            if name.startswith("$"):
+                raise Reject(f"field name {where!r} starts with '$'")
+            if "." in name:
+                raise Reject(f"field name {where!r} contains '.'")
+            if "\x00" in name:
+                raise Reject(f"field name {where!r} contains a NUL character")
+            if isinstance(inner, Mapping | list | tuple):
+                _check_fields(inner, where, depth + 1)
+    else:
+        for i, inner in enumerate(value):
+            if isinstance(inner, Mapping | list | tuple):
+                _check_fields(inner, f"{path}[{i}]", depth + 1)
+
+
+def _wide_ints_as_decimal(value: Any, path: str) -> Any:
+    """``value`` with every integer outside int64 as an exact Decimal128 (the documented rule,
+    ``docs/types.md``); one with more than 34 digits has no exact BSON form: refused."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if -(2**63) <= value < 2**63:
+            return value
+        digits = len(str(abs(value)))
+        if digits > _DECIMAL128_DIGITS:
+            raise Reject(
+                f"field {path or 'value'!r}: integer of {digits} digits has no exact BSON form "
+                f"(int64, or Decimal128 up to {_DECIMAL128_DIGITS} digits)"
+            )
+        return bson.Decimal128(str(value))
+    if isinstance(value, Mapping):
+        return {
+            k: _wide_ints_as_decimal(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [_wide_ints_as_decimal(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
+def id_key(value: Any) -> bytes:
+    """Hashable form of an ``_id`` (sub-documents included) for de-duplicating a chunk."""
+    return bson.encode({"k": value})

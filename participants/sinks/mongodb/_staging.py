@@ -1,0 +1,179 @@
+"""The write path: every record becomes one staged document in ``staging_collection``::
+
+    {_id: "<pk>|<topic:partition:offset>", part: "<pk>", seq: n, doc: <the target document>}
+
+where ``pk = "<sink name>:<part token>"``. ``doc`` already carries its final, deterministic
+``_id`` (:mod:`._documents`), so staging is a plain ``insert_many(ordered=False)`` with write
+concern majority; a retried write re-inserts the same ``_id`` s and the duplicates are ignored.
+Nothing of the part is in the target collection yet.
+
+When the target can refuse a document by itself -- it has a validator or a unique index besides
+``_id`` -- the part's documents are first tried on it in a MongoDB transaction that is then
+aborted, so what it refuses (a duplicate key of a unique index, a validation failure, an index
+key too long) is rejected at write time, never met by a commit. Checked against what is
+committed when the part writes: two parts in flight at once that both bring the same unique
+value can still meet at commit, which then fails naming the document.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from bson.raw_bson import RawBSONDocument
+from pymongo import ReplaceOne
+from pymongo.errors import BulkWriteError
+
+from twophase.participants.sdk import (
+    AbortTransactionError,
+    PartId,
+    Record,
+    Rejected,
+    RetriableSinkError,
+)
+from twophase.participants.sinks.mongodb._documents import Documents, Reject
+from twophase.participants.sinks.mongodb._store import DUPLICATE_KEY, RAW, RETRIABLE_CODES, Store
+
+__all__ = ["OpenStaging", "target_refuses"]
+
+
+def target_refuses(store: Store) -> bool:
+    """Whether the target can refuse a document by itself: a validator, or a unique index
+    besides ``_id`` (read once per part, so an index added later counts from the next)."""
+    db = store.client[store.cfg.database]
+    for info in db.list_collections(filter={"name": store.cfg.collection}):
+        if info.get("options", {}).get("validator"):
+            return True
+    return any(ix.get("unique") and ix.get("name") != "_id_" for ix in store.target.list_indexes())
+
+
+@dataclass(slots=True)
+class OpenStaging:
+    """What the open part keeps in memory: the next staging seq, how many documents are staged,
+    and how to repeat a write that failed (the part's life cycle itself is BatchingSink's, which
+    never runs two writes, or a write and the prepare, of one part at once)."""
+
+    part: PartId
+    pk: str
+    store: Store
+    documents: Documents
+    #: The target can refuse a document by itself (validator, unique index): write() tries
+    #: each batch on it first.
+    strict: bool = False
+    next_seq: int = 0
+    staged: int = 0
+    #: ``_id`` s of a write() that failed; a retry finding them already staged counts them.
+    uncertain: set[str] = field(default_factory=set)
+    #: Record ids and first seq of the last write() that failed with a retriable error.
+    failed: tuple[tuple[str, ...], int] | None = None
+
+    def write(self, records: Sequence[Record]) -> list[Rejected]:
+        """Stage one document per record; a retried call stages each of them once."""
+        sink = self.store.sink
+        batch = tuple(r.record_id for r in records)
+        # A retry of a failed call gets the same seqs (its documents may be staged already);
+        # anything else gets fresh ones, so no two staged documents ever share a seq.
+        retry = self.failed is not None and self.failed[0] == batch
+        seq = self.failed[1] if self.failed is not None and retry else self.next_seq
+        base = seq
+        rejected: list[Rejected] = []
+        staged: list[RawBSONDocument] = []
+        staged_records: list[Record] = []
+        for record in records:
+            try:
+                staged.append(self.documents.staged(self.part, self.pk, record, seq))
+            except Reject as exc:
+                rejected.append(Rejected(record, str(exc), {"sink": sink}))
+                continue
+            staged_records.append(record)
+            seq += 1
+        if staged and self.strict:
+            refused = self._tried_on_target(staged)
+            if refused:
+                rejected.extend(
+                    Rejected(staged_records[i], why, {"sink": sink})
+                    for i, why in sorted(refused.items())
+                )
+                staged = [doc for i, doc in enumerate(staged) if i not in refused]
+        try:
+            inserted, duplicates = self._insert(staged) if staged else (0, [])
+        except RetriableSinkError:
+            self.failed = (batch, base)
+            self.next_seq = max(self.next_seq, seq)
+            raise
+        self.next_seq = max(self.next_seq, seq)
+        self.staged += inserted + len(self.uncertain.intersection(duplicates))
+        self.uncertain.clear()
+        self.failed = None
+        return rejected
+
+    def _tried_on_target(self, staged: list[RawBSONDocument]) -> dict[int, str]:
+        """Which of ``staged`` the target refuses, and why: each batch is written to the
+        target in a MongoDB transaction that is always aborted. A write error ends a
+        transaction, so each round finds one refused document and the rest are tried again."""
+        store, token = self.store, self.part.token
+        refused: dict[int, str] = {}
+        left = list(range(len(staged)))
+        target = store.target.with_options(codec_options=RAW)
+        while left:
+            ops = [
+                ReplaceOne({"_id": staged[i]["doc"]["_id"]}, staged[i]["doc"], upsert=True)
+                for i in left
+            ]
+            with (
+                store.errors("write", token, AbortTransactionError),
+                store.client.start_session() as session,
+            ):
+                session.start_transaction()
+                try:
+                    target.bulk_write(ops, ordered=True, session=session)
+                    return refused
+                except BulkWriteError as exc:
+                    errors = exc.details.get("writeErrors", [])
+                finally:
+                    if session.in_transaction:
+                        session.abort_transaction()
+            mine = [e for e in errors if e.get("code") not in RETRIABLE_CODES]
+            if not mine:
+                raise RetriableSinkError(
+                    f"write: part {token}: trying documents on the target: "
+                    f"{errors[0].get('errmsg') if errors else 'no write error reported'}",
+                    sink=store.sink,
+                )
+            for e in mine:
+                refused[left[int(e["index"])]] = (
+                    f"MongoDB refused the document: {e.get('errmsg')} (code {e.get('code')})"
+                )
+            left = [i for i in left if i not in refused]
+        return refused
+
+    def _insert(self, staged: list[RawBSONDocument]) -> tuple[int, list[str]]:
+        """Insert ``staged``: how many were new, and the ``_id`` s that were there already."""
+        store, token = self.store, self.part.token
+        ids = [str(d["_id"]) for d in staged]
+        try:
+            with store.errors("write", token, AbortTransactionError):
+                try:
+                    store.staging.insert_many(staged, ordered=False)
+                    return len(staged), []
+                except BulkWriteError as exc:
+                    errors = exc.details.get("writeErrors", [])
+                    others = [e for e in errors if e.get("code") != DUPLICATE_KEY]
+                    if others:
+                        # The staging ``_id`` ends with the record id: the record's coordinates.
+                        first = ids[int(others[0].get("index", 0))].rsplit("|", 1)[-1]
+                        raise AbortTransactionError(
+                            f"write: part {token}: {others[0].get('errmsg')} "
+                            f"(at record {first}; {len(others)} documents refused)",
+                            sink=store.sink,
+                        ) from exc
+                    if exc.details.get("writeConcernErrors"):
+                        raise RetriableSinkError(
+                            f"write: part {token}: write concern not satisfied",
+                            sink=store.sink,
+                        ) from exc
+                    duplicates = [ids[int(e["index"])] for e in errors]
+                    return len(staged) - len(duplicates), duplicates
+        except RetriableSinkError:
+            self.uncertain.update(ids)
+            raise

@@ -1,0 +1,110 @@
+"""The MongoDB sink's configuration: the ``sinks[]`` entry of ``type: mongodb``."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
+
+from twophase.participants.sdk import SinkConfig
+
+__all__ = ["MongoSinkConfig"]
+
+_DB_NAME_FORBIDDEN = re.compile(r'[/\\. "$\x00]')
+
+
+class MongoSinkConfig(SinkConfig):
+    """``sinks[]`` entry with ``type: mongodb``."""
+
+    type: Literal["mongodb"]
+    #: ``mongodb://`` or ``mongodb+srv://`` URI of a replica set or mongos. It may hold a password,
+    #: so it is a secret: never logged, never shown in a config dump.
+    uri: SecretStr
+    #: Database of the target collection (1-63 bytes, no ``/\. "$``).
+    database: str
+    #: The target collection.
+    collection: str
+    #: ``insert``: one document per record, ``_id`` = record id. ``upsert``: one document per key.
+    mode: Literal["insert", "upsert"] = "insert"
+    #: Top-level value fields that form the document key (``mode: upsert`` only).
+    key: list[str] = Field(default_factory=list, validate_default=True)
+    #: Where parts wait for their decision; default ``<collection>__twophase_staging``.
+    staging_collection: str | None = None
+    #: Per-part markers and committed positions; may be shared by many sinks and pipelines.
+    marker_collection: str = "twophase_parts"
+    #: Upsert mode: field holding ``{pipeline, txn}`` so an older part never overwrites a newer
+    #: one, whatever order decisions are applied in. ``null`` disables the guard and the field.
+    version_field: str | None = "_twophase"
+    #: Documents per commit transaction. MongoDB aborts transactions that run longer than
+    #: ``transactionLifetimeLimitSeconds`` (60 s by default); 1000 replaces finish well inside
+    #: that even on slow servers, and bigger chunks gain little once per-transaction overhead
+    #: is amortized.
+    commit_chunk_size: int = Field(1000, ge=1, le=100_000)
+    #: Bytes of staged documents per commit transaction: keeps one transaction's oplog entries
+    #: and cache pressure modest (MongoDB's per-transaction limits are in this range).
+    commit_chunk_bytes: int = Field(8 * 1024 * 1024, ge=1)
+    #: TCP connect; a reachable server answers in milliseconds, so 10 s only covers slow networks.
+    connect_timeout_s: float = Field(10.0, gt=0)
+    #: How long to wait for a writable primary -- longer than a typical election (~10 s).
+    server_selection_timeout_s: float = Field(15.0, gt=0)
+    #: One round trip; must exceed the slowest single operation (a chunk's bulk replace).
+    socket_timeout_s: float = Field(120.0, gt=0)
+    #: Waiting for majority acknowledgement; after it the write is retried, not lost.
+    write_concern_timeout_s: float = Field(60.0, gt=0)
+    #: ``maxCommitTimeMS`` of each commit transaction.
+    max_commit_time_s: float = Field(60.0, gt=0)
+    #: How long a committer's claim on a part lasts; it renews the claim before every chunk. As
+    #: long as MongoDB's default ``transactionLifetimeLimitSeconds`` (60 s): any chunk that can
+    #: still succeed finishes inside it, so a live committer is never overtaken, while a crashed one
+    #: delays the rest of its part by at most this long (a dead client's open transaction blocks
+    #: the marker for that long on the server anyway). Safety never depends on it.
+    commit_lease_s: float = Field(60.0, gt=0)
+    #: The client's ``appName``, as the server's logs and ``currentOp`` show it.
+    app_name: str = "twophase"
+
+    @field_validator("database")
+    @classmethod
+    def _check_database(cls, value: str) -> str:
+        if not value or len(value.encode()) > 63 or _DB_NAME_FORBIDDEN.search(value):
+            raise ValueError('use 1-63 bytes without / \\ . space " $')
+        return value
+
+    @field_validator("collection", "staging_collection", "marker_collection")
+    @classmethod
+    def _check_collection(cls, value: str | None) -> str | None:
+        if value is not None and (
+            not value or "$" in value or "\x00" in value or value.startswith("system.")
+        ):
+            raise ValueError(
+                "a collection name is non-empty, has no $ and does not start with system."
+            )
+        return value
+
+    @field_validator("version_field")
+    @classmethod
+    def _check_version_field(cls, value: str | None) -> str | None:
+        if value is not None and (
+            not value or value.startswith("$") or "." in value or value == "_id"
+        ):
+            raise ValueError("a top-level field name without $ or '.', not _id")
+        return value
+
+    @field_validator("key")
+    @classmethod
+    def _check_key(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        mode = info.data.get("mode", "insert")
+        if mode == "upsert" and not value:
+            raise ValueError("required when mode is 'upsert': the fields that identify a document")
+        if mode == "insert" and value:
+            raise ValueError("only used when mode is 'upsert' (insert mode keys by record id)")
+        for name in value:
+            if not name or name.startswith("$") or "." in name or "\x00" in name:
+                raise ValueError(f"{name!r}: key fields are top-level field names without $ or '.'")
+        if len(set(value)) != len(value):
+            raise ValueError("key fields must be distinct")
+        return value
+
+    @property
+    def staging(self) -> str:
+        return self.staging_collection or f"{self.collection}__twophase_staging"
