@@ -98,7 +98,10 @@ def imports(module: str, source: str, *, is_package: bool) -> Iterator[tuple[int
                 name = ".".join([*base, node.module] if node.module else base)
             else:
                 name = node.module or ""
-            yield node.lineno, name
+            # `from twophase.participants import sdk` imports twophase.participants.sdk: judge
+            # the names imported, not only the package they come from.
+            for alias in node.names:
+                yield node.lineno, f"{name}.{alias.name}" if alias.name != "*" else name
 
 
 def violations(module: str, source: str, *, is_package: bool = False) -> list[str]:
@@ -146,6 +149,7 @@ def test_every_module_has_a_room() -> None:
         ("twophase.participants.sdk.sink", "from ..runtime import batch", "sdk -> participants"),
         ("twophase.coordinator.runtime", "from twophase.participants.machine import X", "coordinator -> participants"),
         ("twophase.participants.spark", "from coordinator.machine import X", "bare"),
+        ("twophase.participants.sinks.files.sink", "from twophase.participants import runtime", "sinks -> participants"),
         ("twophase.cli.txn", "from harness import Cluster", "cli -> tooling"),
     ],
 )  # fmt: skip
@@ -161,6 +165,7 @@ def test_the_rule_catches_an_upward_import(module: str, source: str, expected: s
         ("twophase.cli.main", "from twophase.coordinator.runtime import CoordinatorRuntime"),
         ("twophase.participants.runtime.batch", "from ..sdk import records"),
         ("twophase.kafka", "from twophase.protocol import codec"),
+        ("twophase.participants.sinks.files.sink", "from twophase.participants import sdk"),
     ],
 )
 def test_the_rule_lets_a_downward_import_through(module: str, source: str) -> None:
