@@ -24,6 +24,7 @@ from twophase.config import PipelineConfig
 from twophase.errors import RetriableError
 from twophase.kafka import CALL_TIMEOUT_S, client_settings, raise_fatal
 from twophase.observability import HealthServer, Metrics, txn_extra
+from twophase.participants.decoding import source_decoder
 from twophase.participants.runtime.batch import (
     SOURCE_FETCH_DEFAULTS,
     SOURCE_GROUP_SETTINGS,
@@ -61,6 +62,7 @@ class AtLeastOnceRuntime:
         self.me = participant_id or cfg.participant_id
         self.metrics = metrics or Metrics(cfg.pipeline, "participant")
         self.sinks, self.producer, self.dlq = open_writers(cfg, self.me, self.metrics, sinks)
+        self.decoder = source_decoder(cfg.sources)
         self.stop_event = threading.Event()
         self.consumer = Consumer(
             client_settings(
@@ -115,7 +117,7 @@ class AtLeastOnceRuntime:
                 "participant %s running at-least-once for pipeline %s (%s)",
                 self.me,
                 self.cfg.pipeline,
-                decoding(self.sinks),
+                decoding(self.sinks, self.decoder),
             )
             quiet_gc()
             while not self.stop_event.is_set():
@@ -177,6 +179,7 @@ class AtLeastOnceRuntime:
                 self.sinks,
                 dlq=self.dlq,
                 metrics=self.metrics,
+                decoder=self.decoder,
                 max_record_bytes=self.cfg.participant.max_record_bytes,
                 retry=self._retry,
                 retractions=self.retractions,

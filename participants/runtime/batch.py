@@ -20,8 +20,9 @@ from twophase.config import PipelineConfig
 from twophase.errors import RetriableError
 from twophase.kafka import client_settings, topic_max_message_bytes
 from twophase.observability import Metrics
+from twophase.participants.decoding import Decoder
 from twophase.participants.registry import build_sinks
-from twophase.participants.runtime.deadletter import DeadLetters, decode_batch, message_key
+from twophase.participants.runtime.deadletter import DeadLetters, message_key
 from twophase.participants.sdk import (
     AbortTransactionError,
     BackpressureError,
@@ -98,16 +99,17 @@ def quiet_gc() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD, older, oldest)
 
 
-def reads_raw(sinks: Sequence[Sink]) -> bool:
-    """True when every sink reads the JSON values itself: batches are not decoded here."""
-    return all(sink.accepts_raw() for sink in sinks)
+def reads_raw(sinks: Sequence[Sink], decoder: Decoder) -> bool:
+    """True when the values are JSON objects and every sink reads them itself: batches are
+    scanned, not decoded, here."""
+    return decoder.raw_values and all(sink.accepts_raw() for sink in sinks)
 
 
-def decoding(sinks: Sequence[Sink]) -> str:
+def decoding(sinks: Sequence[Sink], decoder: Decoder) -> str:
     """How this participant's batches are decoded (for its start-up line)."""
-    if reads_raw(sinks):
+    if reads_raw(sinks, decoder):
         return "every sink reads the JSON values itself"
-    return "JSON values decoded once for all sinks"
+    return f"values decoded once for all sinks (source.format: {decoder.format})"
 
 
 def open_writers(
@@ -196,11 +198,12 @@ def write_batch(
     *,
     dlq: DeadLetters,
     metrics: Metrics,
+    decoder: Decoder,
     max_record_bytes: int,
     retry: Callable[[Callable[[], Any], str], Any],
     retractions: Retractions | None = None,
 ) -> BatchResult:
-    """Decode ``msgs``, dead-letter what no sink can take, write the rest into every sink in
+    """Decode ``msgs`` with ``decoder``, dead-letter what no sink can take, write the rest into every sink in
     order. A record is all-or-nothing across sinks (PROTOCOL.md, "The record path"):
 
     1. records in ``retractions`` (refused by a sink during an earlier try of this part) are
@@ -223,8 +226,8 @@ def write_batch(
     if retractions is None:
         retractions = Retractions()
     msgs, retracted = retractions.split(msgs)
-    raw_mode = reads_raw(sinks)
-    decoded = decode_batch(msgs, max_record_bytes, decode=not raw_mode)
+    raw_mode = reads_raw(sinks, decoder)
+    decoded = decoder.decode_batch(msgs, max_record_bytes, decode=not raw_mode)
     dead: dict[tuple[str, int], int] = {}
     for m in retracted:
         # Dead-lettered again on every try, not only when it was refused: that first letter may

@@ -38,6 +38,7 @@ from twophase.kafka import (
     retry_kafka,
 )
 from twophase.observability import HealthServer, Metrics, log_context, txn_extra
+from twophase.participants.decoding import source_decoder
 from twophase.participants.machine import (
     AbortPart,
     Action,
@@ -169,6 +170,7 @@ class ParticipantRuntime:
         self.me = participant_id or cfg.participant_id
         self.metrics = metrics or Metrics(cfg.pipeline, "participant")
         self.sinks, self.producer, self.dlq = open_writers(cfg, self.me, self.metrics, sinks)
+        self.decoder = source_decoder(cfg.sources)
         self.sink_by_name = {s.name: s for s in self.sinks}
         self.machine = ParticipantMachine(
             ParticipantSettings(
@@ -295,7 +297,7 @@ class ParticipantRuntime:
                 "participant %s running for pipeline %s (%s)",
                 self.me,
                 self.cfg.pipeline,
-                decoding(self.sinks),
+                decoding(self.sinks, self.decoder),
             )
             quiet_gc()
             while not self.stop_event.is_set():
@@ -831,6 +833,7 @@ class ParticipantRuntime:
                     self.sinks,
                     dlq=self.dlq,
                     metrics=self.metrics,
+                    decoder=self.decoder,
                     max_record_bytes=self.cfg.participant.max_record_bytes,
                     retry=self._retry,
                     retractions=self.retractions,

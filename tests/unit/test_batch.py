@@ -13,8 +13,9 @@ import pytest
 from confluent_kafka import Message
 
 from twophase.observability import Metrics
+from twophase.participants.decoding import JsonDecoder
 from twophase.participants.runtime.batch import Retractions, write_batch
-from twophase.participants.runtime.deadletter import DeadLetters, decode_batch, decode_message
+from twophase.participants.runtime.deadletter import DeadLetters
 from twophase.participants.sdk import (
     AbortTransactionError,
     PartId,
@@ -23,6 +24,10 @@ from twophase.participants.sdk import (
     Rejected,
     Sink,
 )
+
+JSON = JsonDecoder()
+decode_batch = JSON.decode_batch
+decode_message = JSON.decode_message
 
 
 def msg(partition: int, offset: int, value: Any, topic: str = "orders") -> Message:
@@ -143,6 +148,7 @@ def test_write_batch_counts_written_and_dead_per_partition(raw: bool) -> None:
         cast(list[Sink], [first, second]),
         dlq=cast(DeadLetters, dlq),
         metrics=metrics,
+        decoder=JSON,
         max_record_bytes=64,
         retry=lambda fn, what: fn(),
     )
@@ -190,6 +196,7 @@ def test_a_later_sinks_write_refusal_is_retracted_by_a_rewind(raw: bool) -> None
             cast(list[Sink], [first, second]),
             dlq=cast(DeadLetters, dlq),
             metrics=Metrics("p", "participant"),
+            decoder=JSON,
             max_record_bytes=64,
             retry=lambda fn, what: fn(),
             retractions=retractions,
@@ -229,6 +236,7 @@ def test_write_batch_decodes_only_for_sinks_that_do_not_read_raw() -> None:
         cast(list[Sink], [raw, plain]),
         dlq=cast(DeadLetters, _Dlq()),
         metrics=Metrics("p", "participant"),
+        decoder=JSON,
         max_record_bytes=64,
         retry=lambda fn, what: fn(),
     )

@@ -1,0 +1,83 @@
+"""Decoding: how a source message's bytes become a record, or a reason it cannot.
+
+One decoder per source format (``source.format`` in the pipeline config), chosen at start-up by
+:func:`decoder_for`. The runtime dead-letters what a decoder refuses, with its reason, and hands
+the records to the sinks; neither the dead-letter path nor a sink decodes anything itself.
+
+A new format is one :class:`Decoder` subclass (one method, :meth:`Decoder.decode_value`) and one
+entry in :data:`DECODERS` -- and its name in ``SourceConfig.format``, which validates the config
+before anything starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from confluent_kafka import Message
+
+from twophase.config import SourceConfig
+from twophase.participants.decoding.base import Decoded, Decoder, Headers, Undecodable
+from twophase.participants.decoding.json import JsonDecoder
+from twophase.participants.sdk import Record
+
+__all__ = [
+    "DECODERS",
+    "Decoded",
+    "Decoder",
+    "JsonDecoder",
+    "Undecodable",
+    "decoder_for",
+    "source_decoder",
+]
+
+#: ``source.format`` -> its decoder.
+DECODERS: dict[str, type[Decoder]] = {JsonDecoder.format: JsonDecoder}
+
+
+def decoder_for(fmt: str) -> Decoder:
+    """The decoder of ``source.format`` (the config model has already refused other names)."""
+    return DECODERS[fmt]()
+
+
+def source_decoder(sources: Sequence[SourceConfig]) -> Decoder:
+    """One decoder for every source topic of a pipeline: the format's own when the sources
+    share one (the hot path), else one that hands each topic's messages to its format's."""
+    formats = {s.format for s in sources}
+    if len(formats) == 1:
+        return decoder_for(formats.pop())
+    return _ByTopic({s.topic: decoder_for(s.format) for s in sources})
+
+
+class _ByTopic(Decoder):
+    """Sources of different formats: each topic's messages go to its own decoder."""
+
+    format = "per source"
+
+    def __init__(self, by_topic: dict[str, Decoder]) -> None:
+        self.by_topic = by_topic
+        self.raw_values = all(d.raw_values for d in by_topic.values())  # type: ignore[misc]
+
+    def decode_value(self, value: bytes, headers: Headers) -> dict[str, Any] | str:
+        raise TypeError("a per-source decoder decodes messages, which name their topic")
+
+    def decode_message(self, m: Message) -> Record | str:
+        return self.by_topic[m.topic() or ""].decode_message(m)
+
+    def decode_batch(
+        self, msgs: Sequence[Message], max_record_bytes: int, decode: bool = True
+    ) -> Decoded:
+        groups: dict[str, list[Message]] = {}
+        for m in msgs:
+            groups.setdefault(m.topic() or "", []).append(m)
+        out = Decoded([], [], {}, {}, 0, [], [], self)
+        for topic, group in groups.items():
+            part = self.by_topic[topic].decode_batch(group, max_record_bytes, decode)
+            out.records += part.records
+            out.bad += part.bad
+            out.last.update(part.last)  # (topic, partition) keys: disjoint across topics
+            out.counts.update(part.counts)
+            out.size += part.size
+            out.kept += part.kept
+            out.values += part.values
+        return out
