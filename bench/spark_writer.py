@@ -43,7 +43,8 @@ from confluent_kafka.cimpl import NewTopic
 from harness import load_stack_env
 from twophase.jobs.orders import enrich, order_events, produce_events, read_orders
 from twophase.jobs.orders_writer import ORDER_COLUMNS, orders_table_ddl, writer_config
-from twophase.participants.spark import _json_lines, coordinated_writer, load_spark_config
+from twophase.participants.spark import coordinated_writer, load_spark_config
+from twophase.participants.spark.writer import _json_lines
 
 COPY_COLUMNS = ", ".join(ORDER_COLUMNS)
 

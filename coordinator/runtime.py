@@ -23,7 +23,6 @@ from confluent_kafka import (
     KafkaError,
     KafkaException,
     Message,
-    Producer,
     TopicPartition,
 )
 from confluent_kafka.admin import AdminClient, OffsetSpec  # type: ignore[attr-defined]
@@ -48,18 +47,18 @@ from twophase.coordinator.machine import (
     Tick,
 )
 from twophase.coordinator.stall import StallWatch
-from twophase.errors import FatalError, FencedError, RetriableError
+from twophase.errors import FatalError, FencedError
 from twophase.faults import crash_point
 from twophase.kafka import (
     CALL_TIMEOUT_S,
+    ControlPublisher,
     await_broker,
     client_settings,
-    commit_transaction,
     note_broker_contact,
     raise_fatal,
 )
 from twophase.observability import HealthServer, Metrics, log_context, txn_extra
-from twophase.protocol.codec import DecodeError, decode, encode, new_envelope
+from twophase.protocol.codec import DecodeError, decode, new_envelope
 from twophase.protocol.messages import Checkpoint, Decision, Outcome, Payload, Prepare
 
 __all__ = ["CoordinatorRuntime"]
@@ -76,16 +75,14 @@ STALL_CHECK_S = 10.0
 #: A standby notices a dead leader after the group session times out; 10 s balances failover
 #: time against false failovers during a long GC or I/O stall.
 SESSION_TIMEOUT_MS = 10_000
-_FENCED = {
-    KafkaError._FENCED,
-    KafkaError.PRODUCER_FENCED,
-    KafkaError.INVALID_PRODUCER_EPOCH,
-    KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
-}
 
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def _crash_mid_decision() -> None:
+    crash_point("mid_decision")  # DECISION produced, its Kafka transaction not yet committed
 
 
 class CoordinatorRuntime:
@@ -113,7 +110,7 @@ class CoordinatorRuntime:
         self._replaying = False
         self._replay_end = 0
         self._fenced = False
-        self.producer: Producer | None = None
+        self.publisher: ControlPublisher | None = None
         self.admin = AdminClient(client_settings(cfg, "admin"))
         # Never subscribes: it only lends the source group's metadata to
         # send_offsets_to_transaction, so commit decisions move the group's offsets atomically.
@@ -235,8 +232,8 @@ class CoordinatorRuntime:
         with suppress(KafkaException, RuntimeError):  # closing twice, or after a fatal error
             self.consumer.close()
         self.group_handle.close()
-        if self.producer is not None:
-            self.producer.flush(5)
+        if self.publisher is not None:
+            self.publisher.close()
         self.health.stop()
         self.metrics.leader.labels(self.cfg.pipeline).set(0)
 
@@ -264,22 +261,9 @@ class CoordinatorRuntime:
             )
 
     def _become_leader(self) -> None:
-        producer = Producer(
-            client_settings(
-                self.cfg,
-                "coordinator-producer",
-                **{
-                    "transactional.id": self.cfg.transactional_id,
-                    "enable.idempotence": True,
-                    "acks": "all",
-                    "transaction.timeout.ms": 60_000,
-                },
-            )
-        )
         # Bumps the epoch: any earlier holder of this transactional.id is fenced from here on,
         # and a transaction it left open is aborted by the broker.
-        producer.init_transactions(CALL_TIMEOUT_S)
-        self.producer = producer
+        self.publisher = ControlPublisher(self.cfg, "coordinator-producer")
         self.metrics.leader.labels(self.cfg.pipeline).set(1)
         log.info("coordinator %s is now the leader of %s", self.instance, self.cfg.pipeline)
         self._replaying = True
@@ -365,7 +349,7 @@ class CoordinatorRuntime:
                     raise FencedError(f"coordinator {self.instance}: {action.reason}")
 
     def _drop_producer(self) -> None:
-        self.producer = None
+        self.publisher = None
 
     @property
     def _extra(self) -> dict[str, Any]:
@@ -389,59 +373,40 @@ class CoordinatorRuntime:
 
     def _publish_now(self, payload: Payload) -> list[Action]:
         now = _now_ms
-        producer = self.producer
-        if producer is None:
+        publisher = self.publisher
+        if publisher is None:
             return self.machine.handle(PublishFailed(payload, now(), "no producer", fenced=True))
         env = new_envelope(self.cfg.pipeline, self.sender, payload)
-        value, headers = encode(env, self.cfg.hmac_key)
-        offset: list[int] = []
-
-        def on_delivery(err: KafkaError | None, m: Message) -> None:
-            if err is None:
-                offset.append(m.offset() or 0)
-
+        offsets: list[TopicPartition] = []
+        group: Consumer | None = None
+        if isinstance(payload, Decision) and payload.outcome is Outcome.COMMIT:
+            # A commit decision moves the source group's offsets in the same Kafka transaction.
+            offsets = [TopicPartition(p.topic, p.partition, p.offset) for p in payload.positions]
+            group = self.group_handle
         started = time.monotonic()
-        try:
-            producer.begin_transaction()
-            producer.produce(
-                self.cfg.control_topic,
-                value=value,
-                key=self.cfg.pipeline.encode(),
-                headers=list(headers),
-                on_delivery=on_delivery,
-            )
-            if isinstance(payload, Decision) and payload.outcome is Outcome.COMMIT:
-                producer.send_offsets_to_transaction(
-                    [TopicPartition(p.topic, p.partition, p.offset) for p in payload.positions],
-                    self.group_handle.consumer_group_metadata(),
-                    CALL_TIMEOUT_S,
-                )
-            producer.flush(CALL_TIMEOUT_S)
-            if isinstance(payload, Decision):
-                crash_point("mid_decision")
-            commit_transaction(producer)
-        except KafkaException as exc:
-            err: KafkaError = exc.args[0]
-            fenced = err.fatal() or err.code() in _FENCED
-            if fenced:
+        result = publisher.publish(
+            env,
+            offsets=offsets,
+            group=group,
+            before_commit=_crash_mid_decision if isinstance(payload, Decision) else None,
+        )
+        if result.error:
+            if result.fenced:
                 self._fenced = True
                 self.metrics.fenced.labels(self.cfg.pipeline).inc()
                 log.error(
                     "%sfenced while publishing %s: %s",
                     f"txn={payload.txn} " if isinstance(payload, (Prepare, Decision)) else "",
                     type(payload).__name__,
-                    err.str(),
+                    result.error,
                 )
-            elif err.txn_requires_abort():
-                self._abort(producer)
-            return self.machine.handle(PublishFailed(payload, now(), err.str(), fenced=fenced))
-        except RetriableError as exc:
-            self._abort(producer)
-            return self.machine.handle(PublishFailed(payload, now(), str(exc)))
+            return self.machine.handle(
+                PublishFailed(payload, now(), result.error, fenced=result.fenced)
+            )
         if isinstance(payload, (Prepare, Decision)):
             crash_point("after_decision" if isinstance(payload, Decision) else "after_prepare_sent")
         self._observe(payload, time.monotonic() - started)
-        if isinstance(payload, Checkpoint) and offset:
+        if isinstance(payload, Checkpoint) and result.offset is not None:
             # Readers start at the latest checkpoint: the coordinator group's offset points at it.
             # Only a shortcut for them (the checkpoint itself is written), so a commit the
             # coordinators' group refuses -- a standby joining mid-commit makes it
@@ -449,7 +414,7 @@ class CoordinatorRuntime:
             # the next checkpoint.
             try:
                 self.consumer.commit(
-                    offsets=[TopicPartition(self.cfg.control_topic, 0, offset[0])],
+                    offsets=[TopicPartition(self.cfg.control_topic, 0, result.offset)],
                     asynchronous=False,
                 )
             except KafkaException as exc:
@@ -459,16 +424,10 @@ class CoordinatorRuntime:
                 log.warning(
                     "checkpoint at control offset %d: its group offset was not committed (the "
                     "next checkpoint's will be): %s",
-                    offset[0],
+                    result.offset,
                     err.str(),
                 )
         return self.machine.handle(Published(payload, now()))
-
-    def _abort(self, producer: Producer) -> None:
-        try:
-            producer.abort_transaction(CALL_TIMEOUT_S)
-        except KafkaException as exc:
-            log.warning("abort_transaction failed: %s", exc.args[0].str())
 
     def _observe(self, payload: Payload, write_s: float) -> None:
         p = self.cfg.pipeline

@@ -7,7 +7,9 @@ it (the chaos run writes a fresh tag per arming, so the same point can be armed 
 
 Participant points: before_vote, after_vote, after_prepare, before_commit, mid_commit (after
 each sink of a commit). Coordinator points: after_prepare_sent, mid_decision (DECISION produced,
-its Kafka transaction not yet committed), after_decision (committed).
+its Kafka transaction not yet committed), after_decision (committed). Spark driver points:
+spark_after_prepare (every task prepared, no decision), spark_after_decision, spark_mid_apply
+(the first sink applied the decision, the others not yet).
 
 ``TWOPHASE_STALL=reads`` makes a participant stop reading its partitions while it goes on
 voting (empty parts): the stall the coordinator's stall alarm is there to see.

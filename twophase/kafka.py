@@ -1,5 +1,5 @@
 """Kafka plumbing shared by the coordinator and the participants: client settings, the control
-log reader, topic creation, and the consumer group's generation.
+log reader and writers, topic creation, and the consumer group's generation.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -31,9 +31,12 @@ from twophase.protocol.codec import DecodeError, decode, encode, new_envelope
 from twophase.protocol.messages import Envelope, Payload
 
 __all__ = [
+    "FENCED_ERRORS",
     "BrokerAuthError",
+    "ControlPublisher",
     "ControlReader",
     "ControlWriter",
+    "PublishResult",
     "await_broker",
     "client_settings",
     "commit_transaction",
@@ -87,6 +90,17 @@ _RETRIABLE_CALL_ERRORS = frozenset(
         KafkaError._TRANSPORT,
         KafkaError._ALL_BROKERS_DOWN,
         KafkaError._WAIT_COORD,
+    }
+)
+
+#: What Kafka answers a transactional producer once a newer holder of its transactional.id has
+#: bumped the epoch: that producer can never write again.
+FENCED_ERRORS = frozenset(
+    {
+        KafkaError._FENCED,
+        KafkaError.PRODUCER_FENCED,
+        KafkaError.INVALID_PRODUCER_EPOCH,
+        KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
     }
 )
 
@@ -513,3 +527,116 @@ class ControlWriter:
             raise RetriableError(f"control message not delivered within {timeout_s}s")
         if errors:
             raise RetriableError(f"control message not delivered: {errors[0].str()}")
+
+
+@dataclass(frozen=True, slots=True)
+class PublishResult:
+    """How one :meth:`ControlPublisher.publish` went.
+
+    Written: ``error`` is empty, ``offset`` is the message's (None when no delivery report came).
+    Not written: ``error`` is Kafka's reason; ``fenced`` when a newer holder of the
+    transactional.id took over (or the producer failed fatally), so this publisher can never
+    write again; ``retriable`` when the same write may still succeed.
+    """
+
+    offset: int | None = None
+    error: str = ""
+    fenced: bool = False
+    retriable: bool = True
+
+
+class ControlPublisher:
+    """The decider's writes to the control topic -- the coordinator leader's, or a Spark
+    driver's: each message in its own Kafka transaction under the pipeline's stable
+    ``transactional.id``, acks=all.
+
+    Creating one calls ``init_transactions``, which bumps the producer epoch: every earlier
+    holder of the id is fenced from then on, and a transaction it left open is aborted by the
+    broker.
+    """
+
+    def __init__(self, cfg: PipelineConfig, role: str) -> None:
+        self.cfg = cfg
+        self.producer = Producer(
+            client_settings(
+                cfg,
+                role,
+                **{
+                    "transactional.id": cfg.transactional_id,
+                    "enable.idempotence": True,
+                    "acks": "all",
+                    "transaction.timeout.ms": 60_000,
+                },
+            )
+        )
+        self.producer.init_transactions(CALL_TIMEOUT_S)
+
+    def publish(
+        self,
+        env: Envelope,
+        *,
+        attempts: int = 1,
+        offsets: Sequence[TopicPartition] = (),
+        group: Consumer | None = None,
+        before_commit: Callable[[], None] | None = None,
+    ) -> PublishResult:
+        """Write ``env`` -- and with ``group``, commit ``offsets`` for that consumer's group --
+        in one Kafka transaction. Up to ``attempts`` tries: a transaction Kafka asks to abort is
+        aborted and tried again, a retriable failure tried again; a fenced producer, or any
+        other failure, ends the tries. ``before_commit`` runs between the write and the commit
+        (fault injection)."""
+        value, headers = encode(env, self.cfg.hmac_key)
+        producer = self.producer
+        delivered: list[int] = []
+
+        def on_delivery(err: KafkaError | None, msg: Message) -> None:
+            if err is None:
+                delivered.append(msg.offset() or 0)
+
+        result = PublishResult(error="not tried")
+        for _attempt in range(attempts):
+            delivered.clear()
+            try:
+                producer.begin_transaction()
+                producer.produce(
+                    self.cfg.control_topic,
+                    value=value,
+                    key=self.cfg.pipeline.encode(),
+                    headers=list(headers),
+                    on_delivery=on_delivery,
+                )
+                if group is not None:
+                    producer.send_offsets_to_transaction(
+                        list(offsets), group.consumer_group_metadata(), CALL_TIMEOUT_S
+                    )
+                producer.flush(CALL_TIMEOUT_S)
+                if before_commit is not None:
+                    before_commit()
+                commit_transaction(producer)
+            except KafkaException as exc:
+                err: KafkaError = exc.args[0]
+                if err.fatal() or err.code() in FENCED_ERRORS:
+                    return PublishResult(error=err.str(), fenced=True)
+                abort = err.txn_requires_abort()
+                result = PublishResult(error=err.str(), retriable=abort or err.retriable())
+                if abort:
+                    self._abort()
+                if not result.retriable:
+                    return result
+                continue
+            except RetriableError as exc:  # commit_transaction kept failing: tried enough
+                self._abort()
+                return PublishResult(error=str(exc))
+            return PublishResult(delivered[0] if delivered else None)
+        return result
+
+    def _abort(self) -> None:
+        try:
+            self.producer.abort_transaction(CALL_TIMEOUT_S)
+        except KafkaException as exc:
+            log.warning("abort_transaction failed: %s", exc.args[0].str())
+
+    def close(self) -> None:
+        """Serve what librdkafka still holds; every publish already waited for its own message,
+        so a few seconds are plenty."""
+        self.producer.flush(5)

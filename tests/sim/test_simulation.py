@@ -1,4 +1,5 @@
-"""Thousands of random schedules through the real state machines; every one must keep the
+"""Thousands of random schedules through the real state machines -- the coordinator's and the
+participants' (``world``), the Spark driver's (``spark_world``); every one must keep the
 guarantees. A failing seed is reported with the one command that replays it with a trace.
 
 ``TWOPHASE_SIM_SEED_BASE`` shifts the seed range (to explore new schedules locally); CI keeps
@@ -11,48 +12,65 @@ import os
 
 import pytest
 
-from .world import repro_command, run
+from . import spark_world, world
+from .seeds import assert_seeds_pass
 
-CHUNKS = 20
-PER_CHUNK = 500
 BASE = int(os.environ.get("TWOPHASE_SIM_SEED_BASE", "0"))
+#: Each simulator: its module, run(), and its schedules as chunks x seeds per chunk.
+SIMULATORS = {
+    "coordinator": ("tests.sim.world", world.run, 20, 500),
+    "spark": ("tests.sim.spark_world", spark_world.run, 4, 1000),
+}
+CHUNKS = [
+    (name, chunk) for name, (_, _, chunks, _) in SIMULATORS.items() for chunk in range(chunks)
+]
 #: Codec round trips validate every message against the JSON Schemas: ~10x slower, so fewer.
-WIRE_SEEDS = 100
+WIRE_SEEDS = {"coordinator": 100, "spark": 200}
 WIRE_BASE = 1_000_000
 
 
-def _failures(seeds: range, wire: bool = False) -> list[str]:
-    bad = []
-    for seed in seeds:
-        res = run(seed, wire=wire)
-        if not res.ok:
-            first = res.error.splitlines()[0] if res.error else "?"
-            bad.append(f"{repro_command(seed, wire)}   # {first[:300]}")
-    return bad
+@pytest.mark.parametrize(("simulator", "chunk"), CHUNKS)
+def test_random_schedules(simulator: str, chunk: int) -> None:
+    module, run, _, per_chunk = SIMULATORS[simulator]
+    assert_seeds_pass(module, run, range(BASE + chunk * per_chunk, BASE + (chunk + 1) * per_chunk))
 
 
-def _report(bad: list[str], total: int) -> str:
-    shown = "\n".join(bad[:10])
-    more = f"\n... and {len(bad) - 10} more" if len(bad) > 10 else ""
-    return f"{len(bad)}/{total} schedules broke a guarantee; replay one with:\n{shown}{more}"
-
-
-@pytest.mark.parametrize("chunk", range(CHUNKS))
-def test_random_schedules(chunk: int) -> None:
-    seeds = range(BASE + chunk * PER_CHUNK, BASE + (chunk + 1) * PER_CHUNK)
-    bad = _failures(seeds)
-    assert not bad, _report(bad, len(seeds))
-
-
-def test_random_schedules_through_the_codec() -> None:
+@pytest.mark.parametrize("simulator", SIMULATORS)
+def test_random_schedules_through_the_codec(simulator: str) -> None:
     """Every message encoded (schema-validated) and decoded again on each delivery."""
-    seeds = range(WIRE_BASE + BASE, WIRE_BASE + BASE + WIRE_SEEDS)
-    bad = _failures(seeds, wire=True)
-    assert not bad, _report(bad, len(seeds))
+    module, run, _, _ = SIMULATORS[simulator]
+    start = WIRE_BASE + BASE
+    assert_seeds_pass(module, run, range(start, start + WIRE_SEEDS[simulator]), wire=True)
 
 
-def test_a_seed_replays_exactly() -> None:
+@pytest.mark.parametrize("simulator", SIMULATORS)
+def test_a_seed_replays_exactly(simulator: str) -> None:
     """Determinism is what makes a printed seed worth anything."""
+    _, run, _, _ = SIMULATORS[simulator]
     a = run(4242, verbose=True)
     b = run(4242, verbose=True)
     assert a.trace == b.trace and len(a.trace) > 100
+
+
+def test_the_spark_driver_s_faults_happen() -> None:
+    """A simulator whose faults never fire proves nothing: across a few hundred schedules each
+    kind shows up in the traces."""
+    seen = "\n".join(
+        line for seed in range(300) for line in spark_world.run(seed, verbose=True).trace
+    )
+    for what in (
+        "CRASHES",
+        "becomes a zombie",
+        "raises FencedError",
+        "raises TwophaseBatchError",
+        "raises RetriableError",
+        "executor lost",
+        "refuses a row",
+        "lock wait in pg timed out",
+        "is a replay of a committed batch",
+        "abort (dead attempt",
+        "(decided)",
+        "(it landed)",
+        "CHECKPOINT",
+    ):
+        assert what in seen, what

@@ -61,7 +61,6 @@ commit_transaction with an unknown outcome).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import random
 import sys
@@ -86,7 +85,9 @@ from twophase.protocol.messages import (
     VoteValue,
 )
 
-__all__ = ["Params", "Result", "SimViolation", "World", "repro_command", "run"]
+from . import seeds
+
+__all__ = ["Params", "Result", "SimViolation", "World", "run"]
 
 PIPELINE = "sim"
 TOPIC = "src"
@@ -697,6 +698,12 @@ class Result:
     records: int
     trace: list[str]
 
+    def summary(self) -> str:
+        return (
+            f"after {self.steps} steps, {self.now_ms} ms: {self.records} records, "
+            f"{self.commits} commits, {self.aborts} aborts"
+        )
+
 
 class World:
     def __init__(
@@ -979,18 +986,7 @@ class World:
         return not self.log_view.pending
 
     def run(self) -> Result:
-        error = ""
-        try:
-            for _ in range(self.p.fault_steps):
-                self.step()
-            self.quiesce()
-            self.check()
-        except SimViolation as exc:
-            error = str(exc)
-        except Exception as exc:  # noqa: BLE001 - a crash inside a machine is a finding too
-            import traceback
-
-            error = "exception: " + "".join(traceback.format_exception(exc)).strip()
+        error = seeds.play(self, SimViolation)
         commits = sum(1 for d in self.log_view.decisions.values() if d.outcome is Outcome.COMMIT)
         return Result(
             self.seed,
@@ -1239,54 +1235,9 @@ def _show(x: Any) -> str:
 # -- entry points -------------------------------------------------------------------------------
 
 
-def repro_command(seed: int, wire: bool = False) -> str:
-    return f".venv/bin/python -m tests.sim.world --seed {seed} --verbose{' --wire' if wire else ''}"
-
-
 def run(seed: int, verbose: bool = False, wire: bool = False) -> Result:
     return World(seed, verbose=verbose, wire=wire).run()
 
 
-def _verdict(job: tuple[int, bool]) -> tuple[int, str]:
-    seed, wire = job
-    res = run(seed, wire=wire)
-    return seed, "" if res.ok else res.error.splitlines()[0][:200]
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    ap.add_argument("--seed", type=int, help="run one schedule")
-    ap.add_argument("--seeds", help="run a range of schedules, e.g. 0:1000")
-    ap.add_argument("--jobs", type=int, default=1, help="processes for --seeds")
-    ap.add_argument("--verbose", action="store_true", help="print the trace")
-    ap.add_argument("--wire", action="store_true", help="round-trip every message via the codec")
-    args = ap.parse_args(argv)
-    if args.seed is not None:
-        res = run(args.seed, verbose=args.verbose, wire=args.wire)
-        if args.verbose:
-            print("\n".join(res.trace))
-        print(
-            f"seed {res.seed}: {'ok' if res.ok else 'FAILED'} after {res.steps} steps, "
-            f"{res.now_ms} ms: {res.records} records, {res.commits} commits, {res.aborts} aborts"
-        )
-        if not res.ok:
-            print(res.error)
-        return 0 if res.ok else 1
-    lo, hi = (int(x) for x in (args.seeds or "0:1000").split(":"))
-    jobs = [(seed, args.wire) for seed in range(lo, hi)]
-    if args.jobs > 1:
-        import multiprocessing
-
-        with multiprocessing.Pool(args.jobs) as pool:
-            verdicts = list(pool.imap(_verdict, jobs, chunksize=200))
-    else:
-        verdicts = [_verdict(j) for j in jobs]
-    bad = [(seed, err) for seed, err in verdicts if err]
-    for seed, err in bad:
-        print(f"{repro_command(seed, args.wire)}  # {err}")
-    print(f"{hi - lo - len(bad)}/{hi - lo} schedules passed")
-    return 1 if bad else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(seeds.main(__doc__, "tests.sim.world", run))

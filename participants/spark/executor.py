@@ -1,0 +1,179 @@
+"""What the coordinated writer runs in Spark tasks: one partition's rows into every sink as one
+prepared part. Rows never travel to the driver; a task returns a few counts
+(:class:`~twophase.participants.spark.machine.TaskResult`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import orjson
+
+from twophase.participants.registry import build_sinks
+from twophase.participants.sdk import PartId, Record, Rejected, Sink, SinkError
+from twophase.participants.spark._retry import EARLY_ABORT_BUDGET_S, SINK_RETRY_BUDGET_S, retry
+from twophase.participants.spark.machine import TaskResult
+
+__all__ = ["OFFSET_STRIDE", "TaskSpec", "virtual_topic", "write_partition"]
+
+log = logging.getLogger("twophase.spark")
+
+#: Record offsets are ``batchId * OFFSET_STRIDE + row index``: unique across batches (10**10
+#: rows per partition and batch is far beyond anything one task writes) and readable in decimal.
+OFFSET_STRIDE = 10**10
+
+
+def virtual_topic(pipeline: str) -> str:
+    """The topic name the writer's records carry (``Record.topic``)."""
+    return f"spark.{pipeline}"
+
+
+@dataclass(frozen=True, slots=True)
+class TaskSpec:
+    """Everything a task needs, small and picklable (no config objects, no clients)."""
+
+    pipeline: str
+    sinks_json: str
+    batch_id: int
+    txn: int
+    tag: int
+    chunk_rows: int
+    ts_ms: int
+
+
+#: Sinks per executor Python worker, by config: workers are reused across tasks and batches, so
+#: connections and set-up (catalog checks, indexes) are paid once, not per task.
+_EXECUTOR_SINKS: dict[str, list[Sink]] = {}
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def _executor_sinks(spec: TaskSpec) -> list[Sink]:
+    key = f"{spec.pipeline}\n{spec.sinks_json}"
+    with _EXECUTOR_LOCK:
+        sinks = _EXECUTOR_SINKS.get(key)
+        if sinks is None:
+            sinks = build_sinks(
+                json.loads(spec.sinks_json), pipeline=spec.pipeline, participant="spark-executor"
+            )
+            for sink in sinks:
+                retry(sink.setup, budget_s=SINK_RETRY_BUDGET_S, what=f"setup of sink {sink.name}")
+            _EXECUTOR_SINKS[key] = sinks
+        return sinks
+
+
+def _drop_executor_sinks(spec: TaskSpec) -> None:
+    with _EXECUTOR_LOCK:
+        sinks = _EXECUTOR_SINKS.pop(f"{spec.pipeline}\n{spec.sinks_json}", [])
+    for sink in sinks:
+        try:
+            sink.close()
+        except Exception as exc:  # noqa: BLE001 - dropping a broken sink must not hide the cause
+            log.warning("closing sink %s: %s", sink.name, exc)
+
+
+def _task_attempt_id() -> int:
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    return ctx.taskAttemptId() if ctx is not None else 0
+
+
+def _abort_quietly(sinks: Sequence[Sink], part: PartId) -> None:
+    for sink in sinks:
+        try:
+            retry(
+                functools.partial(sink.abort, part),
+                budget_s=EARLY_ABORT_BUDGET_S,
+                what=f"abort {part.token}",
+            )
+        except SinkError as exc:
+            # The driver aborts every part of a failed attempt again; this is only early clean-up.
+            log.warning("sink %s: abort of %s failed: %s", sink.name, part.token, exc)
+
+
+def write_partition(spec: TaskSpec, index: int, lines: Iterable[str]) -> Iterator[TaskResult]:
+    """One task (on an executor): this partition's rows into every sink as one prepared part."""
+    # Computed before the yield: a generator closed at the yield must not abort a prepared part.
+    result = _write_part(spec, index, lines)
+    yield result
+
+
+def _write_part(spec: TaskSpec, index: int, lines: Iterable[str]) -> TaskResult:
+    participant = f"spark-{index}.{spec.tag}.{_task_attempt_id()}"
+    part = PartId(spec.pipeline, spec.txn, participant)
+    topic = virtual_topic(spec.pipeline)
+    base = spec.batch_id * OFFSET_STRIDE
+    sinks: list[Sink] = []
+    begun = False
+    rows = 0
+
+    def flush(chunk: list[Record]) -> TaskResult | None:
+        nonlocal begun
+        if not begun:
+            begun = True
+            for sink in sinks:
+                retry(
+                    functools.partial(sink.begin, part), budget_s=SINK_RETRY_BUDGET_S, what="begin"
+                )
+        for sink in sinks:
+            refused: Sequence[Rejected] = retry(
+                functools.partial(sink.write, part, chunk),
+                budget_s=SINK_RETRY_BUDGET_S,
+                what=f"write {part.token}",
+            )
+            if refused:
+                return TaskResult(
+                    index,
+                    participant,
+                    rows,
+                    sink=sink.name,
+                    error=refused[0].reason,
+                    rejected=len(refused),
+                )
+        return None
+
+    try:
+        sinks = _executor_sinks(spec)
+        chunk: list[Record] = []
+        loads = orjson.loads
+        for line in lines:
+            chunk.append(
+                Record(topic, index, base + rows, spec.ts_ms, None, loads(line), size=len(line))
+            )
+            rows += 1
+            if len(chunk) >= spec.chunk_rows:
+                failed = flush(chunk)
+                if failed is not None:
+                    _abort_quietly(sinks, part)
+                    return failed
+                chunk = []
+        if chunk:
+            failed = flush(chunk)
+            if failed is not None:
+                _abort_quietly(sinks, part)
+                return failed
+        if not begun:
+            return TaskResult(index, None)
+        positions = {(topic, index): base + rows}
+        for sink in sinks:
+            retry(
+                functools.partial(sink.prepare, part, positions),
+                budget_s=SINK_RETRY_BUDGET_S,
+                what=f"prepare {part.token}",
+            )
+    except SinkError as exc:
+        if begun:
+            _abort_quietly(sinks, part)
+        return TaskResult(index, participant, rows, sink=exc.sink, error=str(exc))
+    except BaseException:
+        if begun:
+            _abort_quietly(sinks, part)
+        _drop_executor_sinks(spec)
+        raise
+    log.info("txn=%d part %s prepared: %d rows", spec.txn, participant, rows)
+    return TaskResult(index, participant, rows, tuple(s.name for s in sinks))
