@@ -41,7 +41,8 @@ from psycopg import sql
 
 from harness import Cluster, Scenario, control_summary, produce
 from twophase.config import load_config
-from twophase.kafka import create_topics, retry_kafka
+from twophase.kafka import create_topics
+from twophase.retry import KAFKA
 
 #: Participants per pipeline run: one per core of the reference machine.
 PARTICIPANTS = 2
@@ -105,7 +106,7 @@ class CommittedProbe:
         self.c = Consumer({"bootstrap.servers": source.bootstrap, "group.id": group})
 
     def total(self) -> int:
-        got = retry_kafka(lambda: self.c.committed(self.tps, timeout=10), "committed offsets")
+        got = KAFKA.call(lambda: self.c.committed(self.tps, timeout=10), "committed offsets")
         return sum(max(tp.offset, 0) for tp in got)
 
     def close(self) -> None:

@@ -19,9 +19,9 @@ from twophase.config import PipelineConfig
 from twophase.errors import RetriableError
 from twophase.kafka import CALL_TIMEOUT_S, client_settings
 from twophase.participants.registry import build_sinks
-from twophase.participants.runtime.batch import retry_call
 from twophase.participants.sdk import Sink, SinkError
 from twophase.protocol.topics import topic_settings
+from twophase.retry import STATUS_PROBE_RETRY_S, STORE
 
 __all__ = ["describe_topics", "pipeline_status"]
 
@@ -62,8 +62,6 @@ def _participant_id(cfg: PipelineConfig, client_id: str) -> str:
     return client_id[len(prefix) :] if client_id.startswith(prefix) else client_id
 
 
-#: Status reports a sink it cannot reach rather than waiting for it: a probe must answer quickly.
-SINK_RETRY_S = 5.0
 #: The whole probe of every sink (connect, set-up, positions, last commit) ends by then. A
 #: store that accepts connections and never answers (a stopped MongoDB server) would otherwise
 #: hold `status` for the driver's socket time-out (minutes); a driver call cannot be cut short
@@ -75,7 +73,12 @@ def _probe_sink(sink: Sink, log_positions: dict[tuple[str, int], int]) -> dict[s
     entry: dict[str, Any] = {"name": sink.name, "type": sink.config.type}
     reports = type(sink).last_committed is not Sink.last_committed
     try:
-        retry_call(sink.setup, f"set-up of sink {sink.name}", SINK_RETRY_S, threading.Event())
+        STORE.call(
+            sink.setup,
+            f"set-up of sink {sink.name}",
+            budget_s=STATUS_PROBE_RETRY_S,
+            give_up=RetriableError,
+        )
         positions = sink.committed_positions()
         last = sink.last_committed() if reports else None
     except (SinkError, RetriableError) as exc:

@@ -31,10 +31,8 @@ from twophase.errors import ConfigError, FatalError, RetriableError, TwophaseErr
 from twophase.kafka import CALL_TIMEOUT_S, ControlReader, client_settings
 from twophase.participants.registry import build_sinks
 from twophase.participants.sdk import (
-    BackpressureError,
     BatchingSink,
     PartId,
-    RetriableSinkError,
     Sink,
     SinkError,
 )
@@ -49,6 +47,7 @@ from twophase.protocol.messages import (
     Prepare,
     Vote,
 )
+from twophase.retry import CLI_RESOLVE_RETRY_S, CLI_SETUP_RETRY_S, STORE
 
 __all__ = [
     "CLI_PARTICIPANT",
@@ -74,12 +73,6 @@ Progress = Callable[[str], None]
 #: The participant id the CLI's sink instances run under. Never a real participant's: sinks use
 #: it only to name themselves (e.g. the MongoDB sink's commit lease holder).
 CLI_PARTICIPANT = "twophase-cli"
-#: The protocol's sink retry budget (PROTOCOL.md, "Timeouts"): a retriable sink error during a
-#: resolve is retried this long -- a part busy in another session clears within a commit.
-RESOLVE_RETRY_S = 60.0
-#: Connecting to a sink: a store that keeps refusing for this long is down, and the operator is
-#: better served by being told so than by waiting for it (``resolve`` can simply be run again).
-SETUP_RETRY_S = 10.0
 #: A control-topic read that gets neither a message nor the partition's end for this long has
 #: failed (broker down, no leader): long enough for a broker restart, like every Kafka call here.
 READ_STALL_S = CALL_TIMEOUT_S
@@ -242,7 +235,7 @@ def _outcome_name(outcome: Outcome | None) -> str:
 
 
 def open_sinks(
-    cfg: PipelineConfig, *, retry_s: float = SETUP_RETRY_S, progress: Progress = _quiet
+    cfg: PipelineConfig, *, retry_s: float = CLI_SETUP_RETRY_S, progress: Progress = _quiet
 ) -> tuple[list[Sink], dict[str, str]]:
     """Every sink of the config, set up; plus ``{sink: error}`` for those that could not be
     (after retrying retriable errors for ``retry_s``).
@@ -257,7 +250,7 @@ def open_sinks(
     for sink in built:
         progress(f"connecting to sink {sink.name}")
         try:
-            _retrying(sink.setup, retry_s)
+            STORE.call(sink.setup, f"setup {sink.name}", budget_s=retry_s)
         except SinkError as exc:
             errors[sink.name] = str(exc)
             _close(sink)
@@ -283,22 +276,6 @@ def _sinks(cfg: PipelineConfig, progress: Progress) -> Iterator[tuple[list[Sink]
             _close(sink)
 
 
-def _retrying(call: Callable[[], T], budget_s: float) -> T:
-    """The runtime's rule for retriable sink errors: repeat the same call, with back-off."""
-    deadline = time.monotonic() + budget_s
-    delay = 0.2
-    while True:
-        try:
-            return call()
-        except RetriableSinkError as exc:
-            wait = exc.retry_after_s if isinstance(exc, BackpressureError) else delay
-            if time.monotonic() + wait > deadline:
-                raise
-            log.info("retrying in %.1fs: %s", wait, exc)
-            time.sleep(wait)
-            delay = min(delay * 2, 5.0)
-
-
 def _in_doubt(
     sinks: list[Sink], errors: dict[str, str], progress: Progress
 ) -> dict[tuple[int, str], list[str]]:
@@ -307,7 +284,7 @@ def _in_doubt(
     for sink in sinks:
         progress(f"listing in-doubt parts of sink {sink.name}")
         try:
-            parts = _retrying(sink.in_doubt, CALL_TIMEOUT_S)
+            parts = STORE.call(sink.in_doubt, f"in_doubt {sink.name}", budget_s=CALL_TIMEOUT_S)
         except SinkError as exc:
             errors[sink.name] = str(exc)
             continue
@@ -404,7 +381,9 @@ def _sink_state(sink: Sink, part: PartId, prepared: bool) -> str:
     if prepared:
         return "prepared"
     if isinstance(sink, BatchingSink):
-        marker = _retrying(partial(sink.load_marker, part), CALL_TIMEOUT_S)
+        marker = STORE.call(
+            partial(sink.load_marker, part), f"marker of {part.token}", budget_s=CALL_TIMEOUT_S
+        )
         return marker.state if marker is not None else "unknown"
     # The SDK's Sink answers only "prepared or not"; committed, aborted and never-seen look alike.
     return "not prepared"
@@ -599,7 +578,7 @@ def resolve_part(
     want: Outcome,
     *,
     force: bool = False,
-    retry_s: float = RESOLVE_RETRY_S,
+    retry_s: float = CLI_RESOLVE_RETRY_S,
     progress: Progress = _quiet,
 ) -> dict[str, Any]:
     """Apply ``want`` to one part in every sink it is prepared in (commit: also every sink the
@@ -629,7 +608,7 @@ def resolve_part(
             progress(f"{want.value} of {part.token} in sink {sink.name}")
             apply = sink.commit if want is Outcome.COMMIT else sink.abort
             try:
-                _retrying(partial(apply, part), retry_s)
+                STORE.call(partial(apply, part), f"{want.value} {part.token}", budget_s=retry_s)
             except SinkError as exc:
                 results[sink.name] = f"error: {exc}"
                 ok = False

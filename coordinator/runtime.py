@@ -56,9 +56,10 @@ from twophase.kafka import (
     client_settings,
     note_broker_contact,
     raise_fatal,
+    read_control,
 )
 from twophase.observability import HealthServer, Metrics, log_context, txn_extra
-from twophase.protocol.codec import DecodeError, decode, new_envelope
+from twophase.protocol.codec import new_envelope
 from twophase.protocol.messages import Checkpoint, Decision, Outcome, Payload, Prepare
 
 __all__ = ["CoordinatorRuntime"]
@@ -294,21 +295,15 @@ class CoordinatorRuntime:
                 return
             raise_fatal(err)
             return
-        raw_headers = msg.headers()
-        headers = (
-            [(k, v if isinstance(v, bytes) or v is None else v.encode()) for k, v in raw_headers]
-            if isinstance(raw_headers, list)
-            else None
-        )
-        try:
-            env = decode(msg.value(), headers, key=self.cfg.hmac_key, pipeline=self.cfg.pipeline)
-        except DecodeError as exc:
-            self.metrics.control_skipped.labels(self.cfg.pipeline, exc.kind).inc()
-            log.warning("skipping control message at offset %s: %s", msg.offset(), exc)
+        env = read_control(self.cfg, msg, self._count_skipped)
+        if env is None:
             return
         self._execute(self.machine.handle(Received(env, _now_ms())))
         if self._replaying and self._replayed_to_end():
             self._caught_up()
+
+    def _count_skipped(self, kind: str) -> None:
+        self.metrics.control_skipped.labels(self.cfg.pipeline, kind).inc()
 
     # -- actions -------------------------------------------------------------------------------
 

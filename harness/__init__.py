@@ -23,7 +23,7 @@ import orjson
 import yaml
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
-from twophase.kafka import retry_kafka
+from twophase.retry import KAFKA
 
 __all__ = [
     "Cluster",
@@ -257,7 +257,7 @@ def end_offsets(bootstrap: str, topic: str, partitions: int) -> dict[int, int]:
     try:
 
         def end(p: int) -> int:
-            return retry_kafka(
+            return KAFKA.call(
                 lambda: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10),
                 "end offsets",
             )[1]
@@ -273,7 +273,7 @@ def group_offsets(bootstrap: str, group: str, topic: str, partitions: int) -> di
     )
     try:
         tps = [TopicPartition(topic, p) for p in range(partitions)]
-        got = retry_kafka(lambda: c.committed(tps, timeout=10), "committed offsets")
+        got = KAFKA.call(lambda: c.committed(tps, timeout=10), "committed offsets")
         return {tp.partition: tp.offset for tp in got}
     finally:
         c.close()

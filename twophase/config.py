@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from twophase.errors import ConfigError
+from twophase.retry import SINK_RETRY_S
 
 __all__ = [
     "CommitConfig",
@@ -130,7 +131,7 @@ class ParticipantConfig(_Strict):
     #: given up. Calls the process cannot go on without (set-up, start-up recovery, applying a
     #: decision) are not bounded by it: they wait for the store until it answers or the process
     #: is stopped.
-    sink_retry_s: float = Field(default=60.0, gt=0)
+    sink_retry_s: float = Field(default=SINK_RETRY_S, gt=0)
 
 
 class MetricsConfig(_Strict):

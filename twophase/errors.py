@@ -22,7 +22,10 @@ class TwophaseError(Exception):
 
 
 class RetriableError(TwophaseError):
-    """Transient; retrying the same call may succeed."""
+    """Transient; retrying the same call may succeed. ``retry_after_s``, when set, is how long
+    the caller should wait before the next try (a store asking to slow down)."""
+
+    retry_after_s: float | None = None
 
 
 class AbortError(TwophaseError):

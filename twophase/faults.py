@@ -11,6 +11,9 @@ its Kafka transaction not yet committed), after_decision (committed). Spark driv
 spark_after_prepare (every task prepared, no decision), spark_after_decision, spark_mid_apply
 (the first sink applied the decision, the others not yet).
 
+``TWOPHASE_DELAY_AT=<name>:<n>:<seconds>`` sleeps once, the n-th time ``delay_point(name)`` is
+passed: the tests hold a participant still there while the group rebalances around it.
+
 ``TWOPHASE_STALL=reads`` makes a participant stop reading its partitions while it goes on
 voting (empty parts): the stall the coordinator's stall alarm is there to see.
 """
@@ -21,8 +24,9 @@ import logging
 import os
 import signal
 import threading
+import time
 
-__all__ = ["crash_point", "stalled"]
+__all__ = ["crash_point", "delay_point", "stalled"]
 
 _lock = threading.Lock()
 _armed: dict[str, int] = {}  # file content -> passes seen since it appeared
@@ -70,3 +74,16 @@ def stalled(name: str) -> bool:
     """Fault injection for the end-to-end tests: ``TWOPHASE_STALL=<name>[,<name>]`` makes the
     named activity hang (read once, at start-up, by the code that checks it)."""
     return name in os.environ.get("TWOPHASE_STALL", "").split(",")
+
+
+def delay_point(name: str) -> None:
+    """``TWOPHASE_DELAY_AT=name:n:seconds`` sleeps once, the n-th time ``name`` is passed."""
+    spec = os.environ.get("TWOPHASE_DELAY_AT", "").split(":")
+    if len(spec) != 3 or spec[0] != name:
+        return
+    key = f"_TWOPHASE_DELAY_COUNT_{name}"
+    count = int(os.environ.get(key, "0")) + 1
+    os.environ[key] = str(count)
+    if count == int(spec[1]):
+        logging.getLogger("twophase.delay").warning("delay point %s reached: %ss", name, spec[2])
+        time.sleep(float(spec[2]))

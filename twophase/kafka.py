@@ -8,7 +8,7 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -29,6 +29,7 @@ from twophase.errors import FatalError, RetriableError
 from twophase.logrepeat import CollapseRepeats
 from twophase.protocol.codec import DecodeError, decode, encode, new_envelope
 from twophase.protocol.messages import Envelope, Payload
+from twophase.retry import KAFKA, KAFKA_RETRY_S, TXN_COMMIT, TXN_COMMIT_ATTEMPTS, Policy
 
 __all__ = [
     "FENCED_ERRORS",
@@ -44,7 +45,7 @@ __all__ = [
     "group_generation",
     "note_broker_contact",
     "raise_fatal",
-    "retry_kafka",
+    "read_control",
 ]
 
 log = logging.getLogger(__name__)
@@ -71,28 +72,6 @@ SUSPECT_AUTH_FATAL_S = 60.0
 #: Suspect failures further apart than this start a new streak (librdkafka reconnects a
 #: failing broker at least every reconnect.backoff.max.ms, 10 s by default).
 SUSPECT_AUTH_GAP_S = 30.0
-#: How long :func:`retry_kafka` retries a call a broker restart fails: the group coordinator
-#: moves and loads its offsets within seconds of the broker being back. Past this the error is
-#: raised as before (the process exits and is restarted).
-KAFKA_RETRY_BUDGET_S = 60.0
-#: Longest wait between two attempts: short enough to notice the broker back promptly.
-KAFKA_RETRY_MAX_WAIT_S = 5.0
-#: What a restarting broker or a moving group coordinator answers for a while. Blocking calls
-#: (committed offsets, watermarks) raise these; librdkafka's own retries never see them.
-_RETRIABLE_CALL_ERRORS = frozenset(
-    {
-        KafkaError.NOT_COORDINATOR,
-        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
-        KafkaError.COORDINATOR_NOT_AVAILABLE,
-        KafkaError.REQUEST_TIMED_OUT,
-        KafkaError.NETWORK_EXCEPTION,
-        KafkaError._TIMED_OUT,
-        KafkaError._TRANSPORT,
-        KafkaError._ALL_BROKERS_DOWN,
-        KafkaError._WAIT_COORD,
-    }
-)
-
 #: What Kafka answers a transactional producer once a newer holder of its transactional.id has
 #: bumped the epoch: that producer can never write again.
 FENCED_ERRORS = frozenset(
@@ -279,50 +258,16 @@ def group_generation(consumer: Consumer) -> tuple[int, str]:
     return int(generation), member
 
 
-def commit_transaction(producer: Producer, attempts: int = 5) -> None:
+def commit_transaction(producer: Producer) -> None:
     """Commit the producer's transaction; librdkafka allows a commit that failed retriably
-    (and needs no abort) to simply be retried."""
-    for _attempt in range(attempts):
-        try:
-            producer.commit_transaction(CALL_TIMEOUT_S)
-            return
-        except KafkaException as exc:
-            err: KafkaError = exc.args[0]
-            if err.retriable() and not err.txn_requires_abort() and not err.fatal():
-                continue
-            raise
-    raise RetriableError("commit_transaction kept failing")
-
-
-def retry_kafka(
-    fn: Callable[[], T],
-    what: str,
-    *,
-    budget_s: float = KAFKA_RETRY_BUDGET_S,
-    stop: threading.Event | None = None,
-) -> T:
-    """``fn()``, retried with a growing back-off (at most KAFKA_RETRY_MAX_WAIT_S) for up to
-    ``budget_s`` while it raises a retriable Kafka error (NOT_COORDINATOR, time-outs, a broken
-    connection: a broker restarting). Fatal and other errors, and a retriable one past the
-    budget or after ``stop``, are raised as they are."""
-    deadline = time.monotonic() + budget_s
-    wait = 0.25
-    while True:
-        try:
-            return fn()
-        except KafkaException as exc:
-            err = exc.args[0] if exc.args else None
-            if (
-                not isinstance(err, KafkaError)
-                or err.fatal()
-                or not (err.retriable() or err.code() in _RETRIABLE_CALL_ERRORS)
-                or time.monotonic() + wait > deadline
-                or (stop is not None and stop.is_set())
-            ):
-                raise
-            log.warning("%s failed, retrying in %.2fs: %s (%s)", what, wait, err.str(), err.name())
-        time.sleep(wait)
-        wait = min(wait * 2, KAFKA_RETRY_MAX_WAIT_S)
+    (and needs no abort) to simply be retried -- a few tries, then ``RetriableError``."""
+    TXN_COMMIT.call(
+        lambda: producer.commit_transaction(CALL_TIMEOUT_S),
+        "commit_transaction",
+        attempts=TXN_COMMIT_ATTEMPTS,
+        give_up=RetriableError,
+        logger=log,
+    )
 
 
 def raise_fatal(err: KafkaError) -> None:
@@ -335,8 +280,14 @@ def raise_fatal(err: KafkaError) -> None:
     log.warning("Kafka: %s", err.str())
 
 
-def create_topics(cfg: PipelineConfig, *, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, str]:
-    """Create the control, dead-letter and source topics if missing; returns topic -> outcome.
+def create_topics(
+    cfg: PipelineConfig,
+    *,
+    timeout_s: float = CALL_TIMEOUT_S,
+    only: Collection[str] | None = None,
+) -> dict[str, str]:
+    """Create the control, dead-letter and source topics (or ``only`` those named) if missing,
+    and wait until they are ready; returns topic -> outcome.
 
     Replication factors and min.insync.replicas are clamped to the broker count so the same
     config works on a one-broker laptop stack and a real cluster.
@@ -351,6 +302,8 @@ def create_topics(cfg: PipelineConfig, *, timeout_s: float = CALL_TIMEOUT_S) -> 
     brokers = len(admin.list_topics(timeout=timeout_s).brokers)
     wanted = []
     for name, partitions, rf, conf in topic_settings(cfg):
+        if only is not None and name not in only:
+            continue
         rf = max(1, min(rf, brokers))
         conf = dict(conf)
         if "min.insync.replicas" in conf:
@@ -397,6 +350,33 @@ def _wait_for_topics(admin: AdminClient, topics: list[str], timeout_s: float) ->
     raise RetriableError(f"topics not ready after {timeout_s}s: {topics}")
 
 
+def read_control(
+    cfg: PipelineConfig, msg: Message, on_skip: Callable[[str], None]
+) -> Envelope | None:
+    """The envelope a control-topic message carries, or None for one that does not count
+    (unauthenticated, another pipeline's, malformed: PROTOCOL.md): such a message is logged,
+    handed to ``on_skip`` by its kind (the caller counts it) and skipped, never raised."""
+    raw = msg.headers()
+    headers = (
+        [(k, v if isinstance(v, bytes) or v is None else v.encode()) for k, v in raw]
+        if isinstance(raw, list)
+        else None
+    )
+    try:
+        env: Envelope = decode(msg.value(), headers, key=cfg.hmac_key, pipeline=cfg.pipeline)
+    except DecodeError as exc:
+        log.warning(
+            "skipping control message at %s[%s]@%s: %s",
+            msg.topic(),
+            msg.partition(),
+            msg.offset(),
+            exc,
+        )
+        on_skip(exc.kind)
+        return None
+    return env
+
+
 @dataclass
 class ControlReader:
     """Reads one pipeline's control partition: the tail from the latest checkpoint, then live.
@@ -426,7 +406,7 @@ class ControlReader:
         self.tp = TopicPartition(self.cfg.control_topic, 0)
         # Right after a broker restart this fails (NOT_COORDINATOR) until the coordinator
         # group's new coordinator has loaded its offsets: retried, not fatal.
-        committed = retry_kafka(
+        committed = KAFKA.call(
             lambda: self.consumer.committed([self.tp], timeout=CALL_TIMEOUT_S),
             "reading the control topic's checkpoint offset",
         )[0].offset
@@ -450,26 +430,7 @@ class ControlReader:
         return self._decode(msg)
 
     def _decode(self, msg: Message) -> Envelope | None:
-        try:
-            headers = msg.headers()
-            return decode(
-                msg.value(),
-                [(k, v if isinstance(v, bytes) or v is None else v.encode()) for k, v in headers]
-                if isinstance(headers, list)
-                else None,
-                key=self.cfg.hmac_key,
-                pipeline=self.cfg.pipeline,
-            )
-        except DecodeError as exc:
-            log.warning(
-                "skipping control message at %s[%s]@%s: %s",
-                msg.topic(),
-                msg.partition(),
-                msg.offset(),
-                exc,
-            )
-            self.on_skip(exc.kind)
-            return None
+        return read_control(self.cfg, msg, self.on_skip)
 
     def replay(self) -> Iterator[Envelope]:
         """Every message from the start point up to the end as of now (read_committed).
@@ -478,7 +439,7 @@ class ControlReader:
         whichever comes first: on a busy control topic the reader may never sit exactly at the
         moving end, so waiting for the event alone could never finish.
         """
-        _low, end = retry_kafka(
+        _low, end = KAFKA.call(
             lambda: self.consumer.get_watermark_offsets(self.tp, timeout=CALL_TIMEOUT_S),
             "reading the control topic's end offset",
         )
@@ -545,6 +506,25 @@ class PublishResult:
     retriable: bool = True
 
 
+class _PublishAgain(RetriableError):
+    """One try of a publish that may succeed when tried again."""
+
+    def __init__(self, result: PublishResult) -> None:
+        super().__init__(result.error)
+        self.result = result
+
+
+#: A publish is tried again (up to the caller's number of tries) only when Kafka says the same
+#: write may still succeed; a fenced or failed one goes back to the caller as its result.
+PUBLISH = Policy(
+    "control publish",
+    lambda exc: isinstance(exc, _PublishAgain),
+    KAFKA_RETRY_S,
+    first_wait_s=0.05,
+    max_wait_s=1.0,
+)
+
+
 class ControlPublisher:
     """The decider's writes to the control topic -- the coordinator leader's, or a Spark
     driver's: each message in its own Kafka transaction under the pipeline's stable
@@ -593,8 +573,7 @@ class ControlPublisher:
             if err is None:
                 delivered.append(msg.offset() or 0)
 
-        result = PublishResult(error="not tried")
-        for _attempt in range(attempts):
+        def attempt() -> PublishResult:
             delivered.clear()
             try:
                 producer.begin_transaction()
@@ -621,14 +600,18 @@ class ControlPublisher:
                 result = PublishResult(error=err.str(), retriable=abort or err.retriable())
                 if abort:
                     self._abort()
-                if not result.retriable:
-                    return result
-                continue
+                if result.retriable:
+                    raise _PublishAgain(result) from exc
+                return result
             except RetriableError as exc:  # commit_transaction kept failing: tried enough
                 self._abort()
                 return PublishResult(error=str(exc))
             return PublishResult(delivered[0] if delivered else None)
-        return result
+
+        try:
+            return PUBLISH.call(attempt, "publishing a control message", attempts=attempts)
+        except _PublishAgain as again:
+            return again.result
 
     def _abort(self) -> None:
         try:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from twophase.config import PipelineConfig
 from twophase.errors import RetriableError
@@ -28,15 +28,14 @@ from twophase.participants.decoding import source_decoder
 from twophase.participants.runtime.batch import (
     SOURCE_FETCH_DEFAULTS,
     SOURCE_GROUP_SETTINGS,
-    STORE_WAIT_S,
     Retractions,
     decoding,
     open_writers,
     quiet_gc,
-    retry_call,
     write_batch,
 )
 from twophase.participants.sdk import PartId, Sink, SinkError
+from twophase.retry import STORE_OR_KAFKA, STORE_WAIT_S
 
 __all__ = ["AtLeastOnceRuntime"]
 
@@ -45,8 +44,6 @@ T = TypeVar("T")
 
 CONSUME_TIMEOUT_S = 0.2
 #: A batch is what one consume() returns, up to participant.max_batch_records.
-#: Default of ``participant.sink_retry_s`` (calls the process can survive failing).
-RETRY_BUDGET_S = 60.0
 
 
 class AtLeastOnceRuntime:
@@ -232,4 +229,6 @@ class AtLeastOnceRuntime:
 
     def _retry(self, fn: Callable[[], T], what: str, budget_s: float | None = None) -> T:
         budget = self.cfg.participant.sink_retry_s if budget_s is None else budget_s
-        return retry_call(fn, what, budget, self.stop_event, (KafkaException,))
+        return STORE_OR_KAFKA.call(
+            fn, what, budget_s=budget, stop=self.stop_event, give_up=RetriableError, logger=log
+        )

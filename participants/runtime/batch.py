@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
-import random
-import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -17,7 +13,6 @@ from typing import Any, TypeVar
 from confluent_kafka import Message, Producer
 
 from twophase.config import PipelineConfig
-from twophase.errors import RetriableError
 from twophase.kafka import client_settings, topic_max_message_bytes
 from twophase.observability import Metrics
 from twophase.participants.decoding import Decoder
@@ -25,25 +20,21 @@ from twophase.participants.registry import build_sinks
 from twophase.participants.runtime.deadletter import DeadLetters, message_key
 from twophase.participants.sdk import (
     AbortTransactionError,
-    BackpressureError,
     PartId,
     Record,
     Rejected,
-    RetriableSinkError,
     Sink,
 )
 
 __all__ = [
     "SOURCE_FETCH_DEFAULTS",
     "SOURCE_GROUP_SETTINGS",
-    "STORE_WAIT_S",
     "BatchResult",
     "Retractions",
     "decoding",
     "open_writers",
     "quiet_gc",
     "reads_raw",
-    "retry_call",
     "write_batch",
 ]
 
@@ -51,11 +42,6 @@ log = logging.getLogger("twophase.participant")
 
 T = TypeVar("T")
 
-#: The one budget for a store call the process cannot go on without (set-up, start-up recovery,
-#: applying a decision): none -- wait for the store however long it takes, until stopped.
-#: Giving up would only end the process and hand the same wait to its restart (a participant
-#: died on "abort stale ... gave up after 60s" while MongoDB did not answer).
-STORE_WAIT_S = math.inf
 #: Per source partition of the batch: (last offset read, records written, records dead-lettered).
 BatchResult = dict[tuple[str, int], tuple[int, int, int]]
 #: Group membership of the source consumer, in either mode. Range assignment: a participant's
@@ -359,34 +345,3 @@ def _dead_letter(
         txn=txn,
     )
     tally[(topic, partition)] = tally.get((topic, partition), 0) + 1
-
-
-def retry_call(
-    fn: Callable[[], T],
-    what: str,
-    budget_s: float,
-    stop: threading.Event,
-    retriable: tuple[type[BaseException], ...] = (),
-) -> T:
-    """Retriable errors are retried here, with jittered back-off, within one budget; sinks
-    never retry by themselves. Jitter keeps two participants that conflicted once (a write
-    conflict in a shared store) from colliding again in lockstep."""
-    deadline = time.monotonic() + budget_s
-    delay = 0.05
-    again: tuple[type[BaseException], ...] = (RetriableSinkError, RetriableError, *retriable)
-    while True:
-        try:
-            return fn()
-        except BackpressureError as exc:
-            wait = exc.retry_after_s
-            err: BaseException = exc
-        except again as exc:
-            wait = delay * random.uniform(0.5, 1.5)
-            delay = min(delay * 2, 2.0)
-            err = exc
-        if stop.is_set():
-            raise RetriableError(f"{what}: stopped while retrying: {err}")
-        if time.monotonic() + wait > deadline:
-            raise RetriableError(f"{what}: gave up after {budget_s:.0f}s: {err}")
-        log.warning("%s failed, retrying in %.2fs: %s", what, wait, err)
-        time.sleep(wait)

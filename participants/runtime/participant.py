@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -26,7 +25,7 @@ from confluent_kafka.admin import AdminClient
 from twophase.config import PipelineConfig
 from twophase.errors import FatalError, RetriableError, TwophaseError
 from twophase.faults import crash_point as _crash_point
-from twophase.faults import stalled
+from twophase.faults import delay_point, stalled
 from twophase.kafka import (
     CALL_TIMEOUT_S,
     ControlReader,
@@ -35,7 +34,6 @@ from twophase.kafka import (
     client_settings,
     group_generation,
     raise_fatal,
-    retry_kafka,
 )
 from twophase.observability import HealthServer, Metrics, log_context, txn_extra
 from twophase.participants.decoding import source_decoder
@@ -71,12 +69,10 @@ from twophase.participants.machine import (
 from twophase.participants.runtime.batch import (
     SOURCE_FETCH_DEFAULTS,
     SOURCE_GROUP_SETTINGS,
-    STORE_WAIT_S,
     Retractions,
     decoding,
     open_writers,
     quiet_gc,
-    retry_call,
     write_batch,
 )
 from twophase.participants.sdk import (
@@ -87,6 +83,7 @@ from twophase.participants.sdk import (
     UnknownPartError,
 )
 from twophase.protocol.messages import Outcome, Prepare
+from twophase.retry import KAFKA, STORE, STORE_WAIT_S
 
 __all__ = ["ParticipantRuntime"]
 
@@ -97,12 +94,6 @@ T = TypeVar("T")
 CONSUME_TIMEOUT_S = 0.05
 #: Control-thread poll.
 CONTROL_POLL_S = 0.02
-#: Default of ``participant.sink_retry_s``: how long a sink call whose failure the participant
-#: survives (a prepare: abort vote; a write: the part is re-read; a sweep: the next one tries
-#: again) is retried before it is given up.
-SINK_RETRY_BUDGET_S = 60.0
-#: Kept for callers of the old name: applying a decision waits like every such call.
-APPLY_RETRY_BUDGET_S = STORE_WAIT_S
 #: Time one batch may take to write into every sink. A PREPARE waits for the batch in flight,
 #: so this bounds how much of the vote timeout a slow store can eat; batches are sized to it.
 BATCH_TARGET_S = 0.5
@@ -141,20 +132,6 @@ class _AbortStale:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def _delay_point(name: str) -> None:
-    """``TWOPHASE_DELAY_AT=name:n:seconds`` sleeps once, the n-th time ``name`` is passed: used by
-    the tests to hold a participant still while the group rebalances around it."""
-    spec = os.environ.get("TWOPHASE_DELAY_AT", "").split(":")
-    if len(spec) != 3 or spec[0] != name:
-        return
-    key = f"_TWOPHASE_DELAY_COUNT_{name}"
-    count = int(os.environ.get(key, "0")) + 1
-    os.environ[key] = str(count)
-    if count == int(spec[1]):
-        logging.getLogger("twophase.delay").warning("delay point %s reached: %ss", name, spec[2])
-        time.sleep(float(spec[2]))
 
 
 class ParticipantRuntime:
@@ -273,7 +250,7 @@ class ParticipantRuntime:
                 # A replayed message acts on nothing; what comes back is an out-of-sequence skip.
                 self._run(self._feed(Received(env, replay=True)), Thread.DATA)
             self._feed(CaughtUp())
-            _delay_point("before_recovery")
+            delay_point("before_recovery")
             # Recovery runs to completion before anything new is written, however long the
             # stores take to answer (STORE_WAIT_S).
             self._abort_stale(budget_s=STORE_WAIT_S)
@@ -505,7 +482,9 @@ class ParticipantRuntime:
     def _retry(self, fn: Callable[[], T], what: str, budget_s: float | None = None) -> T:
         """A sink call retried for ``budget_s`` (default ``participant.sink_retry_s``)."""
         budget = self.cfg.participant.sink_retry_s if budget_s is None else budget_s
-        return retry_call(fn, what, budget, self.stop_event)
+        return STORE.call(
+            fn, what, budget_s=budget, stop=self.stop_event, give_up=RetriableError, logger=log
+        )
 
     def _wait_for_store(self, fn: Callable[[], T], what: str) -> T:
         """A sink call the process cannot go on without: retried until it succeeds or the
@@ -701,7 +680,7 @@ class ParticipantRuntime:
             env = reader.poll(CONTROL_POLL_S)
             if env is not None:
                 if isinstance(env.payload, Prepare):
-                    _delay_point("on_prepare")
+                    delay_point("on_prepare")
                 self._run(self._feed(Received(env), Thread.CONTROL), Thread.CONTROL)
             self._run(self._feed(Tick(_now_ms()), Thread.CONTROL), Thread.CONTROL)
 
@@ -889,7 +868,7 @@ class ParticipantRuntime:
         # Raised out of consume() these would end the process: retry what a broker restart
         # causes (NOT_COORDINATOR while the group coordinator moves, time-outs).
         committed = (
-            retry_kafka(
+            KAFKA.call(
                 lambda: consumer.committed(partitions, timeout=CALL_TIMEOUT_S),
                 "reading the source group's offsets",
                 stop=self.stop_event,
@@ -901,7 +880,7 @@ class ParticipantRuntime:
         for c in committed:
             off = c.offset
             if off < 0:
-                off, _high = retry_kafka(
+                off, _high = KAFKA.call(
                     partial(consumer.get_watermark_offsets, c, timeout=CALL_TIMEOUT_S),
                     f"reading the start of {c.topic}[{c.partition}]",
                     stop=self.stop_event,

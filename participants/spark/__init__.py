@@ -11,8 +11,8 @@ pipeline as one all-or-nothing transaction, exactly once across driver crashes a
        .start())
 
 Where each part lives: the driver's decisions in :mod:`.machine` (pure, driven by the Spark
-simulator in ``tests/sim``), the driver's I/O in :mod:`.writer`, the tasks in :mod:`.executor`,
-and the sink retry budgets in ``_retry``.
+simulator in ``tests/sim``), the driver's I/O in :mod:`.writer`, the tasks in :mod:`.executor`;
+its retry budgets beside every other in :mod:`twophase.retry`.
 
 How one micro-batch ``batchId`` is written (``docs/spark.md`` explains each choice):
 

@@ -16,8 +16,8 @@ import orjson
 
 from twophase.participants.registry import build_sinks
 from twophase.participants.sdk import PartId, Record, Rejected, Sink, SinkError
-from twophase.participants.spark._retry import EARLY_ABORT_BUDGET_S, SINK_RETRY_BUDGET_S, retry
 from twophase.participants.spark.machine import TaskResult
+from twophase.retry import EARLY_ABORT_S, SINK_RETRY_S, STORE
 
 __all__ = ["OFFSET_STRIDE", "TaskSpec", "virtual_topic", "write_partition"]
 
@@ -61,7 +61,7 @@ def _executor_sinks(spec: TaskSpec) -> list[Sink]:
                 json.loads(spec.sinks_json), pipeline=spec.pipeline, participant="spark-executor"
             )
             for sink in sinks:
-                retry(sink.setup, budget_s=SINK_RETRY_BUDGET_S, what=f"setup of sink {sink.name}")
+                STORE.call(sink.setup, budget_s=SINK_RETRY_S, what=f"setup of sink {sink.name}")
             _EXECUTOR_SINKS[key] = sinks
         return sinks
 
@@ -86,9 +86,9 @@ def _task_attempt_id() -> int:
 def _abort_quietly(sinks: Sequence[Sink], part: PartId) -> None:
     for sink in sinks:
         try:
-            retry(
+            STORE.call(
                 functools.partial(sink.abort, part),
-                budget_s=EARLY_ABORT_BUDGET_S,
+                budget_s=EARLY_ABORT_S,
                 what=f"abort {part.token}",
             )
         except SinkError as exc:
@@ -117,13 +117,11 @@ def _write_part(spec: TaskSpec, index: int, lines: Iterable[str]) -> TaskResult:
         if not begun:
             begun = True
             for sink in sinks:
-                retry(
-                    functools.partial(sink.begin, part), budget_s=SINK_RETRY_BUDGET_S, what="begin"
-                )
+                STORE.call(functools.partial(sink.begin, part), budget_s=SINK_RETRY_S, what="begin")
         for sink in sinks:
-            refused: Sequence[Rejected] = retry(
+            refused: Sequence[Rejected] = STORE.call(
                 functools.partial(sink.write, part, chunk),
-                budget_s=SINK_RETRY_BUDGET_S,
+                budget_s=SINK_RETRY_S,
                 what=f"write {part.token}",
             )
             if refused:
@@ -161,9 +159,9 @@ def _write_part(spec: TaskSpec, index: int, lines: Iterable[str]) -> TaskResult:
             return TaskResult(index, None)
         positions = {(topic, index): base + rows}
         for sink in sinks:
-            retry(
+            STORE.call(
                 functools.partial(sink.prepare, part, positions),
-                budget_s=SINK_RETRY_BUDGET_S,
+                budget_s=SINK_RETRY_S,
                 what=f"prepare {part.token}",
             )
     except SinkError as exc:

@@ -13,17 +13,19 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient
-from confluent_kafka.cimpl import NewTopic
+from confluent_kafka import Consumer, TopicPartition
 
 from twophase.config import PipelineConfig, load_yaml, parse_config
 from twophase.errors import FatalError, RetriableError
 from twophase.faults import crash_point
-from twophase.kafka import CALL_TIMEOUT_S, ControlPublisher, ControlReader, client_settings
+from twophase.kafka import (
+    ControlPublisher,
+    ControlReader,
+    client_settings,
+    create_topics,
+)
 from twophase.participants.registry import build_sinks
 from twophase.participants.sdk import Sink
-from twophase.participants.spark._retry import APPLY_RETRY_BUDGET_S, SINK_RETRY_BUDGET_S, retry
 from twophase.participants.spark.executor import TaskSpec, virtual_topic, write_partition
 from twophase.participants.spark.machine import (
     BatchCalled,
@@ -53,11 +55,12 @@ from twophase.participants.spark.machine import (
 )
 from twophase.protocol.codec import new_envelope
 from twophase.protocol.messages import Decision, Outcome, Payload
-from twophase.protocol.topics import topic_settings
 
 if TYPE_CHECKING:
     from pyspark.rdd import RDD
     from pyspark.sql import DataFrame
+
+from twophase.retry import SINK_RETRY_S, SPARK_APPLY_S, SPARK_PUBLISH_ATTEMPTS, STORE
 
 __all__ = ["CoordinatedWriter", "coordinated_writer", "load_spark_config"]
 
@@ -67,8 +70,6 @@ log = logging.getLogger("twophase.spark")
 #: (``participant.max_batch_records``): large enough for COPY to pay off, small enough that a
 #: rejection stops the task early.
 DEFAULT_CHUNK_ROWS = 5000
-#: Tries at one control-topic write whose transaction must be aborted (broker failover).
-PUBLISH_ATTEMPTS = 5
 #: Owner (envelope ``sender``) of messages written by a writer called outside a streaming query.
 DIRECT_OWNER = "spark:direct"
 
@@ -139,7 +140,7 @@ class CoordinatedWriter:
         self.machine = DriverMachine(
             cfg.pipeline, names, cfg.commit.checkpoint_every, control_topic=cfg.control_topic
         )
-        _ensure_control_topic(cfg)
+        create_topics(cfg, only={cfg.control_topic})
         # Bumps the producer epoch: any earlier driver of this pipeline is fenced from here on,
         # and a transaction it left open is aborted by the broker.
         self._publisher = ControlPublisher(cfg, "spark-driver-producer")
@@ -213,18 +214,16 @@ class CoordinatedWriter:
             return self._publish(action.payload)
         if isinstance(action, ListInDoubt):
             sink = self._sink(action.sink)
-            return Listed(
-                tuple(retry(sink.in_doubt, budget_s=SINK_RETRY_BUDGET_S, what="in_doubt"))
-            )
+            return Listed(tuple(STORE.call(sink.in_doubt, budget_s=SINK_RETRY_S, what="in_doubt")))
         if isinstance(action, ListStale):
             call = functools.partial(self._sink(action.sink).stale_parts, action.before_txn)
-            return Listed(tuple(retry(call, budget_s=SINK_RETRY_BUDGET_S, what="stale")))
+            return Listed(tuple(STORE.call(call, budget_s=SINK_RETRY_S, what="stale")))
         if isinstance(action, Resolve):
             sink = self._sink(action.sink)
             finish = sink.commit if action.outcome is Outcome.COMMIT else sink.abort
-            retry(
+            STORE.call(
                 functools.partial(finish, action.part),
-                budget_s=APPLY_RETRY_BUDGET_S if action.decided else SINK_RETRY_BUDGET_S,
+                budget_s=SPARK_APPLY_S if action.decided else SINK_RETRY_S,
                 what=f"{action.outcome.value} {action.part.token}",
             )
             return Done()
@@ -252,7 +251,7 @@ class CoordinatedWriter:
 
     def _publish(self, payload: Payload) -> Event:
         env = new_envelope(self.pipeline, self.machine.owner, payload)
-        result = self._publisher.publish(env, attempts=PUBLISH_ATTEMPTS)
+        result = self._publisher.publish(env, attempts=SPARK_PUBLISH_ATTEMPTS)
         if result.fenced:
             return Fenced(result.error)
         if result.error and result.retriable:
@@ -308,37 +307,6 @@ class CoordinatedWriter:
         if self._sinks is None:
             sinks = build_sinks(self.cfg.sinks, pipeline=self.pipeline, participant="spark-driver")
             for sink in sinks:
-                retry(sink.setup, budget_s=SINK_RETRY_BUDGET_S, what=f"setup of sink {sink.name}")
+                STORE.call(sink.setup, budget_s=SINK_RETRY_S, what=f"setup of sink {sink.name}")
             self._sinks = sinks
         return next(s for s in self._sinks if s.name == name)
-
-
-def _ensure_control_topic(cfg: PipelineConfig) -> None:
-    """Create the pipeline's control topic when missing (the writer needs no other topic)."""
-    admin = AdminClient(client_settings(cfg, "admin"))
-    md = admin.list_topics(timeout=CALL_TIMEOUT_S)
-    if cfg.control_topic in md.topics and not md.topics[cfg.control_topic].error:
-        return
-    name, partitions, rf, conf = topic_settings(cfg)[0]
-    rf = max(1, min(rf, len(md.brokers)))
-    conf = dict(conf)
-    if "min.insync.replicas" in conf:
-        conf["min.insync.replicas"] = str(
-            max(1, min(int(conf["min.insync.replicas"]), rf - 1 or 1))
-        )
-    future = admin.create_topics(
-        [NewTopic(name, num_partitions=partitions, replication_factor=rf, config=conf)],
-        operation_timeout=CALL_TIMEOUT_S,
-    )[name]
-    try:
-        future.result()
-    except KafkaException as exc:
-        if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-            raise FatalError(f"cannot create topic {name}: {exc.args[0].str()}") from None
-    deadline = time.monotonic() + CALL_TIMEOUT_S
-    while time.monotonic() < deadline:
-        topic = admin.list_topics(name, timeout=CALL_TIMEOUT_S).topics.get(name)
-        if topic is not None and not topic.error and topic.partitions:
-            return
-        time.sleep(0.1)
-    raise RetriableError(f"control topic {name} not ready after {CALL_TIMEOUT_S}s")

@@ -44,9 +44,10 @@ from tests.e2e.e2e_support import (
 )
 from tests.e2e.secure_broker import SecureBroker
 from twophase.config import load_config
-from twophase.kafka import create_topics, retry_kafka
+from twophase.kafka import create_topics
 from twophase.protocol.codec import DecodeError, decode, encode, new_envelope
 from twophase.protocol.messages import Decision, Outcome, Part, Position, Prepare, Vote
+from twophase.retry import KAFKA
 
 # -- forged decisions ------------------------------------------------------------------------
 
@@ -411,10 +412,10 @@ def _secure_caught_up(broker: SecureBroker, s: Scenario) -> bool:
         # A fresh broker answers NOT_COORDINATOR while it loads the offsets topic: retry.
         committed = [
             tp.offset
-            for tp in retry_kafka(lambda: c.committed(tps, timeout=10), "committed offsets")
+            for tp in KAFKA.call(lambda: c.committed(tps, timeout=10), "committed offsets")
         ]
         ends = [
-            retry_kafka(lambda tp=tp: c.get_watermark_offsets(tp, timeout=10), "end offsets")[1]
+            KAFKA.call(lambda tp=tp: c.get_watermark_offsets(tp, timeout=10), "end offsets")[1]
             for tp in tps
         ]
         return committed == ends

@@ -35,12 +35,10 @@ from twophase.participants.sinks.files._publish import Publisher
 from twophase.participants.sinks.files._schema import Mismatch
 from twophase.participants.sinks.files._staging import OpenFiles, OutputGroups, read_prepared
 from twophase.participants.sinks.files.config import FileSinkConfig
+from twophase.retry import DISK_FULL_RETRY_S
 
 __all__ = ["FileSink"]
 
-# Freeing disk space takes an operator or a retention job, not milliseconds: asking the runtime
-# to come back in half a minute keeps a full disk from turning into a busy retry loop.
-_DISK_FULL_RETRY_S = 30.0
 _FATAL_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.EXDEV})
 _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
@@ -91,7 +89,7 @@ class FileSink(sdk.BatchingSink):
                 raise sdk.FatalSinkError(message, sink=self.name) from exc
             if failure is sdk.RetriableSinkError and exc.errno in _DISK_FULL_ERRNOS:
                 raise sdk.BackpressureError(
-                    message, retry_after_s=_DISK_FULL_RETRY_S, sink=self.name
+                    message, retry_after_s=DISK_FULL_RETRY_S, sink=self.name
                 ) from exc
             raise failure(message, sink=self.name) from exc
         except pa.ArrowException as exc:
