@@ -100,7 +100,7 @@ from twophase.participants.sdk import (
     TopicPartition,
     UnknownPartError,
 )
-from twophase.participants.sinks._pgtypes import (
+from twophase.participants.sinks.postgres.types import (
     BadValue,
     Column,
     Converter,
