@@ -1,0 +1,295 @@
+"""Set-up: the server's settings, the marker table, the target table (created from
+``create_table`` when missing) and its columns -- which become the conversion plan, the
+upsert staging table and, when it applies, the compiled COPY encoder."""
+
+from __future__ import annotations
+
+import hashlib
+from contextlib import suppress
+
+import psycopg
+from psycopg import sql
+
+from twophase.participants.sdk import (
+    FatalSinkError,
+)
+from twophase.participants.sinks.postgres._connections import _Connections, twophase_native
+from twophase.participants.sinks.postgres._errors import _MAX_PREPARED_ZERO, Connection, _is_lost
+from twophase.participants.sinks.postgres._rows import (
+    _compile_plan,
+    _Mapped,
+    _nested_getter,
+    _PlanStep,
+)
+from twophase.participants.sinks.postgres.types import (
+    Column,
+    binary_type,
+    converter_for,
+)
+
+__all__ = ["_Target"]
+
+
+class _Target(_Connections):
+    """Set-up of the marker table and the target table."""
+
+    def setup(self) -> None:
+        with self._admin_conn() as conn:
+            try:
+                self._check_server(conn)
+                self._ensure_marker_table(conn)
+                self._load_target(conn)
+            except psycopg.Error as exc:
+                if _is_lost(conn, exc):
+                    raise
+                raise FatalSinkError(
+                    f"set-up of table {self.cfg.table} failed: {str(exc).strip()}", sink=self.name
+                ) from exc
+        self._ready = True
+        self.log.info(
+            "postgres sink %s ready: table %s, mode %s, columns %s%s",
+            self.name,
+            self.cfg.table,
+            self.cfg.mode,
+            ", ".join(m.column.name for m in self._mapped),
+            ", compiled COPY encoder" if self._encoder is not None else "",
+        )
+
+    def _check_server(self, conn: Connection) -> None:
+        row = conn.execute("SELECT current_setting('max_prepared_transactions')::int").fetchone()
+        assert row is not None
+        if row[0] <= 0:
+            raise FatalSinkError(_MAX_PREPARED_ZERO, sink=self.name)
+
+    def _ensure_marker_table(self, conn: Connection) -> None:
+        ddl = sql.SQL(
+            """CREATE TABLE IF NOT EXISTS {} (
+                pipeline text NOT NULL,
+                sink text NOT NULL,
+                txn bigint NOT NULL,
+                participant text NOT NULL,
+                positions jsonb NOT NULL,
+                records integer NOT NULL,
+                rejected integer NOT NULL DEFAULT 0,
+                target text NOT NULL,
+                prepared_at timestamptz NOT NULL DEFAULT now(),
+                PRIMARY KEY (pipeline, sink, txn, participant)
+            )"""
+        ).format(self._marker)
+        # UniqueViolation: another participant created it at the same moment.
+        with suppress(psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable):
+            conn.execute(ddl)
+        # Fails with the missing column's name when an older/foreign table has another shape.
+        conn.execute(
+            sql.SQL(
+                "SELECT pipeline, sink, txn, participant, positions, records, rejected, target"
+                " FROM {} LIMIT 0"
+            ).format(self._marker)
+        )
+
+    def _regclass(self, conn: Connection) -> int | None:
+        row = conn.execute(
+            "SELECT to_regclass(%s)::oid", (self._target.as_string(conn),)
+        ).fetchone()
+        return None if row is None or row[0] is None else int(row[0])
+
+    def _load_target(self, conn: Connection) -> None:
+        cfg = self.cfg
+        oid = self._regclass(conn)
+        if oid is None and cfg.create_table is not None:
+            self._create_target(conn)
+            oid = self._regclass(conn)
+        if oid is None:
+            raise FatalSinkError(
+                f"target table {cfg.table} does not exist (create it, or set create_table)",
+                sink=self.name,
+            )
+        rows = conn.execute(
+            """
+            SELECT a.attname,
+                   CASE WHEN t.typtype = 'd' THEN bt.typname ELSE t.typname END,
+                   CASE WHEN t.typtype = 'e' OR bt.typtype = 'e' THEN 'enum'
+                        WHEN t.typcategory = 'A' THEN 'array' ELSE '' END,
+                   format_type(a.atttypid, a.atttypmod),
+                   a.attnotnull OR coalesce(t.typnotnull, false),
+                   a.atthasdef OR a.attidentity <> '',
+                   a.attgenerated <> '',
+                   CASE WHEN coalesce(bt.typname, t.typname) IN ('varchar', 'bpchar')
+                             AND a.atttypmod > 4 THEN a.atttypmod - 4 END
+              FROM pg_attribute a
+              JOIN pg_type t ON t.oid = a.atttypid
+              LEFT JOIN pg_type bt ON t.typtype = 'd' AND bt.oid = t.typbasetype
+             WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped
+             ORDER BY a.attnum
+            """,
+            (oid,),
+        ).fetchall()
+        table_columns: dict[str, tuple[Column, bool]] = {}
+        for name, base, special, sql_type, not_null, has_default, generated, max_len in rows:
+            column = Column(
+                name=name,
+                base_type=special or base,
+                sql_type=sql_type,
+                not_null=bool(not_null),
+                has_default=bool(has_default),
+                max_length=max_len,
+            )
+            table_columns[name] = (column, bool(generated))
+        wanted = (
+            cfg.columns
+            if cfg.columns is not None
+            else {name: name for name, (_, generated) in table_columns.items() if not generated}
+        )
+        mapped: list[_Mapped] = []
+        for column_name, path in wanted.items():
+            if column_name not in table_columns:
+                raise FatalSinkError(
+                    f"columns: table {cfg.table} has no column {column_name!r}", sink=self.name
+                )
+            column, generated = table_columns[column_name]
+            if generated:
+                raise FatalSinkError(
+                    f"columns: {cfg.table}.{column_name} is a generated column", sink=self.name
+                )
+            mapped.append(
+                _Mapped(
+                    column=column,
+                    field=path,
+                    # The default mapping reads the column's own name, dots and all.
+                    get=_nested_getter(path) if cfg.columns is not None else None,
+                    convert=converter_for(column),
+                    is_key=column_name in cfg.key,
+                )
+            )
+        for key in cfg.key:
+            if key not in table_columns:
+                raise FatalSinkError(
+                    f"key: table {cfg.table} has no column {key!r}", sink=self.name
+                )
+        if cfg.mode == "upsert":
+            self._check_unique_key(conn, oid)
+        self._mapped = mapped
+        self._key_idx = [i for i, m in enumerate(mapped) if m.is_key]
+        self._plan = [self._plan_step(m) for m in mapped]
+        self._fast = _compile_plan(self._plan)
+        binary = [binary_type(m.column.base_type) for m in mapped]
+        # Binary COPY is ~40% faster to produce and parse, but only for types we convert
+        # ourselves; one column the server must parse from text (enum, array, ...) makes it text.
+        self._binary_types = None if None in binary else [b for b in binary if b is not None]
+        self._encoder = self._compiled_encoder(conn, mapped)
+        self._stage = self._ensure_stage(conn, mapped) if cfg.mode == "upsert" else None
+        self._stage_name = None if self._stage is None else self._stage.as_string(conn)
+        self._statements.clear()
+
+    def _compiled_encoder(
+        self, conn: Connection, mapped: list[_Mapped]
+    ) -> twophase_native.CopyEncoder | None:
+        """The compiled encoder for this table, or None (and why, at DEBUG) when it does not
+        apply: every record then takes the Python path."""
+        cfg = self.cfg
+        why = ""
+        if not cfg.compiled_copy:
+            why = "compiled_copy is off"
+        elif twophase_native is None:
+            why = "twophase-native is not installed"
+        elif cfg.mode != "insert":
+            why = "upsert mode merges rows per key in Python"
+        elif any(m.get is not None for m in mapped):
+            why = "nested field paths"
+        elif self._binary_types is None:
+            why = "a column the server parses from text"
+        elif conn.info.encoding != "utf-8":
+            why = f"client encoding {conn.info.encoding}"
+        else:
+            try:
+                return twophase_native.CopyEncoder(
+                    [(m.field, m.column.base_type, m.column.max_length) for m in mapped]
+                )
+            except ValueError as exc:  # a type it does not model
+                why = str(exc)
+        self.log.debug("postgres sink %s: Python conversion only: %s", self.name, why)
+        return None
+
+    @staticmethod
+    def _plan_step(m: _Mapped) -> _PlanStep:
+        column = m.column
+        what = "upsert key" if m.is_key else "the column is NOT NULL"
+        absent = None
+        if m.is_key or (column.not_null and not column.has_default):
+            absent = f"column {column.name!r}: field {m.field!r} is missing ({what})"
+        null = None
+        if m.is_key or column.not_null:
+            null = f"column {column.name!r}: field {m.field!r} is null ({what})"
+        return (m.field, m.get, m.convert, absent, null)
+
+    def _ensure_stage(self, conn: Connection, mapped: list[_Mapped]) -> sql.Composable:
+        """The UNLOGGED staging table of upsert mode (a TEMP table would forbid PREPARE).
+
+        Named after the target and the mapped columns' types, so a changed target gets a new
+        one instead of DDL on a table that prepared transactions may hold locks on.
+        """
+        signature = "|".join(
+            [self.cfg.table, *(f"{m.column.name}:{m.column.sql_type}" for m in mapped)]
+        )
+        name = f"twophase_stage_{hashlib.sha1(signature.encode()).hexdigest()[:16]}"
+        schema = self.cfg.marker_table.split(".")[0] if "." in self.cfg.marker_table else None
+        stage = sql.Identifier(schema, name) if schema else sql.Identifier(name)
+        columns = sql.SQL(", ").join(sql.Identifier(m.column.name) for m in mapped)
+        # CREATE TABLE AS copies names and types, no constraints: NOT NULL and CHECK are
+        # checked when the rows reach the target.
+        with suppress(psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable):
+            conn.execute(
+                sql.SQL(
+                    "CREATE UNLOGGED TABLE IF NOT EXISTS {} AS SELECT {} FROM {} WITH NO DATA"
+                ).format(stage, columns, self._target)
+            )
+            conn.execute(
+                sql.SQL("COMMENT ON TABLE {} IS {}").format(
+                    stage,
+                    sql.Literal(
+                        f"twophase upsert staging for {self.cfg.table}; "
+                        "empty outside the transactions that use it"
+                    ),
+                )
+            )
+        return stage
+
+    def _create_target(self, conn: Connection) -> None:
+        assert self.cfg.create_table is not None
+        items: list[sql.Composable] = [
+            sql.SQL("{} {}").format(sql.Identifier(name), sql.SQL(sql_type))
+            for name, sql_type in self.cfg.create_table.items()
+        ]
+        if self.cfg.key:
+            items.append(
+                sql.SQL("PRIMARY KEY ({})").format(
+                    sql.SQL(", ").join(map(sql.Identifier, self.cfg.key))
+                )
+            )
+        # UniqueViolation: created concurrently by another participant.
+        with suppress(psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable):
+            conn.execute(
+                sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
+                    self._target, sql.SQL(", ").join(items)
+                )
+            )
+        self.log.info("postgres sink %s: created table %s", self.name, self.cfg.table)
+
+    def _check_unique_key(self, conn: Connection, oid: int) -> None:
+        rows = conn.execute(
+            """
+            SELECT array_agg(a.attname::text ORDER BY a.attname)
+              FROM pg_index i
+              JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
+             WHERE i.indrelid = %s AND i.indisunique AND i.indpred IS NULL
+                   AND i.indexprs IS NULL
+             GROUP BY i.indexrelid
+            """,
+            (oid,),
+        ).fetchall()
+        if sorted(self.cfg.key) not in [sorted(r[0]) for r in rows]:
+            raise FatalSinkError(
+                f"key: upsert needs a primary key or unique index on exactly "
+                f"({', '.join(self.cfg.key)}) of table {self.cfg.table}",
+                sink=self.name,
+            )

@@ -1,0 +1,479 @@
+"""The write path: begin a part, convert records to rows, send them with ``COPY`` (and the
+upsert merge) under a savepoint, and isolate the rows the server refuses."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from twophase.participants.sdk import (
+    AbortTransactionError,
+    FatalSinkError,
+    PartId,
+    RawBatch,
+    Record,
+    Rejected,
+    RetriableSinkError,
+)
+from twophase.participants.sinks.postgres._connections import _OpenPart
+from twophase.participants.sinks.postgres._errors import (
+    _ENCODE_ERRORS,
+    _FATAL_CLASSES,
+    _MET_RECORD,
+    _RETRIABLE_CLASSES,
+    _RETRIABLE_CODES,
+    Connection,
+    _CompiledRefused,
+    _copy_line,
+    _is_lost,
+    _is_row_error,
+    _is_row_refusal,
+    _mark,
+    _note_record,
+    _RowError,
+    _server_reason,
+    _sqlstate,
+)
+from twophase.participants.sinks.postgres._markers import _Markers
+from twophase.participants.sinks.postgres._rows import _ABSENT, _Row
+from twophase.participants.sinks.postgres.types import (
+    BadValue,
+)
+
+__all__ = ["_BATCH_SAVEPOINT", "_WRITE_SAVEPOINT", "_WritePath"]
+
+#: Savepoints: one around each write() so that a failed write leaves the part as it was (the
+#: runtime may retry it), and nested ones only while isolating rows the server refused. Kept
+#: few on purpose: each one that writes is a subtransaction, and more than 64 of them in one
+#: transaction slows every snapshot on the server until the part is decided.
+_WRITE_SAVEPOINT = sql.Identifier("twophase_write")
+
+
+_BATCH_SAVEPOINT = sql.Identifier("twophase_batch")
+
+
+class _WritePath(_Markers):
+    """Begin and write a part."""
+
+    def begin(self, part: PartId) -> None:
+        self._require_ready()
+        with self._lock:
+            if self._open is not None:
+                if self._open.part == part:
+                    return
+                raise FatalSinkError(
+                    f"begin({part.token}) while part {self._open.part.token} is still open; "
+                    "prepare or abort it first",
+                    sink=self.name,
+                )
+        with self._admin_conn() as admin:
+            state = self._state(admin, part)
+        if state != "unknown":
+            raise FatalSinkError(
+                f"part {part.token} is already {state} in {self.cfg.table}; "
+                "a part id must never be reused",
+                sink=self.name,
+            )
+        gid = self.gid(part)
+        conn = self._checkout()
+        try:
+            conn.tpc_begin(gid)
+        except psycopg.Error as exc:
+            conn.close()
+            if not _is_lost(conn, exc):
+                raise
+            conn = self._connect(autocommit=False)  # a stale idle connection: one fresh try
+            try:
+                conn.tpc_begin(gid)
+            except psycopg.Error as exc2:
+                conn.close()
+                raise RetriableSinkError(
+                    f"part {part.token}: cannot start a transaction: {exc2}", sink=self.name
+                ) from exc2
+        with self._lock:
+            self._open = _OpenPart(part=part, gid=gid, conn=conn)
+        self.log.debug("postgres sink %s: part %s open (gid %s)", self.name, part.token, gid)
+
+    def _open_part(self, part: PartId, action: str) -> _OpenPart:
+        with self._lock:
+            op = self._open
+        if op is None or op.part != part:
+            raise AbortTransactionError(
+                f"{action}: part {part.token} is not the open part", sink=self.name
+            )
+        return op
+
+    def _fail(self, op: _OpenPart, reason: str, exc: BaseException | None) -> AbortTransactionError:
+        """Give up the open part's transaction: only abort() can follow."""
+        op.broken = reason
+        if op.conn is not None:
+            op.conn.close()  # rolls the transaction back server-side
+            op.conn = None
+        self.log.warning(
+            "postgres sink %s: part %s must abort: %s", self.name, op.part.token, reason
+        )
+        error = AbortTransactionError(f"part {op.part.token}: {reason}", sink=self.name)
+        if exc is not None:
+            error.__cause__ = exc
+        return error
+
+    def accepts_raw(self) -> bool:
+        return self._encoder is not None
+
+    def check(self, records: Sequence[Record]) -> Sequence[Rejected]:
+        """What the client-side conversion of :meth:`write` refuses (the same code); what the
+        server refuses (constraints, ``numeric(p, s)`` overflow) shows only in ``write``."""
+        self._require_ready()
+        convert = self._convert_one
+        return [row for r in records if (row := convert(r)).__class__ is Rejected]
+
+    def write(self, part: PartId, records: Sequence[Record]) -> Sequence[Rejected]:
+        return self._write(part, lambda: (b"", 0, records), lambda: records)
+
+    def write_raw(self, part: PartId, batch: RawBatch) -> Sequence[Rejected]:
+        encoder = self._encoder
+        if encoder is None:
+            return super().write_raw(part, batch)
+
+        left_out: list[int] = []
+
+        def encode() -> tuple[bytes, int, Sequence[Record]]:
+            # The values the encoder was unsure of, decoded (None: not JSON, the runtime's).
+            payload, unsure = encoder.encode(batch.values)
+            left_out[:] = unsure
+            rest = [r for i in unsure if (r := batch.record(i)) is not None]
+            return payload, len(batch) - len(unsure), rest
+
+        def at(line: int) -> Record | None:
+            """The record on 1-based ``line`` of the compiled stream (worked out only when an
+            error names a line: the stream holds the values the encoder was sure of)."""
+            skip = set(left_out)
+            compiled = (i for i in range(len(batch)) if i not in skip)
+            index = next(itertools.islice(compiled, line - 1, None), None) if line > 0 else None
+            return batch.record(index) if index is not None else None
+
+        return self._write(part, encode, batch.records, at)
+
+    def _write(
+        self,
+        part: PartId,
+        encode: Callable[[], tuple[bytes, int, Sequence[Record]]],
+        every: Callable[[], Sequence[Record]],
+        at: Callable[[int], Record | None] = lambda line: None,
+    ) -> Sequence[Rejected]:
+        """Write one batch: ``encode()`` gives the compiled COPY stream, how many records it
+        holds, and the records left to convert here; ``every()`` all of them, for the careful
+        redo; ``at(line)`` the record on a line of the compiled stream, for error messages."""
+        op = self._open_part(part, "write")
+        with op.lock:
+            if op.broken is not None or op.conn is None:
+                raise AbortTransactionError(
+                    f"part {part.token} cannot continue: {op.broken}", sink=self.name
+                )
+            rejected: list[Rejected] = []
+            payload, compiled, records = encode()
+            n = compiled + len(records)
+            rows = self._convert(records, rejected)
+            try:
+                try:
+                    if rows or payload:
+                        rejected.extend(self._write_rows(op.conn, self._groups(rows), payload))
+                except _CompiledRefused:
+                    # The server refused a row of this write (a CHECK, a numeric(p, s) overflow)
+                    # and the compiled stream cannot be split: the whole batch the careful way,
+                    # which isolates the culprits.
+                    rejected = []
+                    records = every()
+                    n = len(records)
+                    rows = self._convert(records, rejected)
+                    if rows:
+                        rejected.extend(self._write_rows(op.conn, self._groups(rows)))
+            except _ENCODE_ERRORS as exc:
+                line = _copy_line(exc) if payload else None
+                met = at(line) if line is not None else None
+                if met is not None:
+                    # Rows sent the Python way name their record already (_send): a line left
+                    # unnamed is the compiled stream's.
+                    _mark(exc, met)
+                raise self._classify_write_error(op, exc) from exc
+            op.records += n - len(rejected)
+            op.rejected += len(rejected)
+        if rejected:
+            self.log.info(
+                "postgres sink %s: part %s rejected %d of %d records (first: %s)",
+                self.name,
+                part.token,
+                len(rejected),
+                n,
+                rejected[0].reason,
+            )
+        return rejected
+
+    def _classify_write_error(self, op: _OpenPart, exc: BaseException) -> Exception:
+        state = _sqlstate(exc)
+        met = getattr(exc, _MET_RECORD, None)
+        # The record the server was at, when it can be told: the operator's first lead.
+        detail = f"{str(exc).strip()} [SQLSTATE {state}]" + (f" [at record {met}]" if met else "")
+        if _is_lost(op.conn, exc):
+            return self._fail(op, f"lost the PostgreSQL connection: {detail}", exc)
+        if state in _RETRIABLE_CODES or state[:2] in _RETRIABLE_CLASSES:
+            # _savepoint rolled the batch back: the part is as before this write.
+            return RetriableSinkError(f"part {op.part.token}: {detail}", sink=self.name)
+        if state[:2] in _FATAL_CLASSES:
+            self._fail(op, detail, exc)
+            return FatalSinkError(
+                f"part {op.part.token}: table {self.cfg.table}: {detail}", sink=self.name
+            )
+        # Class 40 (serialization failure, deadlock) and anything unexpected: start over.
+        return self._fail(op, detail, exc)
+
+    def _convert(self, records: Sequence[Record], rejected: list[Rejected]) -> list[_Row]:
+        """Client-side conversion: the hot loop of the sink. Records with every mapped field
+        present, non-null and convertible go through the loop compiled for this table's plan
+        (:func:`_compile_plan`); the rest, through :meth:`_convert_one`, which gives the reason."""
+        upsert = self.cfg.mode == "upsert"
+        key_idx = self._key_idx
+        rows: list[_Row] = []
+        by_key: dict[tuple[Any, ...], _Row] = {}
+        for row in self._fast(records, self._convert_one):
+            if row.__class__ is Rejected:
+                rejected.append(row)
+                continue
+            assert isinstance(row, _Row)
+            if not upsert:
+                rows.append(row)
+                continue
+            key = tuple([row.values[i] for i in key_idx])
+            earlier = by_key.get(key)
+            if earlier is None:
+                by_key[key] = row
+                rows.append(row)
+            else:
+                self._overlay(earlier, row)
+        return rows
+
+    def _convert_one(self, record: Record) -> _Row | Rejected:
+        """One record, column by column: the row, or why the record cannot be stored."""
+        value = record.value
+        if not isinstance(value, dict):
+            return Rejected(record, "the record value is not a JSON object")
+        values: list[Any] = []
+        append = values.append
+        mask = 0
+        bit = 1
+        try:
+            for field_name, get, convert, absent_reason, null_reason in self._plan:
+                raw = value.get(field_name, _ABSENT) if get is None else get(value)
+                if raw is None:
+                    if null_reason is not None:
+                        return Rejected(record, null_reason)
+                    append(None)
+                    mask |= bit
+                elif raw is _ABSENT:
+                    if absent_reason is not None:
+                        return Rejected(record, absent_reason)
+                    append(None)
+                else:
+                    append(convert(raw))
+                    mask |= bit
+                bit <<= 1
+        except BadValue as exc:
+            column = self._mapped[len(values)]  # the column being converted
+            return Rejected(
+                record,
+                f"column {column.column.name!r} ({column.column.sql_type}) "
+                f"from field {column.field!r}: {exc}",
+            )
+        if mask == 0:
+            return Rejected(
+                record,
+                "none of the mapped fields is present: "
+                + ", ".join(sorted({m.field for m in self._mapped})),
+            )
+        return _Row(mask, values, [record])
+
+    @staticmethod
+    def _overlay(earlier: _Row, later: _Row) -> None:
+        """Merge ``later`` into ``earlier`` (same key) as applying both in order would."""
+        if earlier.history is None:
+            earlier.history = [_Row(earlier.mask, list(earlier.values), list(earlier.records))]
+        earlier.history.append(later)
+        if later.mask == earlier.mask:
+            earlier.values = later.values
+        else:
+            earlier.values = list(earlier.values)  # never alias a history entry's list
+            bit = 1
+            for i in range(len(earlier.values)):
+                if later.mask & bit:
+                    earlier.values[i] = later.values[i]
+                bit <<= 1
+            earlier.mask |= later.mask
+        earlier.records.extend(later.records)
+
+    @staticmethod
+    def _groups(rows: list[_Row]) -> list[tuple[int, list[_Row]]]:
+        groups: dict[int, list[_Row]] = {}
+        for row in rows:
+            groups.setdefault(row.mask, []).append(row)
+        return list(groups.items())
+
+    def _write_rows(
+        self, conn: Connection, groups: list[tuple[int, list[_Row]]], payload: bytes = b""
+    ) -> list[Rejected]:
+        """Write all of ``groups`` (and ``payload``, a compiled binary COPY stream of every
+        mapped column) but the rows the server refuses (returned), or raise and leave the part
+        exactly as it was before. With a ``payload``, a refused row raises
+        :class:`_CompiledRefused` (the part as before, too): only the caller can redo the
+        stream's records."""
+        rejected: list[Rejected] = []
+        write_sp = sql.SQL("SAVEPOINT {}").format(_WRITE_SAVEPOINT)
+        rollback = sql.SQL("ROLLBACK TO SAVEPOINT {}").format(_WRITE_SAVEPOINT)
+        conn.execute(write_sp)
+        try:
+            try:
+                # The common case: one COPY per group and no savepoint but this one.
+                if payload:
+                    self._send_compiled(conn, payload)
+                for mask, rows in groups:
+                    self._send(conn, mask, rows)
+            except _ENCODE_ERRORS as exc:
+                if not _is_row_refusal(conn, exc):
+                    raise
+                conn.execute(rollback)  # keeps the savepoint for the careful pass
+                if payload:
+                    conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(_WRITE_SAVEPOINT))
+                    raise _CompiledRefused from exc
+                self.log.debug("postgres sink %s: isolating refused rows: %s", self.name, exc)
+                for mask, rows in groups:
+                    self._write_isolating(conn, mask, rows, rejected)
+        except _ENCODE_ERRORS as exc:
+            if not (conn.closed or conn.broken or _is_lost(conn, exc)):
+                conn.execute(rollback)
+                conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(_WRITE_SAVEPOINT))
+            raise
+        conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(_WRITE_SAVEPOINT))
+        return rejected
+
+    def _write_isolating(
+        self, conn: Connection, mask: int, rows: list[_Row], rejected: list[Rejected]
+    ) -> None:
+        """Write ``rows``; when the server refuses them for their data, bisect to the culprits."""
+        try:
+            with self._savepoint(conn, _BATCH_SAVEPOINT):
+                self._send(conn, mask, rows)
+            return
+        except _RowError as exc:
+            if len(rows) > 1:
+                middle = len(rows) // 2
+                self._write_isolating(conn, mask, rows[:middle], rejected)
+                self._write_isolating(conn, mask, rows[middle:], rejected)
+                return
+            row = rows[0]
+            if row.history is not None:
+                # A merged upsert row: replay its records one by one so only the bad one goes.
+                for single in row.history:
+                    self._write_isolating(conn, single.mask, [single], rejected)
+                return
+            rejected.extend(Rejected(r, exc.reason) for r in row.records)
+
+    @contextmanager
+    def _savepoint(self, conn: Connection, name: sql.Identifier) -> Iterator[None]:
+        """Run the block under savepoint ``name``; on failure roll back to it and re-raise,
+        a refusal of the rows' data as :class:`_RowError`."""
+        conn.execute(sql.SQL("SAVEPOINT {}").format(name))
+        try:
+            yield
+        except _ENCODE_ERRORS as exc:
+            if isinstance(exc, psycopg.Error) and _is_lost(conn, exc):
+                raise
+            # An exception inside a COPY block cancels the COPY (CopyFail); the rollback undoes
+            # whatever had reached the server.
+            conn.execute(sql.SQL("ROLLBACK TO SAVEPOINT {}").format(name))
+            conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(name))
+            if not isinstance(exc, psycopg.Error):
+                raise _RowError(f"cannot encode the row: {type(exc).__name__}: {exc}") from exc
+            if _is_row_error(exc):
+                raise _RowError(_server_reason(exc)) from exc
+            raise
+        conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(name))
+
+    def _columns_of(self, mask: int) -> list[int]:
+        return [i for i in range(len(self._mapped)) if mask & (1 << i)]
+
+    def _send(self, conn: Connection, mask: int, rows: list[_Row]) -> None:
+        """COPY ``rows`` (all with ``mask``) into the target, or via the staging table."""
+        try:
+            self._send_rows(conn, mask, rows)
+        except _ENCODE_ERRORS as exc:
+            _note_record(exc, rows)
+            raise
+
+    def _send_rows(self, conn: Connection, mask: int, rows: list[_Row]) -> None:
+        idx = self._columns_of(mask)
+        copy_sql, merge_sql = self._statements_for(mask, idx)
+        with conn.cursor() as cur:
+            with cur.copy(copy_sql) as copy:
+                if self._binary_types is not None:
+                    copy.set_types([self._binary_types[i] for i in idx])
+                write_row = copy.write_row
+                if len(idx) == len(self._mapped):
+                    for row in rows:
+                        write_row(row.values)
+                else:
+                    for row in rows:
+                        values = row.values
+                        write_row([values[i] for i in idx])
+            if merge_sql is not None:
+                assert self._stage is not None
+                cur.execute(merge_sql)
+                # Only this transaction's rows are visible to it: every transaction deletes
+                # what it staged before it prepares, so the table is empty to everyone else.
+                cur.execute(sql.SQL("DELETE FROM {}").format(self._stage))
+
+    def _send_compiled(self, conn: Connection, payload: bytes) -> None:
+        """COPY a compiled binary stream of full rows straight into the target (insert mode)."""
+        full = (1 << len(self._mapped)) - 1
+        copy_sql, _ = self._statements_for(full, self._columns_of(full))
+        with conn.cursor() as cur, cur.copy(copy_sql) as copy:
+            copy.write(payload)
+
+    def _statements_for(
+        self, mask: int, idx: list[int]
+    ) -> tuple[sql.Composed, sql.Composed | None]:
+        cached = self._statements.get(mask)
+        if cached is not None:
+            return cached
+        columns = [self._mapped[i].column for i in idx]
+        names = sql.SQL(", ").join(sql.Identifier(c.name) for c in columns)
+        binary = sql.SQL(" (FORMAT BINARY)" if self._binary_types is not None else "")
+        merge: sql.Composed | None = None
+        if self._stage is None:
+            copy = sql.SQL("COPY {} ({}) FROM STDIN{}").format(self._target, names, binary)
+        else:
+            copy = sql.SQL("COPY {} ({}) FROM STDIN{}").format(self._stage, names, binary)
+            updates = [c for c in columns if c.name not in self.cfg.key]
+            action = (
+                sql.SQL("DO UPDATE SET {}").format(
+                    sql.SQL(", ").join(
+                        sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(c.name))
+                        for c in updates
+                    )
+                )
+                if updates
+                else sql.SQL("DO NOTHING")
+            )
+            merge = sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {} ON CONFLICT ({}) {}").format(
+                self._target,
+                names,
+                names,
+                self._stage,
+                sql.SQL(", ").join(map(sql.Identifier, self.cfg.key)),
+                action,
+            )
+        self._statements[mask] = (copy, merge)
+        return copy, merge

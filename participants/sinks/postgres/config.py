@@ -1,0 +1,133 @@
+"""Configuration of a ``postgres`` sink (a ``sinks[]`` entry of a pipeline), and the limits
+the prepared transactions' ids put on its name."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
+
+from twophase.participants.sdk import (
+    SinkConfig,
+)
+
+__all__ = ["PostgresSinkConfig", "SINK_NAME_MAX"]
+
+#: PostgreSQL's GIDSIZE is 200 bytes including the terminating NUL.
+_GID_MAX_BYTES = 199
+
+
+_GID_PREFIX = "twophase"
+
+
+#: Longest part token: two 64-character names, a 12-digit txn number and two "~".
+_TOKEN_MAX = 64 + 1 + 12 + 1 + 64
+
+
+#: So that "twophase:{sink}:{token}" always fits in _GID_MAX_BYTES (9 + 40 + 1 + 142 = 192).
+SINK_NAME_MAX = 40
+
+
+_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+
+
+#: Column types in create_table are spliced into DDL: allow type syntax, never a statement.
+_SQL_TYPE_PATTERN = r'^[A-Za-z_][A-Za-z0-9_ ,()\[\]".]*$'
+
+
+class PostgresSinkConfig(SinkConfig):
+    """Configuration of a ``postgres`` sink (``sinks[]`` entry of a pipeline)."""
+
+    type: Literal["postgres"]
+    #: Part of every prepared transaction's gid, hence short and without ":".
+    name: str = Field(min_length=1, max_length=SINK_NAME_MAX, pattern=_NAME_PATTERN)
+    #: libpq connection string or URI. Prefer ``password`` (or PGPASSWORD / .pgpass) over a
+    #: password inside the DSN; either way neither is ever logged.
+    dsn: str = Field(min_length=1, repr=False)
+    #: Password of the DSN's user, kept out of the DSN (``${ENV:...}``, ``${FILE:...}``).
+    password: SecretStr | None = None
+    #: Target table, optionally ``schema.table``. Names are exact (case-sensitive), not folded.
+    table: str = Field(min_length=1)
+    #: ``insert``: one row per record. ``upsert``: one row per ``key``, the latest record wins.
+    mode: Literal["insert", "upsert"] = "insert"
+    #: Upsert key: target columns with a unique index or primary key on exactly these columns.
+    key: list[str] = Field(default_factory=list, validate_default=True)
+    #: Target column -> JSON field (``a.b`` for nested). Default: every table column, fed from
+    #: the same-named field. An absent field leaves the column to its DEFAULT on insert and
+    #: untouched on update; an explicit JSON null stores NULL.
+    columns: dict[str, str] | None = None
+    #: Column -> SQL type: create the target table with these columns when it does not exist
+    #: (with the upsert key as primary key). Without it the table must exist.
+    create_table: dict[str, str] | None = None
+    #: Table of per-part markers, optionally ``schema.table``; created when missing.
+    marker_table: str = Field(default="twophase_parts", min_length=1)
+    #: libpq's connect_timeout (whole seconds).
+    connect_timeout_s: int = Field(default=10, ge=1, le=600)
+    #: Session statement_timeout; None keeps the server's.
+    statement_timeout_ms: int | None = Field(default=None, gt=0)
+    #: Use the compiled JSON -> binary COPY encoder (``twophase-native``) when it is installed
+    #: and the table allows it (insert mode, top-level fields, types it models). Same results
+    #: either way; off only to compare or to rule it out.
+    compiled_copy: bool = True
+
+    @field_validator("dsn")
+    @classmethod
+    def _dsn_parses(cls, value: str) -> str:
+        try:
+            conninfo_to_dict(value)
+        except psycopg.ProgrammingError:
+            # Not echoing the value: it may hold a password.
+            raise ValueError("not a valid libpq connection string or URI") from None
+        return value
+
+    @field_validator("table", "marker_table")
+    @classmethod
+    def _qualified_name(cls, value: str) -> str:
+        parts = value.split(".")
+        if len(parts) > 2 or not all(parts):
+            raise ValueError(f"{value!r}: expected 'table' or 'schema.table'")
+        return value
+
+    @field_validator("key")
+    @classmethod
+    def _key_for_upsert(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        mode = info.data.get("mode")
+        if mode == "upsert" and not value:
+            raise ValueError("required (one or more target columns) when mode is 'upsert'")
+        if mode == "insert" and value:
+            raise ValueError("only used when mode is 'upsert'")
+        if len(set(value)) != len(value):
+            raise ValueError("names a column twice")
+        return value
+
+    @field_validator("columns")
+    @classmethod
+    def _columns_cover_key(
+        cls, value: dict[str, str] | None, info: ValidationInfo
+    ) -> dict[str, str] | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("must map at least one column (or be omitted)")
+        missing = [k for k in info.data.get("key", []) if k not in value]
+        if missing:
+            raise ValueError(f"must map the upsert key column(s) {', '.join(missing)}")
+        for column, path in value.items():
+            if not path or any(not step for step in path.split(".")):
+                raise ValueError(f"column {column!r}: {path!r} is not a field path")
+        return value
+
+    @field_validator("create_table")
+    @classmethod
+    def _create_table_types(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("must declare at least one column")
+        for column, sql_type in value.items():
+            if not re.match(_SQL_TYPE_PATTERN, sql_type):
+                raise ValueError(f"column {column!r}: {sql_type!r} is not a column type")
+        return value
