@@ -2,8 +2,9 @@
 
 A decoder never sees a sink and never sends a dead letter: :func:`write_batch` dead-letters what
 it could not decode (:attr:`Decoded.bad`) and writes the rest. Every decoder shares the batch
-scan -- per-partition summary, tombstones, the size limit -- so a new format writes one method,
-:meth:`Decoder.decode_value`.
+scan -- per-partition summary, tombstones, the size limit -- and the source's options that do
+not depend on the value's format (the record key's fields, the Kafka coordinates as fields,
+what a tombstone means), so a new format writes one method, :meth:`Decoder.decode_value`.
 """
 
 from __future__ import annotations
@@ -13,14 +14,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import orjson
 from confluent_kafka import Message
 
+from twophase.config import SourceConfig
+from twophase.participants.decoding.connect import ConnectError, unwrap
 from twophase.participants.sdk import RawBatch, Record
 
-__all__ = ["Decoded", "Decoder", "Undecodable", "record_of"]
+__all__ = ["Decoded", "Decoder", "Deletion", "Undecodable", "record_of"]
 
 #: A Kafka message's headers, as confluent-kafka gives them.
 Headers = list[tuple[str, str | bytes | None]] | dict[str, str | bytes | None] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Deletion:
+    """What :meth:`Decoder.decode_value` returns for a delete: the deleted row's fields (at
+    least its key's; a Debezium delete gives the whole row as it was)."""
+
+    fields: dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +74,13 @@ _new_tuple = tuple.__new__
 
 
 def record_of(
-    m: Message, topic: str, partition: int, offset: int, obj: dict[str, Any], n: int
+    m: Message,
+    topic: str,
+    partition: int,
+    offset: int,
+    obj: dict[str, Any],
+    n: int,
+    deleted: bool = False,
 ) -> Record:
     """The record of message ``m`` whose value decoded to ``obj`` (``n`` bytes)."""
     ts = m.timestamp()[1]
@@ -79,53 +97,129 @@ def record_of(
             obj,
             (),
             n,
+            deleted,
         ),
     )
 
 
 class Decoder(ABC):
-    """How one source format's values become records (``source.format`` picks it)."""
+    """How one source's messages become records: its format's :meth:`decode_value`, and the
+    source's options (``sources[]`` in the pipeline config) that apply to every format."""
 
     #: The ``source.format`` value that picks this decoder.
     format: ClassVar[str]
     #: True when the values are JSON objects a sink may read itself (:meth:`Sink.write_raw`,
-    #: the compiled COPY path): the batch is then scanned, not decoded.
-    raw_values: ClassVar[bool] = False
+    #: the compiled COPY path): the batch is then scanned, not decoded. Only a source with none
+    #: of the options below: a sink reading the bytes would not see what they add.
+    raw_values: bool = False
+
+    def __init__(self, source: SourceConfig | None = None) -> None:
+        source = source if source is not None else SourceConfig(topic="-")
+        self.key_json = source.key_format == "json"
+        self.key_field = source.key_field
+        self.tombstones = source.tombstones or self.default_tombstones
+        coords = source.kafka_fields
+        self.kafka_fields = (
+            [(f, name) for f, name in coords.model_dump().items() if name]
+            if coords is not None
+            else []
+        )
+        #: No option changes a record: the message's value is the whole record.
+        self.plain = not self.key_json and not self.kafka_fields and self.tombstones == "dead_letter"
+
+    #: What a tombstone (a null value) means when ``sources[].tombstones`` does not say.
+    default_tombstones: ClassVar[str] = "dead_letter"
 
     @abstractmethod
-    def decode_value(self, value: bytes, headers: Headers) -> dict[str, Any] | str:
-        """The record's fields, or why ``value`` is not a record of this format."""
+    def decode_value(self, value: bytes, headers: Headers) -> dict[str, Any] | Deletion | str:
+        """The record's fields (or, for a delete, a :class:`Deletion`), or why ``value`` is not
+        a record of this format."""
 
     def decode_message(self, m: Message) -> Record | str:
         """One kept message decoded: its record, or why it is undecodable."""
-        value = m.value() or b""
-        obj = self.decode_value(value, m.headers())
-        if isinstance(obj, str):
-            return obj
-        return record_of(m, m.topic() or "", m.partition() or 0, m.offset() or 0, obj, len(value))
+        return self.record(m, m.topic() or "", m.partition() or 0, m.offset() or 0, m.value())
+
+    def record(
+        self, m: Message, topic: str, partition: int, offset: int, value: bytes | None
+    ) -> Record | str:
+        """Message ``m`` (a tombstone when ``value`` is None) as a record, with the source's
+        options applied, or why it cannot be one."""
+        deleted = value is None
+        if value is None:
+            if self.tombstones != "delete":
+                return "null value (tombstone): nothing to write"
+            fields: dict[str, Any] = {}
+        else:
+            obj = self.decode_value(value, m.headers())
+            if obj.__class__ is str:
+                return obj  # type: ignore[return-value]
+            if obj.__class__ is Deletion:
+                deleted = True
+                fields = dict(obj.fields)  # type: ignore[union-attr]
+            else:
+                fields = obj  # type: ignore[assignment]
+        if self.key_json:
+            key = self.key_fields(m.key())
+            if key.__class__ is str:
+                return key  # type: ignore[return-value]
+            fields = {**fields, **key}  # type: ignore[dict-item]
+        elif deleted and not fields:
+            return "tombstone: a delete needs the record key (sources[].key_format: json)"
+        for coordinate, name in self.kafka_fields:
+            fields[name] = _coordinate(m, coordinate, topic, partition, offset)
+        return record_of(m, topic, partition, offset, fields, len(value or b""), deleted)
+
+    def key_fields(self, key: bytes | str | None) -> dict[str, Any] | str:
+        """The record key's fields (``key_format: json``): a JSON object (a Kafka Connect
+        ``{schema, payload}`` envelope unwrapped), or a scalar named by ``key_field``."""
+        if key is None:
+            return "key: missing (sources[].key_format is json)"
+        try:
+            obj = unwrap(orjson.loads(key))
+        except orjson.JSONDecodeError as exc:
+            return f"key: not JSON ({exc})"
+        except ConnectError as exc:
+            return f"key: {exc}"
+        if obj.__class__ is dict:
+            return obj  # type: ignore[no-any-return]
+        if self.key_field and (obj is None or obj.__class__ in (str, int, float, bool)):
+            return {self.key_field: obj}
+        return f"key: JSON {type(obj).__name__}, expected an object (or set sources[].key_field)"
 
     def decode_batch(
         self, msgs: Sequence[Message], max_record_bytes: int, decode: bool = True
     ) -> Decoded:
         """Records for what decodes; anything else is returned with the reason.
 
-        ``decode=False`` (only for :attr:`raw_values` formats): only tombstones and oversize
+        ``decode=False`` (only for :attr:`raw_values` decoders): only tombstones and oversize
         values are set aside; the rest are kept as bytes (for sinks that read them)."""
         scan = _Scan(self)
+        keep_tombstones = self.tombstones != "dead_letter"
+        skip_tombstones = self.tombstones == "skip"
         for m in msgs:
-            value = scan.admit(m, max_record_bytes)
-            if value is None:
-                continue
-            if not decode:
+            value = scan.admit(m, max_record_bytes, keep_tombstones)
+            if value is None and (m.value() is not None or not keep_tombstones or skip_tombstones):
+                continue  # set aside (oversize, a dead-lettered tombstone) or skipped
+            if value is not None and not decode:
                 scan.keep(m, value)
                 continue
-            obj = self.decode_value(value, m.headers())
-            if isinstance(obj, str):
-                scan.bad.append(Undecodable(m, obj))
+            rec = self.record(m, scan.topic, scan.partition, scan.offset, value)
+            if rec.__class__ is str:
+                scan.bad.append(Undecodable(m, rec))  # type: ignore[arg-type]
                 continue
-            scan.good.append(record_of(m, scan.topic, scan.partition, scan.offset, obj, len(value)))
-            scan.count(len(value))
+            scan.good.append(rec)  # type: ignore[arg-type]
+            scan.count(len(value or b""))
         return scan.done()
+
+
+def _coordinate(m: Message, coordinate: str, topic: str, partition: int, offset: int) -> Any:
+    if coordinate == "topic":
+        return topic
+    if coordinate == "partition":
+        return partition
+    if coordinate == "offset":
+        return offset
+    return m.timestamp()[1]
 
 
 class _Scan:
@@ -147,8 +241,11 @@ class _Scan:
         self.run_last = -1
         self.run_good = 0
 
-    def admit(self, m: Message, max_record_bytes: int) -> bytes | None:
-        """``m``'s value when it is worth decoding; a tombstone or an oversize value is bad."""
+    def admit(
+        self, m: Message, max_record_bytes: int, keep_tombstones: bool = False
+    ) -> bytes | None:
+        """``m``'s value when it is worth decoding; an oversize value is bad, and so is a
+        tombstone unless the source keeps them (then None, and the caller looks again)."""
         topic = m.topic() or ""
         partition = m.partition() or 0
         offset = self.offset = m.offset() or 0
@@ -159,7 +256,8 @@ class _Scan:
             self.run_last = offset
         value = m.value()
         if value is None:
-            self.bad.append(Undecodable(m, "null value (tombstone): nothing to write"))
+            if not keep_tombstones:
+                self.bad.append(Undecodable(m, "null value (tombstone): nothing to write"))
             return None
         if len(value) > max_record_bytes:
             self.bad.append(Undecodable(m, f"oversize: {len(value)} bytes > {max_record_bytes}"))

@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 from confluent_kafka import Message
 
+from twophase.config import SourceConfig
 from twophase.participants.decoding.base import Decoded, Decoder, Headers, Undecodable, record_of
 from twophase.participants.sdk import Record
 
@@ -72,13 +73,19 @@ def _not_an_object(value: bytes) -> tuple[dict[str, Any] | None, str]:
 
 class JsonDecoder(Decoder):
     format = "json"
-    raw_values = True
+
+    def __init__(self, source: SourceConfig | None = None) -> None:
+        super().__init__(source)
+        # A sink may read the bytes itself only when they are the whole record.
+        self.raw_values = self.plain
 
     def decode_value(self, value: bytes, headers: Headers) -> dict[str, Any] | str:
         obj, reason = _not_an_object(value)
         return reason if obj is None else obj
 
     def decode_message(self, m: Message) -> Record | str:
+        if not self.plain:
+            return super().decode_message(m)
         value = m.value() or b""
         obj, reason = _not_an_object(value)
         if obj is None:
@@ -89,7 +96,10 @@ class JsonDecoder(Decoder):
         self, msgs: Sequence[Message], max_record_bytes: int, decode: bool = True
     ) -> Decoded:
         """The base class's scan with JSON inlined: this loop is the hot path of every
-        participant (~1 us per record), so it does not pay a method call per message."""
+        participant (~1 us per record), so it does not pay a method call per message. A source
+        with options (key fields, Kafka coordinates, tombstones) takes the base class's."""
+        if not self.plain:
+            return super().decode_batch(msgs, max_record_bytes, decode)
         return _decode_batch(self, msgs, max_record_bytes, decode)
 
 
