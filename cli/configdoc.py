@@ -203,7 +203,19 @@ def model_rows(model: type[BaseModel], prefix: str = "") -> list[Row]:
                 meaning=" ".join(meaning.split()),
             )
         )
+        # A section inside a section (the page gives each top-level section its own table).
+        section = _section_model(info.annotation) if prefix else None
+        if section is not None:
+            rows += model_rows(section, f"{prefix}{shown}.")
     return rows
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The model of a field that is a section (or a section or null) nested in its model."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
 
 
 def _table(rows: list[Row]) -> list[str]:

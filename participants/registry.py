@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from twophase.config import PipelineConfig, check_kafka_settings, validation_error
 from twophase.errors import ConfigError
+from twophase.participants.decoding import decoder_for
 from twophase.participants.sdk import Sink, SinkContext
 
 __all__ = ["ENTRY_POINT_GROUP", "available_sinks", "build_sinks", "check_config", "sink_class"]
@@ -64,8 +65,20 @@ def check_config(cfg: PipelineConfig) -> PipelineConfig:
     missing field) and every librdkafka passthrough setting has passed librdkafka: the one
     validation every entry point runs before it acts. Builds the sinks without connecting and
     drops them; :class:`ConfigError` names ``sinks[i].field``."""
-    build_sinks(
+    sinks = build_sinks(
         cfg.sinks, pipeline=cfg.pipeline, participant=cfg.participant_id, source=cfg.source_file
     )
+    deleting = [i for i, s in enumerate(cfg.sources) if decoder_for(s).deletes]
+    if deleting:
+        for i, sink in enumerate(sinks):
+            if not sink.supports_deletes:
+                src = cfg.sources[deleting[0]]
+                raise ConfigError(
+                    f"sinks[{i}].type",
+                    f"sink {sink.name!r} ({sink.config.type}) cannot apply deletes, and "
+                    f"sources[{deleting[0]}] (topic {src.topic!r}, format {src.format}, "
+                    f"tombstones {decoder_for(src).tombstones}) produces them",
+                    source=cfg.source_file,
+                )
     check_kafka_settings(cfg)
     return cfg

@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from twophase.errors import ConfigError
 from twophase.retry import SINK_RETRY_S
@@ -70,15 +78,93 @@ class ControlConfig(_Strict):
     topic_config: dict[str, str] = Field(default_factory=dict)
 
 
+class KafkaFieldsConfig(_Strict):
+    """Fields a record gets from its Kafka coordinates (empty: not added). With ``topic``,
+    ``partition`` and ``offset`` as a sink's key, every record is its own row exactly once --
+    what Kafka Connect calls ``pk.mode: kafka``."""
+
+    #: Field that receives the record's topic.
+    topic: str = ""
+    #: Field that receives the record's partition.
+    partition: str = ""
+    #: Field that receives the record's offset.
+    offset: str = ""
+    #: Field that receives the record's Kafka timestamp (ms since the epoch; -1 when none).
+    timestamp: str = ""
+
+
+class DebeziumConfig(_Strict):
+    """How ``format: debezium`` reads change events (``docs/cdc.md``)."""
+
+    #: True: a create, snapshot read or update becomes the row ``after``, a delete deletes the
+    #: row of ``before`` (or of the key). False: every event is one record as it is (``before``,
+    #: ``after``, ``op``, ``source`` ... as fields): a change log, appended, never deleting.
+    unwrap: bool = True
+    #: Event fields added to each row, as Debezium's ``ExtractNewRecordState`` ``add.fields``
+    #: does: ``op``, ``ts_ms``, or a field of ``source`` (``table``, ``schema``, ``db``,
+    #: ``lsn``, ``txId``, ``source.ts_ms``), each named with the prefix and ``.`` as ``_``
+    #: (``__op``, ``__table``, ``__source_ts_ms``).
+    add_fields: list[str] = Field(default_factory=list)
+    #: Prefix of the added fields' names.
+    add_fields_prefix: str = "__"
+
+
 class SourceConfig(_Strict):
     #: A source topic the participants consume (one consumer group for the whole pipeline).
     topic: str = Field(min_length=1)
-    #: How record values are decoded: one JSON object per record (others go to the dead letters).
-    format: Literal["json"] = "json"
+    #: How record values are decoded. ``json``: one JSON object per record (a Kafka Connect
+    #: ``{schema, payload}`` envelope is not unwrapped: its fields are the record's).
+    #: ``debezium``: Debezium change events as JSON, with or without the Kafka Connect
+    #: envelope -- creates, reads and updates become rows, deletes become deletes
+    #: (``docs/cdc.md``). What does not decode goes to the dead letters with the reason.
+    format: Literal["json", "debezium"] = "json"
+    #: Options of ``format: debezium``.
+    debezium: DebeziumConfig | None = None
+    #: How record keys are read. ``none``: ignored. ``json``: a JSON object (a Kafka Connect
+    #: ``{schema, payload}`` envelope unwrapped) whose fields are added to the record, over the
+    #: value's -- a sink keyed on them takes the key from the record key (Kafka Connect's
+    #: ``pk.mode: record_key``); a record whose key does not decode is dead-lettered.
+    key_format: Literal["none", "json"] = "none"
+    #: With ``key_format: json``, the field a key that is a JSON scalar (``42``, ``"a-1"``)
+    #: becomes; empty: such a key is dead-lettered.
+    key_field: str = ""
+    #: Fields from the record's Kafka coordinates (``pk.mode: kafka``).
+    kafka_fields: KafkaFieldsConfig | None = None
+    #: What a tombstone (a record with a null value) means. ``dead_letter``: it goes to the
+    #: dead-letter topic. ``delete``: it deletes the row or document of its key (needs
+    #: ``key_format: json``). ``skip``: consumed and ignored. Default: ``skip`` for
+    #: ``debezium`` (Debezium follows every delete event with a tombstone for log compaction;
+    #: the delete event already deleted the row), ``dead_letter`` otherwise.
+    tombstones: Literal["dead_letter", "delete", "skip"] | None = None
     #: Partitions when ``twophase topics create`` makes the topic (an existing one is kept).
     partitions: int = Field(default=4, ge=1)
     #: Replication factor when ``twophase topics create`` makes the topic.
     replication_factor: int = Field(default=3, ge=1)
+
+    @field_validator("debezium")
+    @classmethod
+    def _debezium_options_need_debezium(
+        cls, value: DebeziumConfig | None, info: ValidationInfo
+    ) -> DebeziumConfig | None:
+        if value is not None and info.data.get("format") != "debezium":
+            raise ValueError("used only with format: debezium")
+        return value
+
+    @field_validator("key_field")
+    @classmethod
+    def _key_field_needs_json_keys(cls, value: str, info: ValidationInfo) -> str:
+        if value and info.data.get("key_format") != "json":
+            raise ValueError("used only with key_format: json")
+        return value
+
+    @field_validator("tombstones")
+    @classmethod
+    def _tombstone_deletes_need_keys(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value == "delete" and info.data.get("key_format") != "json":
+            raise ValueError(
+                "delete needs key_format: json (a tombstone names its row only by its key)"
+            )
+        return value
 
 
 class DeadLetterConfig(_Strict):

@@ -17,36 +17,52 @@ from typing import Any
 from confluent_kafka import Message
 
 from twophase.config import SourceConfig
-from twophase.participants.decoding.base import Decoded, Decoder, Headers, Undecodable
+from twophase.participants.decoding.base import Decoded, Decoder, Deletion, Headers, Undecodable
+from twophase.participants.decoding.debezium import DebeziumDecoder
 from twophase.participants.decoding.json import JsonDecoder
 from twophase.participants.sdk import Record
 
 __all__ = [
     "DECODERS",
+    "DebeziumDecoder",
     "Decoded",
     "Decoder",
+    "Deletion",
     "JsonDecoder",
     "Undecodable",
+    "can_delete",
     "decoder_for",
     "source_decoder",
 ]
 
 #: ``source.format`` -> its decoder.
-DECODERS: dict[str, type[Decoder]] = {JsonDecoder.format: JsonDecoder}
+DECODERS: dict[str, type[Decoder]] = {
+    JsonDecoder.format: JsonDecoder,
+    DebeziumDecoder.format: DebeziumDecoder,
+}
 
 
-def decoder_for(fmt: str) -> Decoder:
-    """The decoder of ``source.format`` (the config model has already refused other names)."""
-    return DECODERS[fmt]()
+def decoder_for(source: SourceConfig) -> Decoder:
+    """The decoder of one source: its ``format``'s, with its options (the config model has
+    already refused unknown formats and contradicting options)."""
+    return DECODERS[source.format](source)
 
 
 def source_decoder(sources: Sequence[SourceConfig]) -> Decoder:
-    """One decoder for every source topic of a pipeline: the format's own when the sources
-    share one (the hot path), else one that hands each topic's messages to its format's."""
-    formats = {s.format for s in sources}
-    if len(formats) == 1:
-        return decoder_for(formats.pop())
-    return _ByTopic({s.topic: decoder_for(s.format) for s in sources})
+    """One decoder for every source topic of a pipeline: the source's own when there is one
+    (the hot path), else one that hands each topic's messages to its source's."""
+    if len(sources) == 1:
+        return decoder_for(sources[0])
+    decoders = {s.topic: decoder_for(s) for s in sources}
+    first = decoders[sources[0].topic]
+    if all(type(d) is type(first) and d.options == first.options for d in decoders.values()):
+        return first
+    return _ByTopic(decoders)
+
+
+def can_delete(sources: Sequence[SourceConfig]) -> bool:
+    """True when a record of these sources may be a delete (:attr:`Record.deleted`)."""
+    return any(decoder_for(s).deletes for s in sources)
 
 
 class _ByTopic(Decoder):
@@ -56,7 +72,8 @@ class _ByTopic(Decoder):
 
     def __init__(self, by_topic: dict[str, Decoder]) -> None:
         self.by_topic = by_topic
-        self.raw_values = all(d.raw_values for d in by_topic.values())  # type: ignore[misc]
+        self.raw_values = all(d.raw_values for d in by_topic.values())
+        self.deletes = any(d.deletes for d in by_topic.values())
 
     def decode_value(self, value: bytes, headers: Headers) -> dict[str, Any] | str:
         raise TypeError("a per-source decoder decodes messages, which name their topic")

@@ -125,7 +125,18 @@ class Decoder(ABC):
             else []
         )
         #: No option changes a record: the message's value is the whole record.
-        self.plain = not self.key_json and not self.kafka_fields and self.tombstones == "dead_letter"
+        self.plain = (
+            not self.key_json and not self.kafka_fields and self.tombstones == "dead_letter"
+        )
+        #: Equal for two sources whose messages this decoder treats alike.
+        self.options: tuple[Any, ...] = (
+            self.key_json,
+            self.key_field,
+            self.tombstones,
+            tuple(self.kafka_fields),
+        )
+        #: A record of this source may be a delete (:attr:`Record.deleted`).
+        self.deletes: bool = self.tombstones == "delete"
 
     #: What a tombstone (a null value) means when ``sources[].tombstones`` does not say.
     default_tombstones: ClassVar[str] = "dead_letter"
@@ -152,16 +163,16 @@ class Decoder(ABC):
         else:
             obj = self.decode_value(value, m.headers())
             if obj.__class__ is str:
-                return obj  # type: ignore[return-value]
+                return obj
             if obj.__class__ is Deletion:
                 deleted = True
-                fields = dict(obj.fields)  # type: ignore[union-attr]
+                fields = dict(obj.fields)
             else:
                 fields = obj  # type: ignore[assignment]
         if self.key_json:
             key = self.key_fields(m.key())
             if key.__class__ is str:
-                return key  # type: ignore[return-value]
+                return key
             fields = {**fields, **key}  # type: ignore[dict-item]
         elif deleted and not fields:
             return "tombstone: a delete needs the record key (sources[].key_format: json)"
@@ -181,7 +192,7 @@ class Decoder(ABC):
         except ConnectError as exc:
             return f"key: {exc}"
         if obj.__class__ is dict:
-            return obj  # type: ignore[no-any-return]
+            return obj
         if self.key_field and (obj is None or obj.__class__ in (str, int, float, bool)):
             return {self.key_field: obj}
         return f"key: JSON {type(obj).__name__}, expected an object (or set sources[].key_field)"
@@ -205,7 +216,7 @@ class Decoder(ABC):
                 continue
             rec = self.record(m, scan.topic, scan.partition, scan.offset, value)
             if rec.__class__ is str:
-                scan.bad.append(Undecodable(m, rec))  # type: ignore[arg-type]
+                scan.bad.append(Undecodable(m, rec))
                 continue
             scan.good.append(rec)  # type: ignore[arg-type]
             scan.count(len(value or b""))

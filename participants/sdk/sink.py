@@ -157,6 +157,11 @@ class Sink(abc.ABC):
 
     #: The pydantic model the runtime validates this sink's config section with.
     config_model: ClassVar[type[SinkConfig]] = SinkConfig
+    #: The sink applies deletes (:attr:`Record.deleted`): it removes the row, document or
+    #: file entry of the record's key in the same part, atomically with the rest, and a later
+    #: part's write of that key brings it back. A pipeline whose sources can delete (a
+    #: Debezium source, ``tombstones: delete``) refuses at start-up a sink that does not.
+    supports_deletes: ClassVar[bool] = False
 
     def __init__(self, config: SinkConfig, context: SinkContext) -> None:
         self.config = config
