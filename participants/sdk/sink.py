@@ -157,11 +157,6 @@ class Sink(abc.ABC):
 
     #: The pydantic model the runtime validates this sink's config section with.
     config_model: ClassVar[type[SinkConfig]] = SinkConfig
-    #: The sink applies deletes (:attr:`Record.deleted`): it removes the row, document or
-    #: file entry of the record's key in the same part, atomically with the rest, and a later
-    #: part's write of that key brings it back. A pipeline whose sources can delete (a
-    #: Debezium source, ``tombstones: delete``) refuses at start-up a sink that does not.
-    supports_deletes: ClassVar[bool] = False
 
     def __init__(self, config: SinkConfig, context: SinkContext) -> None:
         self.config = config
@@ -171,6 +166,15 @@ class Sink(abc.ABC):
     @property
     def name(self) -> str:
         return self.context.sink_name
+
+    @property
+    def supports_deletes(self) -> bool:
+        """True when the sink, as configured, applies deletes (:attr:`Record.deleted`): it
+        removes the row, document or entry of the record's key in the same part, atomically
+        with the rest, and a later write of that key brings it back. A pipeline whose sources
+        can delete (a Debezium source, ``tombstones: delete``) refuses at start-up a sink that
+        does not. Default: False."""
+        return False
 
     @classmethod
     def from_mapping(cls, raw: dict[str, Any], context: SinkContext) -> Sink:

@@ -1485,3 +1485,179 @@ def test_compiled_copy_rows_the_server_refuses_are_isolated_the_careful_way(
     refused = sorted(r.record.offset for r in rejected)
     assert refused == sorted({13} | {i for i in range(40) if i % 3 == 1})
     assert all("SQLSTATE" in r.reason or "numeric" in r.reason for r in rejected)
+
+
+# -- deletes (change data capture, docs/cdc.md) -----------------------------------------------
+# Applied inside the part, atomic with its writes, in the order of the source: the last change
+# of a key wins within a part, and parts apply in order.
+
+CDC_DDL = "id bigint PRIMARY KEY, name text, qty integer NOT NULL DEFAULT 1, note text"
+
+
+def delete(offset: int, value: dict[str, Any]) -> Record:
+    return rec(offset, value)._replace(deleted=True)
+
+
+def table_rows(env: PgEnv, table: str) -> dict[int, tuple[Any, ...]]:
+    return {r[0]: r[1:] for r in env.rows(f'SELECT id, name, qty, note FROM "{table}"')}
+
+
+def test_a_delete_is_applied_at_commit_with_the_parts_writes(
+    env: PgEnv, make_sink: MakeSink
+) -> None:
+    table = env.table("t", CDC_DDL)
+    sink = make_sink(table, mode="upsert", key=["id"])
+    assert sink.supports_deletes
+    run_part(sink, part(env, 1), [rec(0, {"id": 1, "name": "a"}), rec(1, {"id": 2, "name": "b"})])
+
+    p2 = part(env, 2)
+    sink.begin(p2)
+    assert sink.write(p2, [delete(2, {"id": 1}), rec(3, {"id": 3, "name": "c"})]) == []
+    sink.prepare(p2, {("orders", 0): 4})
+    # Prepared: nothing of the part is visible, the deleted row is still there.
+    assert set(table_rows(env, table)) == {1, 2}
+    sink.commit(p2)
+    assert set(table_rows(env, table)) == {2, 3}
+
+    # An aborted part's delete leaves the row.
+    p3 = part(env, 3)
+    sink.begin(p3)
+    sink.write(p3, [delete(4, {"id": 2})])
+    sink.prepare(p3, {("orders", 0): 5})
+    sink.abort(p3)
+    assert set(table_rows(env, table)) == {2, 3}
+
+
+def test_a_prepared_delete_is_committed_by_another_process_after_a_crash(
+    env: PgEnv, make_sink: MakeSink
+) -> None:
+    table = env.table("t", CDC_DDL)
+    first = make_sink(table, mode="upsert", key=["id"])
+    run_part(first, part(env, 1), [rec(0, {"id": 1, "name": "a"})])
+    p2 = part(env, 2)
+    first.begin(p2)
+    first.write(p2, [delete(1, {"id": 1})])
+    first.prepare(p2, {("orders", 0): 2})
+    first.close()  # the process is gone; its prepared transaction lives on in the server
+    second = make_sink(table, mode="upsert", key=["id"], participant="w1")
+    assert p2 in second.in_doubt()
+    second.commit(p2)
+    assert table_rows(env, table) == {}
+    second.commit(p2)  # a repeated commit: nothing more happens
+    assert second.committed_positions() == {("orders", 0): 2}
+
+
+def test_a_delete_without_its_key_is_rejected_and_the_rest_written(
+    env: PgEnv, make_sink: MakeSink
+) -> None:
+    table = env.table("t", CDC_DDL)
+    sink = make_sink(table, mode="upsert", key=["id"])
+    rejected = run_part(
+        sink,
+        part(env, 1),
+        [rec(0, {"id": 1}), delete(1, {"name": "no id"}), delete(2, {"id": None})],
+    )
+    assert [r.reason for r in rejected] == [
+        "a delete needs its key: field 'id' (column 'id') is missing",
+        "a delete needs its key: field 'id' (column 'id') is null",
+    ]
+    assert set(table_rows(env, table)) == {1}
+
+
+def test_an_insert_mode_sink_does_not_apply_deletes(env: PgEnv, make_sink: MakeSink) -> None:
+    assert not make_sink(env.table("t", CDC_DDL)).supports_deletes
+
+
+def test_a_delete_then_a_reinsert_in_a_later_part_leaves_the_row(
+    env: PgEnv, make_sink: MakeSink
+) -> None:
+    table = env.table("t", CDC_DDL)
+    sink = make_sink(table, mode="upsert", key=["id"])
+    run_part(sink, part(env, 1), [rec(0, {"id": 1, "name": "a", "qty": 5, "note": "x"})])
+    run_part(sink, part(env, 2), [delete(1, {"id": 1})])
+    run_part(sink, part(env, 3), [rec(2, {"id": 1, "name": "back"})])
+    # The re-inserted row is a new row: what it does not say takes the defaults.
+    assert table_rows(env, table) == {1: ("back", 1, None)}
+
+
+class Model:
+    """What applying the changes one by one in order leaves: the reference."""
+
+    def __init__(self, rows: dict[int, dict[str, Any]]) -> None:
+        self.rows = {k: dict(v) for k, v in rows.items()}
+
+    def apply(self, record: Record) -> None:
+        key = record.value["id"]
+        if record.deleted:
+            self.rows.pop(key, None)
+            return
+        row = self.rows.setdefault(key, {"name": None, "qty": 1, "note": None})
+        row.update({k: v for k, v in record.value.items() if k != "id"})
+
+    def table(self) -> dict[int, tuple[Any, ...]]:
+        return {k: (v["name"], v["qty"], v["note"]) for k, v in self.rows.items()}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_last_change_of_a_key_wins_whatever_the_mix_and_the_batching(
+    env: PgEnv, make_sink: MakeSink, seed: int
+) -> None:
+    """Random inserts, partial updates and deletes over a few keys, cut into random writes and
+    parts: the table always equals applying the changes one by one."""
+    rnd = random.Random(seed)
+    table = env.table("t", CDC_DDL)
+    sink = make_sink(table, mode="upsert", key=["id"])
+    model = Model({})
+    offset = 0
+    for txn in range(1, 5):
+        batches: list[list[Record]] = []
+        for _ in range(rnd.randint(1, 4)):
+            batch = []
+            for _ in range(rnd.randint(1, 25)):
+                key = rnd.randint(1, 6)
+                kind = rnd.random()
+                if kind < 0.3:
+                    r = delete(offset, {"id": key})
+                else:
+                    fields = {
+                        f: rnd.choice([None, f"{f}{offset}"])
+                        for f in ("name", "note")
+                        if rnd.random() < 0.6
+                    }
+                    if rnd.random() < 0.4:
+                        fields["qty"] = rnd.randint(2, 9)
+                    r = rec(offset, {"id": key, **fields})
+                batch.append(r)
+                offset += 1
+            batches.append(batch)
+        commit = rnd.random() < 0.8
+        assert run_part(sink, part(env, txn), *batches, commit=commit) == []
+        if not commit:
+            sink.abort(part(env, txn))
+            continue
+        for batch in batches:
+            for r in batch:
+                model.apply(r)
+        assert table_rows(env, table) == model.table(), f"seed {seed}, txn {txn}"
+
+
+def test_a_delete_the_server_refuses_is_rejected_alone(env: PgEnv, make_sink: MakeSink) -> None:
+    """A delete of a row another table still references (a foreign key): that record goes to
+    the dead letters with the server's reason, the other changes of the write are applied."""
+    parent = env.table("parent", CDC_DDL)
+    child = env.table("child", f'id bigint PRIMARY KEY, parent bigint REFERENCES "{parent}"(id)')
+    sink = make_sink(parent, mode="upsert", key=["id"])
+    run_part(sink, part(env, 1), [rec(0, {"id": 1}), rec(1, {"id": 2}), rec(2, {"id": 3})])
+    env.reader.execute(f'INSERT INTO "{child}" VALUES (10, 2)')
+    rejected = run_part(
+        sink,
+        part(env, 2),
+        [delete(3, {"id": 1}), delete(4, {"id": 2}), rec(5, {"id": 3, "name": "kept"})],
+    )
+    assert [(r.record.offset, r.reason.split(":")[0]) for r in rejected] == [
+        (4, "PostgreSQL refused the row")
+    ]
+    assert "foreign key" in rejected[0].reason
+    assert table_rows(env, parent) == {2: (None, 1, None), 3: ("kept", 1, None)}
+    env.reader.execute(f'DROP TABLE "{child}"')  # before the clean-up drops the parent
+    env.tables.remove(child)

@@ -117,6 +117,9 @@ class _Connections(Sink):
         self._admin: Connection | None = None
         self._mapped: list[_Mapped] = []
         self._key_idx: list[int] = []
+        #: The mask of the upsert key's columns (a delete's row).
+        self._key_mask = 0
+        self._delete_sql: tuple[sql.Composed, sql.Composed] | None = None
         self._plan: list[_PlanStep] = []
         self._fast: _BatchConverter = _compile_plan([])
         self._binary_types: list[str] | None = None

@@ -92,6 +92,9 @@ def _compile_plan(plan: list[_PlanStep]) -> _BatchConverter:
         "    out = []",
         "    append = out.append",
         "    for record in records:",
+        "        if record.deleted:",
+        "            append(slow(record))",
+        "            continue",
         "        value = record.value",
         "        try:",
     ]
@@ -128,9 +131,15 @@ class _Row:
     In upsert mode one row may merge several records with the same key (later fields overlay
     earlier ones, as running them one after the other would); ``history`` then keeps each
     record's own row so a server-side refusal can be pinned on the right record.
+
+    ``deleted``: the row of this key is deleted (only the key's columns are set).
+    ``replaces``: a delete came first, so the existing row is deleted before this one is
+    written (its absent columns take their defaults, not the deleted row's values).
     """
 
     mask: int
     values: list[Any]
     records: list[Record]
     history: list[_Row] | None = None
+    deleted: bool = False
+    replaces: bool = False

@@ -170,6 +170,7 @@ class _Target(_Connections):
             self._check_unique_key(conn, oid)
         self._mapped = mapped
         self._key_idx = [i for i, m in enumerate(mapped) if m.is_key]
+        self._key_mask = sum(1 << i for i in self._key_idx)
         self._plan = [self._plan_step(m) for m in mapped]
         self._fast = _compile_plan(self._plan)
         binary = [binary_type(m.column.base_type) for m in mapped]

@@ -125,6 +125,11 @@ class _WritePath(_Markers):
     def accepts_raw(self) -> bool:
         return self._encoder is not None
 
+    @property
+    def supports_deletes(self) -> bool:
+        """In upsert mode: a delete removes the row of its key (``docs/cdc.md``)."""
+        return self.cfg.mode == "upsert"
+
     def check(self, records: Sequence[Record]) -> Sequence[Rejected]:
         """What the client-side conversion of :meth:`write` refuses (the same code); what the
         server refuses (constraints, ``numeric(p, s)`` overflow) shows only in ``write``."""
@@ -257,11 +262,33 @@ class _WritePath(_Markers):
                 self._overlay(earlier, row)
         return rows
 
+    def _convert_delete(self, record: Record) -> _Row | Rejected:
+        """A delete: the row of its key's columns, or why the key cannot be told."""
+        value = record.value
+        values: list[Any] = [None] * len(self._plan)
+        try:
+            for i in self._key_idx:
+                field_name, get, convert, _absent, _null = self._plan[i]
+                raw = value.get(field_name, _ABSENT) if get is None else get(value)
+                if raw is None or raw is _ABSENT:
+                    column = self._mapped[i].column.name
+                    return Rejected(
+                        record,
+                        f"a delete needs its key: field {field_name!r} (column {column!r}) is "
+                        + ("null" if raw is None else "missing"),
+                    )
+                values[i] = convert(raw)
+        except BadValue as exc:
+            return Rejected(record, f"the delete's key: {exc}")
+        return _Row(self._key_mask, values, [record], deleted=True)
+
     def _convert_one(self, record: Record) -> _Row | Rejected:
         """One record, column by column: the row, or why the record cannot be stored."""
         value = record.value
         if not isinstance(value, dict):
             return Rejected(record, "the record value is not a JSON object")
+        if record.deleted:
+            return self._convert_delete(record)
         values: list[Any] = []
         append = values.append
         mask = 0
@@ -299,11 +326,26 @@ class _WritePath(_Markers):
 
     @staticmethod
     def _overlay(earlier: _Row, later: _Row) -> None:
-        """Merge ``later`` into ``earlier`` (same key) as applying both in order would."""
+        """Merge ``later`` into ``earlier`` (same key) as applying both in order would: the
+        last change of a key wins -- a delete ends what came before it, a write after a delete
+        replaces the deleted row, writes after writes overlay their fields."""
         if earlier.history is None:
-            earlier.history = [_Row(earlier.mask, list(earlier.values), list(earlier.records))]
+            earlier.history = [
+                _Row(
+                    earlier.mask,
+                    list(earlier.values),
+                    list(earlier.records),
+                    deleted=earlier.deleted,
+                    replaces=earlier.replaces,
+                )
+            ]
         earlier.history.append(later)
-        if later.mask == earlier.mask:
+        if later.deleted or earlier.deleted:
+            earlier.replaces = earlier.deleted and not later.deleted
+            earlier.deleted = later.deleted
+            earlier.mask = later.mask
+            earlier.values = later.values
+        elif later.mask == earlier.mask:
             earlier.values = later.values
         else:
             earlier.values = list(earlier.values)  # never alias a history entry's list
@@ -315,12 +357,19 @@ class _WritePath(_Markers):
             earlier.mask |= later.mask
         earlier.records.extend(later.records)
 
-    @staticmethod
-    def _groups(rows: list[_Row]) -> list[tuple[int, list[_Row]]]:
+    def _groups(self, rows: list[_Row]) -> list[tuple[int, list[_Row]]]:
+        """Rows of one mask together, the deletes first (and, for a row that replaces a deleted
+        one, the delete of its key): a key's last change is applied last."""
+        deletes: list[_Row] = []
         groups: dict[int, list[_Row]] = {}
         for row in rows:
+            if row.deleted:
+                deletes.append(row)
+                continue
+            if row.replaces:
+                deletes.append(_Row(self._key_mask, row.values, row.records, deleted=True))
             groups.setdefault(row.mask, []).append(row)
-        return list(groups.items())
+        return ([(self._key_mask, deletes)] if deletes else []) + list(groups.items())
 
     def _write_rows(
         self, conn: Connection, groups: list[tuple[int, list[_Row]]], payload: bytes = b""
@@ -415,7 +464,9 @@ class _WritePath(_Markers):
 
     def _send_rows(self, conn: Connection, mask: int, rows: list[_Row]) -> None:
         idx = self._columns_of(mask)
-        copy_sql, merge_sql = self._statements_for(mask, idx)
+        copy_sql, merge_sql = (
+            self._deletes_for(idx) if rows[0].deleted else self._statements_for(mask, idx)
+        )
         with conn.cursor() as cur:
             with cur.copy(copy_sql) as copy:
                 if self._binary_types is not None:
@@ -441,6 +492,23 @@ class _WritePath(_Markers):
         copy_sql, _ = self._statements_for(full, self._columns_of(full))
         with conn.cursor() as cur, cur.copy(copy_sql) as copy:
             copy.write(payload)
+
+    def _deletes_for(self, idx: list[int]) -> tuple[sql.Composed, sql.Composed]:
+        """COPY the deleted keys into the staging table; delete the target's rows of them."""
+        if self._delete_sql is None:
+            assert self._stage is not None  # deletes exist only in upsert mode
+            names = [sql.Identifier(self._mapped[i].column.name) for i in idx]
+            binary = sql.SQL(" (FORMAT BINARY)" if self._binary_types is not None else "")
+            copy = sql.SQL("COPY {} ({}) FROM STDIN{}").format(
+                self._stage, sql.SQL(", ").join(names), binary
+            )
+            delete = sql.SQL("DELETE FROM {} AS t USING {} AS s WHERE {}").format(
+                self._target,
+                self._stage,
+                sql.SQL(" AND ").join(sql.SQL("t.{0} = s.{0}").format(n) for n in names),
+            )
+            self._delete_sql = (copy, delete)
+        return self._delete_sql
 
     def _statements_for(
         self, mask: int, idx: list[int]
