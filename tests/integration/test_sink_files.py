@@ -1214,3 +1214,67 @@ def test_os_errors_map_to_the_three_branches(
     monkeypatch.undo()
     sink.commit(q)
     assert parquet_rows(base) == [rec(0).value]
+
+
+# -- deletes as change rows (docs/cdc.md) -----------------------------------------------------
+
+
+def replay(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """What a reader does with change rows: apply them in (partition, offset) order."""
+    state: dict[int, dict[str, Any]] = {}
+    for row in sorted(rows, key=lambda r: (r["_topic"], r["_partition"], r["_offset"])):
+        if row["_op"] == "d":
+            state.pop(row["id"], None)
+        else:
+            state[row["id"]] = {k: v for k, v in row.items() if not k.startswith("_")}
+    return state
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_deletes_are_change_rows_that_replay_into_the_current_state(
+    tmp_path: Path, fmt: str
+) -> None:
+    sink = make_sink(tmp_path, format=fmt, op_column="_op", source_columns=True)
+    assert sink.supports_deletes
+    rnd = random.Random(7)
+    expected: dict[int, dict[str, Any]] = {}
+    offset = 0
+    for txn in range(1, 4):
+        batch = []
+        for _ in range(40):
+            key = rnd.randint(1, 8)
+            if rnd.random() < 0.3:
+                batch.append(
+                    rec(offset, partition=key % 2, value={"id": key})._replace(deleted=True)
+                )
+                expected.pop(key, None)
+            else:
+                value = {"id": key, "v": offset}
+                batch.append(rec(offset, partition=key % 2, value=value))
+                expected[key] = value
+            offset += 1
+        p = part(txn)
+        sink.begin(p)
+        assert sink.write(p, batch) == []
+        sink.prepare(p, {("orders", 0): offset, ("orders", 1): offset})
+        sink.commit(p)
+    rows = parquet_rows(tmp_path) if fmt == "parquet" else jsonl_rows(tmp_path)
+    assert {r["_op"] for r in rows} == {"u", "d"}
+    assert replay(rows) == expected
+
+
+def test_a_record_with_the_op_column_as_a_field_is_refused(tmp_path: Path) -> None:
+    sink = make_sink(tmp_path, op_column="_op", source_columns=True)
+    p = part(1)
+    sink.begin(p)
+    rejected = sink.write(p, [rec(0, value={"id": 1, "_op": "x"}), rec(1, value={"id": 2})])
+    assert [(r.record.offset, r.reason) for r in rejected] == [
+        (0, "field '_op' collides with op_column")
+    ]
+    sink.abort(p)
+
+
+def test_without_op_column_the_sink_does_not_take_deletes(tmp_path: Path) -> None:
+    assert not make_sink(tmp_path).supports_deletes
+    with pytest.raises(ValidationError, match="needs source_columns"):
+        make_sink(tmp_path, op_column="_op")

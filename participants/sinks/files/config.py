@@ -42,6 +42,12 @@ class FileSinkConfig(SinkConfig):
     unknown_fields: Literal["reject", "drop"] = "reject"
     #: Add ``_topic``, ``_partition``, ``_offset``, ``_timestamp_ms`` to every row.
     source_columns: bool = False
+    #: A column that tells each row's change: ``u`` (a create or update: the row's fields) or
+    #: ``d`` (a delete: the deleted row's key fields). Set, the sink takes deletes as change
+    #: rows; applying the rows of a topic in ``(_partition, _offset)`` order gives the current
+    #: state (``docs/cdc.md``), so it needs ``source_columns``. Empty: no column, and a
+    #: pipeline that can delete refuses the sink at start-up.
+    op_column: str = ""
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -52,6 +58,12 @@ class FileSinkConfig(SinkConfig):
                 raise ValueError("schema: name at least one field (or leave it out to infer)")
             if self.source_columns and (clash := set(SOURCE_COLUMNS) & set(self.schema_)):
                 raise ValueError(f"schema: {sorted(clash)} collide with source_columns")
+            if self.op_column and self.schema_.get(self.op_column) != "string":
+                raise ValueError(f"schema: must name op_column {self.op_column!r} as string")
+        if self.op_column and not self.source_columns:
+            raise ValueError("op_column: needs source_columns: true (the order to replay rows in)")
+        if self.source_columns and self.op_column in SOURCE_COLUMNS:
+            raise ValueError(f"op_column: {self.op_column!r} is one of the source_columns")
         return self
 
     @property

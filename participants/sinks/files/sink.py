@@ -268,10 +268,34 @@ class FileSink(sdk.BatchingSink):
 
     # -- the write path --
 
+    @property
+    def supports_deletes(self) -> bool:
+        """With ``op_column``: a delete is a change row (``docs/cdc.md``)."""
+        return bool(self.config.op_column)
+
+    def _change_rows(
+        self, records: Sequence[sdk.Record], rejected: list[sdk.Rejected]
+    ) -> Sequence[sdk.Record]:
+        """With ``op_column``, every record as a change row (``u`` or ``d``); a record that
+        already has that field is refused, never overwritten."""
+        col = self.config.op_column
+        if not col:
+            return records
+        rows = []
+        for r in records:
+            if col in r.value:
+                rejected.append(refusal(r, f"field {col!r} collides with op_column", col))
+                continue
+            rows.append(
+                r._replace(value={**r.value, col: "d" if r.deleted else "u"}, deleted=False)
+            )
+        return rows
+
     def check(self, records: Sequence[sdk.Record]) -> Sequence[sdk.Rejected]:
         """What :meth:`write` would refuse: the same per-record code (the output group, then
         :meth:`Encoder.row`), without buffering anything."""
         rejected: list[sdk.Rejected] = []
+        records = self._change_rows(records, rejected)
         row, key = self._encoder.row, self._groups.key
         for record in records:
             group = key(record)
@@ -289,8 +313,10 @@ class FileSink(sdk.BatchingSink):
         op = self._open_files.get(part)
         if op is None:
             raise sdk.AbortTransactionError(f"part {part.token} is not open here", sink=self.name)
+        refused: list[sdk.Rejected] = []
+        records = self._change_rows(records, refused)
         with self._fs("write", part, sdk.AbortTransactionError):
-            return op.write(records, self._groups)
+            return refused + op.write(records, self._groups)
 
     # -- the commit and recovery path --
 
