@@ -1,0 +1,252 @@
+"""Change data capture end to end on the real services: a source table in a database of its own,
+Debezium's PostgreSQL connector on the stack's Kafka Connect worker, one twophase pipeline
+(a coordinator and two participants) into a PostgreSQL replica table and change-row files --
+while random inserts, updates, deletes, primary-key changes and delete-then-reinserts run on the
+source, and a participant is killed with SIGKILL after it prepared a part and again at random.
+
+At the end the replica equals the source row for row (decimals, dates and timestamps exact),
+the files replayed in order equal it too, nothing is left prepared and nothing was
+dead-lettered.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from datetime import date, datetime
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from harness import Cluster, debezium, wait_until
+from tests.e2e.e2e_support import read_topic, scenario, start
+from twophase.config import load_config
+from twophase.kafka import create_topics
+
+pytestmark = [pytest.mark.stack, pytest.mark.connect]
+
+SOURCE_DDL = """
+    CREATE TABLE orders (
+        id int PRIMARY KEY,
+        customer text NOT NULL,
+        amount numeric(12, 2),
+        day date,
+        at timestamptz,
+        note text
+    )
+"""
+COLUMNS = "id, customer, amount, day, at, note"
+#: Changes the driver makes, and how long the pipeline may take to catch up after the last.
+CHANGES = 500
+CATCH_UP_S = 180.0
+
+
+@pytest.fixture
+def source(
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str
+) -> Iterator[debezium.DebeziumSource]:
+    try:
+        url = debezium.connect_url()
+    except debezium.ConnectDown as exc:
+        pytest.fail(str(exc), pytrace=False)
+    src = debezium.DebeziumSource(url, pg_dsn, kafka_bootstrap, unique_name)
+    src.create_database()
+    try:
+        yield src
+    finally:
+        src.stop()
+        src.drop()
+
+
+class Driver:
+    """Random changes on the source table, each in its own transaction (some in pairs)."""
+
+    def __init__(self, dsn: str, seed: int) -> None:
+        self.conn = psycopg.connect(dsn, autocommit=True)
+        self.rnd = random.Random(seed)
+        self.ids: set[int] = set()
+        self.next_id = 1
+        self.kinds: dict[str, int] = {}
+
+    def row(self, i: int) -> tuple[Any, ...]:
+        r = self.rnd
+        return (
+            i,
+            f"c{r.randrange(1000)}",
+            Decimal(r.randrange(-(10**9), 10**9)).scaleb(-2),
+            date(2020, 1, 1).fromordinal(date(2020, 1, 1).toordinal() + r.randrange(2000)),
+            datetime.fromisoformat(
+                f"2026-{r.randint(1, 12):02d}-11T10:{r.randrange(60):02d}:00.{r.randrange(10**6):06d}+00:00"
+            ),
+            r.choice([None, "x" * r.randrange(1, 40)]),
+        )
+
+    def insert(self, i: int | None = None) -> None:
+        if i is None:
+            i, self.next_id = self.next_id, self.next_id + 1
+        self.conn.execute(
+            f"INSERT INTO orders ({COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s)", self.row(i)
+        )
+        self.ids.add(i)
+
+    def step(self) -> None:
+        r = self.rnd
+        kind = (
+            "insert"
+            if len(self.ids) < 5
+            else r.choices(
+                ["insert", "update", "delete", "key change", "delete+reinsert"], [3, 4, 2, 1, 1]
+            )[0]
+        )
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+        if kind == "insert":
+            self.insert()
+            return
+        i = r.choice(sorted(self.ids))
+        if kind == "update":
+            _, customer, amount, _day, at, note = self.row(i)
+            fields = r.sample(
+                [("customer", customer), ("amount", amount), ("at", at), ("note", note)],
+                r.randint(1, 4),
+            )
+            sets = ", ".join(f"{f} = %s" for f, _ in fields)
+            self.conn.execute(
+                f"UPDATE orders SET {sets} WHERE id = %s", [v for _, v in fields] + [i]
+            )
+        elif kind == "delete":
+            self.conn.execute("DELETE FROM orders WHERE id = %s", (i,))
+            self.ids.discard(i)
+        elif kind == "key change":
+            new, self.next_id = self.next_id, self.next_id + 1
+            self.conn.execute("UPDATE orders SET id = %s WHERE id = %s", (new, i))
+            self.ids.discard(i)
+            self.ids.add(new)
+        else:
+            self.conn.execute("DELETE FROM orders WHERE id = %s", (i,))
+            self.insert(i)
+
+    def rows(self) -> list[tuple[Any, ...]]:
+        return self.conn.execute(f"SELECT {COLUMNS} FROM orders ORDER BY id").fetchall()
+
+
+def replica_rows(pg_dsn: str, table: str) -> list[tuple[Any, ...]]:
+    with psycopg.connect(pg_dsn) as conn:
+        return conn.execute(f'SELECT {COLUMNS} FROM "{table}" ORDER BY id').fetchall()
+
+
+def replayed_files(path: Path) -> list[tuple[Any, ...]]:
+    """What a reader of the change rows gets: every row applied in (partition, offset) order."""
+    rows: list[dict[str, Any]] = []
+    for f in sorted(path.rglob("*.parquet")):
+        if not any(p.startswith(("_", ".")) for p in f.relative_to(path).parts):
+            rows.extend(pq.read_table(f).to_pylist())
+    state: dict[int, dict[str, Any]] = {}
+    for row in sorted(rows, key=lambda r: (r["_partition"], r["_offset"])):
+        if row["_op"] == "d":
+            state.pop(row["id"], None)
+        else:
+            state.setdefault(row["id"], {}).update(row)
+    return [
+        (
+            i,
+            r["customer"],
+            Decimal(r["amount"]) if r["amount"] is not None else None,
+            date.fromisoformat(r["day"]) if r["day"] is not None else None,
+            datetime.fromisoformat(r["at"]) if r["at"] is not None else None,
+            r["note"],
+        )
+        for i, r in sorted(state.items())
+    ]
+
+
+def test_a_debezium_change_stream_replicates_exactly_through_kills(
+    tmp_path: Path, source: debezium.DebeziumSource, pg_dsn: str, kafka_bootstrap: str
+) -> None:
+    with psycopg.connect(source.dsn, autocommit=True) as conn:
+        conn.execute(SOURCE_DDL)
+    driver = Driver(source.dsn, seed=17)
+    for _ in range(20):
+        driver.insert()  # the snapshot's rows (op r)
+    (topic,) = source.start(["public.orders"])
+
+    s = scenario(tmp_path, "cdc", create=False, mongo=False, files=False)
+    replica = f"{s.table}_replica"
+    files = tmp_path / "changes"
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'DROP TABLE IF EXISTS "{replica}"')
+        conn.execute(
+            f'CREATE TABLE "{replica}" (id int PRIMARY KEY, customer text NOT NULL, '
+            "amount numeric(12, 2), day date, at timestamptz, note text)"
+        )
+    raw = s.config()
+    raw["sources"] = [
+        {"topic": topic, "format": "debezium", "key_format": "json", "replication_factor": 1}
+    ]
+    raw["commit"]["interval_ms"] = 500
+    raw["sinks"] = [
+        {
+            "name": "pg",
+            "type": "postgres",
+            "dsn": pg_dsn,
+            "table": replica,
+            "mode": "upsert",
+            "key": ["id"],
+        },
+        {
+            "name": "files",
+            "type": "files",
+            "path": str(files),
+            "format": "parquet",
+            "op_column": "_op",
+            "source_columns": True,
+            "partition_by": "topic",
+        },
+    ]
+    s.config_path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    create_topics(load_config(s.config_path))
+
+    c = Cluster(s)
+    try:
+        start(c, "coordinator", "coord-0")
+        # p-0 dies right after it prepares its third part: killed between prepare and commit.
+        start(c, "participant", "p-0", env={"TWOPHASE_CRASH_AT": "after_prepare:3"})
+        start(c, "participant", "p-1")
+        killed_at_random = False
+        for n in range(CHANGES):
+            driver.step()
+            if n % 50 == 0:
+                time.sleep(0.3)  # let several commit cycles pass during the run
+            if not c.alive("p-0"):
+                start(c, "participant", "p-0")  # a supervisor's restart
+            if n == CHANGES // 2:
+                c.kill("p-1")
+                killed_at_random = True
+            if killed_at_random and n == CHANGES // 2 + 40:
+                start(c, "participant", "p-1")
+        expected = driver.rows()
+        wait_until(lambda: replica_rows(pg_dsn, replica) == expected, CATCH_UP_S, "the replica")
+        assert replica_rows(pg_dsn, replica) == expected
+        assert "crash point after_prepare reached" in (c.logs / "p-0.log").read_text()
+        assert driver.kinds.keys() == {
+            "insert",
+            "update",
+            "delete",
+            "key change",
+            "delete+reinsert",
+        }
+        wait_until(lambda: replayed_files(files) == expected, 60, "the change files")
+        assert replayed_files(files) == expected
+        with psycopg.connect(pg_dsn) as conn:
+            left = conn.execute(
+                "SELECT gid FROM pg_prepared_xacts WHERE gid LIKE %s", (f"%:{s.name}~%",)
+            ).fetchall()
+        assert left == []
+        assert read_topic(kafka_bootstrap, f"{s.name}.dlq") == []
+    finally:
+        c.stop_all()
