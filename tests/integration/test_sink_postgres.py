@@ -1661,3 +1661,37 @@ def test_a_delete_the_server_refuses_is_rejected_alone(env: PgEnv, make_sink: Ma
     assert table_rows(env, parent) == {2: (None, 1, None), 3: ("kept", 1, None)}
     env.reader.execute(f'DROP TABLE "{child}"')  # before the clean-up drops the parent
     env.tables.remove(child)
+
+
+def test_participants_setting_up_one_upsert_table_at_once_all_succeed(
+    env: PgEnv, make_sink: MakeSink
+) -> None:
+    """Participants of one pipeline start together: each creates the marker table, the target
+    (create_table) and the staging table if missing -- concurrent CREATE ... IF NOT EXISTS can
+    still collide in PostgreSQL's catalog (a type or a name "already exists"), which is not a
+    failure: the other one created it (seen: a participant exiting at start-up)."""
+    for round_ in range(12):
+        table = f"{env.base}_race{round_}"
+        env.tables.append(table)
+        sinks = [
+            make_sink(
+                table,
+                participant=f"w{i}",
+                setup=False,
+                mode="upsert",
+                key=["id"],
+                create_table={"id": "bigint", "v": "text"},
+                marker_table=f"{env.base}_m{round_}",
+            )
+            for i in range(8)
+        ]
+        env.tables.append(f"{env.base}_m{round_}")
+        barrier = threading.Barrier(len(sinks))
+
+        def setup(sink: PostgresSink, barrier: threading.Barrier) -> None:
+            barrier.wait()
+            sink.setup()
+
+        with ThreadPoolExecutor(len(sinks)) as pool:
+            for future in [pool.submit(setup, s, barrier) for s in sinks]:
+                future.result()  # raises what a set-up raised

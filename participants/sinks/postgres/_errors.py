@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from twophase.participants.sinks.postgres._rows import _Row
 
 __all__ = [
+    "_CREATED_CONCURRENTLY",
     "Connection",
     "_CONNECT_FATAL_HINTS",
     "_COPY_LINE",
@@ -70,6 +71,15 @@ _RETRIABLE_CLASSES = ("53",)
 _FATAL_CLASSES = ("28", "42")
 
 
+#: What a CREATE ... IF NOT EXISTS raises when another participant creates the same table at
+#: the same moment (IF NOT EXISTS checks before it inserts into the catalog): the table is there,
+#: which is all set-up wanted -- a unique violation in pg_type or pg_class, "relation already
+#: exists", or "type already exists".
+_CREATED_CONCURRENTLY = (
+    psycopg.errors.UniqueViolation,
+    psycopg.errors.DuplicateTable,
+    psycopg.errors.DuplicateObject,
+)
 #: libpq reports failed logins without a SQLSTATE; these say a retry cannot help.
 _CONNECT_FATAL_HINTS = (
     "password authentication failed",

@@ -14,7 +14,12 @@ from twophase.participants.sdk import (
     FatalSinkError,
 )
 from twophase.participants.sinks.postgres._connections import _Connections, twophase_native
-from twophase.participants.sinks.postgres._errors import _MAX_PREPARED_ZERO, Connection, _is_lost
+from twophase.participants.sinks.postgres._errors import (
+    _CREATED_CONCURRENTLY,
+    _MAX_PREPARED_ZERO,
+    Connection,
+    _is_lost,
+)
 from twophase.participants.sinks.postgres._rows import (
     _compile_plan,
     _Mapped,
@@ -77,7 +82,7 @@ class _Target(_Connections):
             )"""
         ).format(self._marker)
         # UniqueViolation: another participant created it at the same moment.
-        with suppress(psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable):
+        with suppress(*_CREATED_CONCURRENTLY):
             conn.execute(ddl)
         # Fails with the missing column's name when an older/foreign table has another shape.
         conn.execute(
@@ -238,7 +243,7 @@ class _Target(_Connections):
         columns = sql.SQL(", ").join(sql.Identifier(m.column.name) for m in mapped)
         # CREATE TABLE AS copies names and types, no constraints: NOT NULL and CHECK are
         # checked when the rows reach the target.
-        with suppress(psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable):
+        with suppress(*_CREATED_CONCURRENTLY):
             conn.execute(
                 sql.SQL(
                     "CREATE UNLOGGED TABLE IF NOT EXISTS {} AS SELECT {} FROM {} WITH NO DATA"
@@ -267,8 +272,7 @@ class _Target(_Connections):
                     sql.SQL(", ").join(map(sql.Identifier, self.cfg.key))
                 )
             )
-        # UniqueViolation: created concurrently by another participant.
-        with suppress(psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable):
+        with suppress(*_CREATED_CONCURRENTLY):
             conn.execute(
                 sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
                     self._target, sql.SQL(", ").join(items)
