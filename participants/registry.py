@@ -76,7 +76,7 @@ def check_config(cfg: PipelineConfig) -> PipelineConfig:
                 raise ConfigError(
                     f"sinks[{i}].type",
                     f"sink {sink.name!r} ({sink.config.type}) cannot apply deletes as configured "
-                    "(postgres: in mode upsert; files: with op_column; docs/cdc.md), and "
+                    "(postgres, mongodb: in mode upsert; files: with op_column; docs/cdc.md), and "
                     f"sources[{deleting[0]}] (topic {src.topic!r}, format {src.format}, "
                     f"tombstones {decoder_for(src).tombstones}) produces them",
                     source=cfg.source_file,

@@ -1,11 +1,12 @@
 """Change data capture end to end on the real services: a source table in a database of its own,
 Debezium's PostgreSQL connector on the stack's Kafka Connect worker, one twophase pipeline
-(a coordinator and two participants) into a PostgreSQL replica table and change-row files --
+(a coordinator and two participants) into a PostgreSQL replica table, a MongoDB collection and
+change-row files --
 while random inserts, updates, deletes, primary-key changes and delete-then-reinserts run on the
 source, and a participant is killed with SIGKILL after it prepared a part and again at random.
 
 At the end the replica equals the source row for row (decimals, dates and timestamps exact),
-the files replayed in order equal it too, nothing is left prepared and nothing was
+the collection equals it document for document, the files replayed in order equal it too, nothing is left prepared and nothing was
 dead-lettered.
 """
 
@@ -23,6 +24,7 @@ import psycopg
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from pymongo import MongoClient
 
 from harness import Cluster, debezium, wait_until
 from tests.e2e.e2e_support import read_topic, scenario, start
@@ -140,6 +142,23 @@ def replica_rows(pg_dsn: str, table: str) -> list[tuple[Any, ...]]:
         return conn.execute(f'SELECT {COLUMNS} FROM "{table}" ORDER BY id').fetchall()
 
 
+def as_row(i: Any, r: dict[str, Any]) -> tuple[Any, ...]:
+    """A row of the source's shape from the JSON values the pipeline wrote (exact strings)."""
+    return (
+        i,
+        r["customer"],
+        Decimal(r["amount"]) if r.get("amount") is not None else None,
+        date.fromisoformat(r["day"]) if r.get("day") is not None else None,
+        datetime.fromisoformat(r["at"]) if r.get("at") is not None else None,
+        r.get("note"),
+    )
+
+
+def collection_rows(mongo_uri: str, database: str) -> list[tuple[Any, ...]]:
+    with MongoClient(mongo_uri) as client:
+        return [as_row(d["_id"], d) for d in client[database].orders.find().sort("_id", 1)]
+
+
 def replayed_files(path: Path) -> list[tuple[Any, ...]]:
     """What a reader of the change rows gets: every row applied in (partition, offset) order."""
     rows: list[dict[str, Any]] = []
@@ -152,28 +171,24 @@ def replayed_files(path: Path) -> list[tuple[Any, ...]]:
             state.pop(row["id"], None)
         else:
             state.setdefault(row["id"], {}).update(row)
-    return [
-        (
-            i,
-            r["customer"],
-            Decimal(r["amount"]) if r["amount"] is not None else None,
-            date.fromisoformat(r["day"]) if r["day"] is not None else None,
-            datetime.fromisoformat(r["at"]) if r["at"] is not None else None,
-            r["note"],
-        )
-        for i, r in sorted(state.items())
-    ]
+    return [as_row(i, r) for i, r in sorted(state.items())]
 
 
 def test_a_debezium_change_stream_replicates_exactly_through_kills(
-    tmp_path: Path, source: debezium.DebeziumSource, pg_dsn: str, kafka_bootstrap: str
+    tmp_path: Path,
+    source: debezium.DebeziumSource,
+    pg_dsn: str,
+    mongo_uri: str,
+    kafka_bootstrap: str,
 ) -> None:
     with psycopg.connect(source.dsn, autocommit=True) as conn:
         conn.execute(SOURCE_DDL)
     driver = Driver(source.dsn, seed=17)
     for _ in range(20):
         driver.insert()  # the snapshot's rows (op r)
-    (topic,) = source.start(["public.orders"])
+    # The pipeline's topics first: the change topic gets two partitions (one per participant);
+    # Debezium writes to it as it finds it, keyed by the primary key.
+    topic = f"{source.name}.public.orders"
 
     s = scenario(tmp_path, "cdc", create=False, mongo=False, files=False)
     replica = f"{s.table}_replica"
@@ -186,7 +201,13 @@ def test_a_debezium_change_stream_replicates_exactly_through_kills(
         )
     raw = s.config()
     raw["sources"] = [
-        {"topic": topic, "format": "debezium", "key_format": "json", "replication_factor": 1}
+        {
+            "topic": topic,
+            "format": "debezium",
+            "key_format": "json",
+            "partitions": 2,
+            "replication_factor": 1,
+        }
     ]
     raw["commit"]["interval_ms"] = 500
     raw["sinks"] = [
@@ -195,6 +216,15 @@ def test_a_debezium_change_stream_replicates_exactly_through_kills(
             "type": "postgres",
             "dsn": pg_dsn,
             "table": replica,
+            "mode": "upsert",
+            "key": ["id"],
+        },
+        {
+            "name": "mongo",
+            "type": "mongodb",
+            "uri": mongo_uri,
+            "database": s.table,
+            "collection": "orders",
             "mode": "upsert",
             "key": ["id"],
         },
@@ -210,6 +240,7 @@ def test_a_debezium_change_stream_replicates_exactly_through_kills(
     ]
     s.config_path.write_text(yaml.safe_dump(raw, sort_keys=False))
     create_topics(load_config(s.config_path))
+    assert source.start(["public.orders"]) == [topic]
 
     c = Cluster(s)
     try:
@@ -240,6 +271,8 @@ def test_a_debezium_change_stream_replicates_exactly_through_kills(
             "key change",
             "delete+reinsert",
         }
+        wait_until(lambda: collection_rows(mongo_uri, s.table) == expected, 120, "the collection")
+        assert collection_rows(mongo_uri, s.table) == expected
         wait_until(lambda: replayed_files(files) == expected, 60, "the change files")
         assert replayed_files(files) == expected
         with psycopg.connect(pg_dsn) as conn:

@@ -894,3 +894,59 @@ def test_a_server_internal_error_while_applying_a_decision_is_retried(make_sink:
             raise failure
     with pytest.raises(FatalSinkError), sink._store.errors("prepare", "t", FatalSinkError):
         raise failure
+
+
+# -- deletes (change data capture, docs/cdc.md) -------------------------------------------------
+
+
+def delete(offset: int, value: Doc) -> Record:
+    return rec(offset, value)._replace(deleted=True)
+
+
+def test_a_delete_is_applied_at_commit_and_the_last_change_of_a_key_wins(
+    make_sink: MakeSink, db: Database[Doc]
+) -> None:
+    sink = make_sink(mode="upsert", key=["sku"])
+    assert sink.supports_deletes and not make_sink(sink_name="ins").supports_deletes
+    run_part(sink, PartId("p1", 1, "w1"), [rec(0, {"sku": "a", "q": 1}), rec(1, {"sku": "b"})])
+    p2 = PartId("p1", 2, "w1")
+    run_part(
+        sink,
+        p2,
+        [
+            delete(2, {"sku": "a"}),
+            rec(3, {"sku": "c", "q": 1}),
+            delete(4, {"sku": "c"}),  # written and deleted in one part: gone
+            delete(5, {"sku": "b"}),
+            rec(6, {"sku": "b", "q": 9}),  # deleted, then written again: the new document
+        ],
+        commit=False,
+    )
+    assert ids(db.target) == ["a", "b"]  # prepared: nothing of the part visible
+    sink.commit(p2)
+    assert {d["_id"]: d.get("q") for d in db.target.find()} == {"b": 9}
+    sink.commit(p2)  # repeated: nothing more happens
+    assert ids(db.target) == ["b"]
+
+
+def test_an_older_part_applied_late_does_not_bring_a_deleted_document_back(
+    make_sink: MakeSink, db: Database[Doc]
+) -> None:
+    sink = make_sink(mode="upsert", key=["sku"])
+    old, new = PartId("p1", 10, "w1"), PartId("p1", 11, "w2")
+    run_part(sink, old, [rec(0, {"sku": "a", "q": 1}), rec(1, {"sku": "z"})], commit=False)
+    run_part(sink, new, [delete(2, {"sku": "a"})], commit=False)
+    sink.commit(new)
+    sink.commit(old)  # a recovered part of an earlier transaction, applied after the later one
+    assert ids(db.target) == ["z"]
+    # Retention forgets the tombstone once no older part can still be applied.
+    assert db.twophase_parts.count_documents({"kind": "tombstone"}) == 1
+    sink.forget_decided(12)
+    assert db.twophase_parts.count_documents({"kind": "tombstone"}) == 0
+
+
+def test_a_delete_without_its_key_is_rejected(make_sink: MakeSink, db: Database[Doc]) -> None:
+    sink = make_sink(mode="upsert", key=["sku"])
+    rejected = run_part(sink, PartId("p1", 1, "w1"), [delete(0, {"q": 1}), rec(1, {"sku": "k"})])
+    assert [r.reason for r in rejected] == ["a delete needs its key: key field 'sku' is missing"]
+    assert ids(db.target) == ["k"]

@@ -18,10 +18,11 @@ from __future__ import annotations
 import logging
 import threading
 from datetime import UTC, datetime
+from typing import Any
 
 import pymongo
 from bson.raw_bson import RawBSONDocument
-from pymongo import ASCENDING, ReplaceOne, UpdateOne
+from pymongo import ASCENDING, DeleteOne, ReplaceOne, UpdateOne
 from pymongo.client_session import ClientSession
 from pymongo.errors import PyMongoError
 from pymongo.read_concern import ReadConcern
@@ -365,14 +366,36 @@ class Committer:
         return True
 
     def _apply(self, part: PartId, chunk: list[RawBSONDocument], session: ClientSession) -> int:
-        """Replace-upsert the chunk's documents into the target, last one per ``_id`` winning."""
+        """Replace-upsert the chunk's documents into the target and delete the deleted ones,
+        the last change per ``_id`` winning."""
         latest: dict[bytes, RawBSONDocument] = {}
+        deleted: dict[bytes, Any] = {}
         for staged in chunk:
             doc = staged["doc"]
-            latest.pop(id_key(doc["_id"]), None)  # keep the order of the last occurrence
-            latest[id_key(doc["_id"])] = doc
+            key = id_key(doc["_id"])
+            latest.pop(key, None)  # keep the order of the last occurrence
+            deleted.pop(key, None)
+            if staged.get("delete"):
+                deleted[key] = doc["_id"]
+            else:
+                latest[key] = doc
         vf = self.store.cfg.version_field if self.store.cfg.mode == "upsert" else None
-        ops: list[ReplaceOne[RawBSONDocument] | UpdateOne]
+        ops: list[ReplaceOne[RawBSONDocument] | UpdateOne | DeleteOne]
+        if vf and latest:
+            # A newer part may have deleted a key already (a commit applied out of order): its
+            # tombstone keeps this older write from bringing the document back.
+            gone = {
+                id_key(t["_id"]["tombstone"])
+                for t in self.store.markers.find(
+                    {
+                        "_id": {"$in": [self._tombstone(part, d["_id"]) for d in latest.values()]},
+                        "txn": {"$gt": part.txn},
+                    },
+                    {"_id": 1},
+                    session=session,
+                )
+            }
+            latest = {k: d for k, d in latest.items() if k not in gone}
         if vf:
             # One server-side step per key, no read round trip: keep the stored document when
             # this pipeline already wrote it from a later transaction, else replace it.
@@ -393,11 +416,47 @@ class Committer:
             ]
         else:
             ops = [ReplaceOne({"_id": doc["_id"]}, doc, upsert=True) for doc in latest.values()]
+        if deleted:
+            ops += self._deletes(part, list(deleted.values()), vf, session)
         if ops:
             self.store.target.with_options(codec_options=RAW).bulk_write(
                 ops, ordered=True, session=session
             )
         return len(ops)
+
+    def _deletes(
+        self, part: PartId, ids: list[Any], vf: str | None, session: ClientSession
+    ) -> list[DeleteOne]:
+        """Deletes of the documents ``ids``; with ``version_field``, not of one a newer part
+        wrote, and each leaves a tombstone (in the marker collection, ``kind: tombstone``, the
+        part's txn) that an older part's late commit consults, until retention forgets it."""
+        if not vf:
+            return [DeleteOne({"_id": i}) for i in ids]
+        self.store.markers.bulk_write(
+            [
+                UpdateOne(
+                    {"_id": self._tombstone(part, i)},
+                    {
+                        "$max": {"txn": part.txn},
+                        "$setOnInsert": {
+                            "kind": "tombstone",
+                            "pipeline": part.pipeline,
+                            "sink": self.store.sink,
+                        },
+                    },
+                    upsert=True,
+                )
+                for i in ids
+            ],
+            ordered=True,
+            session=session,
+        )
+        newer = {f"{vf}.pipeline": part.pipeline, f"{vf}.txn": {"$gt": part.txn}}
+        return [DeleteOne({"_id": i, "$nor": [newer]}) for i in ids]
+
+    def _tombstone(self, part: PartId, doc_id: Any) -> Doc:
+        """The marker-collection ``_id`` of the tombstone of ``doc_id``."""
+        return {"tombstone": doc_id, "sink": self.store.sink, "pipeline": part.pipeline}
 
     def release_leases(self) -> None:
         """Hand back the leases this instance holds (a clean shutdown)."""

@@ -5,7 +5,8 @@
 * ``mode: upsert`` -- ``_id`` is the key: the value of the single key field itself, or for a
   composite key a sub-document ``{k1: v1, k2: v2}`` in the configured key order (type-preserving
   and queryable, unlike a joined string); with ``version_field``, the document carries
-  ``{pipeline, txn}`` so an older part never overwrites a newer one.
+  ``{pipeline, txn}`` so an older part never overwrites a newer one. A delete
+  (:attr:`Record.deleted`) stages only ``{_id}`` of its key, flagged ``delete``.
 
 Refused here, at write time: field names MongoDB cannot store, nesting past its limit, integers
 with no exact BSON form, and documents over the server's size limit.
@@ -49,6 +50,25 @@ class Documents:
             raise Reject(f"value is a {type(value).__name__}, not a JSON object")
         _check_fields(value, "", 1)
         body: Doc
+        if record.deleted:
+            # A delete stages the key only; the commit deletes the document of that _id.
+            if self.cfg.mode != "upsert":
+                raise Reject("a delete needs mode: upsert (a key to delete by)")
+            try:
+                doc_id = self.key_of(value)
+            except Reject as exc:
+                raise Reject(f"a delete needs its key: {exc}") from None
+            return RawBSONDocument(
+                bson.encode(
+                    {
+                        "_id": f"{pk}|{record.record_id}",
+                        "part": pk,
+                        "seq": seq,
+                        "delete": True,
+                        "doc": {"_id": doc_id},
+                    }
+                )
+            )
         if self.cfg.mode == "insert":
             if "_id" in value:
                 raise Reject(

@@ -64,6 +64,15 @@ class Retention:
         committed txn only grows, so a call that read an older one deletes less.
         """
         with self.store.errors("forget_decided", "-", RetriableSinkError):
+            # A tombstone older than every part still to be applied guards nothing any more.
+            self.store.markers.delete_many(
+                {
+                    "pipeline": self.pipeline,
+                    "sink": self.store.sink,
+                    "kind": "tombstone",
+                    "txn": {"$lt": before_txn},
+                }
+            )
             newest = self._newest()
             if newest is not None:
                 before_txn = min(before_txn, newest)

@@ -113,7 +113,8 @@ class OpenStaging:
         transaction, so each round finds one refused document and the rest are tried again."""
         store, token = self.store, self.part.token
         refused: dict[int, str] = {}
-        left = list(range(len(staged)))
+        # A delete cannot be refused by a validator or a unique index.
+        left = [i for i in range(len(staged)) if not staged[i].get("delete")]
         target = store.target.with_options(codec_options=RAW)
         while left:
             ops = [

@@ -210,6 +210,11 @@ class MongoSink(sdk.BatchingSink):
 
     # -- the write path -------------------------------------------------------------------------
 
+    @property
+    def supports_deletes(self) -> bool:
+        """In upsert mode: a delete removes the document of its key (``docs/cdc.md``)."""
+        return self.cfg.mode == "upsert"
+
     def check(self, records: Sequence[sdk.Record]) -> Sequence[sdk.Rejected]:
         """What :meth:`write` would refuse: the same staging code on a stand-in part of the
         same token length (so the staged size is the same), without writing anything."""
