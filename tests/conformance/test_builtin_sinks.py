@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 from pymongo import MongoClient
 
-from twophase.participants.sdk.testkit import SinkConformance, SinkFactory
+from twophase.participants.sdk.testkit import DeleteConformance, SinkConformance, SinkFactory
 from twophase.participants.sinks.files import FileSink
 from twophase.participants.sinks.mongodb import MongoSink
 from twophase.participants.sinks.postgres import PostgresSink
@@ -155,3 +155,98 @@ class TestFileSinkJsonLines(SinkConformance):
     @pytest.fixture
     def twophase_sink_factory(self, tmp_path: Path) -> SinkFactory:
         return _file_factory(tmp_path / "dataset", "jsonl")
+
+
+# -- deletes (docs/cdc.md): each sink configured to apply them, keyed on the value's id ----------
+
+
+@pytest.mark.stack
+class TestPostgresSinkDeletes(DeleteConformance):
+    @pytest.fixture
+    def twophase_sink_factory(self, pg_dsn: str) -> Iterator[SinkFactory]:
+        name = f"kit{uuid.uuid4().hex[:10]}"
+        table, markers = f"{name}_rows", f"{name}_parts"
+        reader = psycopg.connect(pg_dsn, autocommit=True)
+        reader.execute(f'CREATE TABLE "{table}" (id text PRIMARY KEY, n bigint, text text)')
+        try:
+            yield SinkFactory(
+                sink_class=PostgresSink,
+                config={
+                    "name": name,
+                    "type": "postgres",
+                    "dsn": pg_dsn,
+                    "table": table,
+                    "marker_table": markers,
+                    "mode": "upsert",
+                    "key": ["id"],
+                },
+                committed_ids=lambda: [r[0] for r in reader.execute(f'SELECT id FROM "{table}"')],
+            )
+        finally:
+            for (gid,) in reader.execute(
+                "SELECT gid FROM pg_prepared_xacts WHERE starts_with(gid, %s)",
+                (f"twophase:{name}:",),
+            ).fetchall():
+                reader.execute(f"ROLLBACK PREPARED '{gid}'")
+            reader.execute(f'DROP TABLE IF EXISTS "{table}", "{markers}"')
+            reader.close()
+
+
+@pytest.mark.stack
+class TestMongoSinkDeletes(DeleteConformance):
+    @pytest.fixture
+    def twophase_sink_factory(self, mongo_uri: str) -> Iterator[SinkFactory]:
+        database = f"kit_{uuid.uuid4().hex[:12]}"
+        client: MongoClient[dict[str, object]] = MongoClient(mongo_uri)
+        try:
+            yield SinkFactory(
+                sink_class=MongoSink,
+                config={
+                    "name": "mongokit",
+                    "type": "mongodb",
+                    "uri": mongo_uri,
+                    "database": database,
+                    "collection": "target",
+                    "mode": "upsert",
+                    "key": ["id"],
+                },
+                committed_ids=lambda: [
+                    str(d["_id"]) for d in client[database]["target"].find({}, {"_id": 1})
+                ],
+            )
+        finally:
+            client.drop_database(database)
+            client.close()
+
+
+class TestFileSinkDeletes(DeleteConformance):
+    """Change rows: what a reader gets by replaying them in (partition, offset) order."""
+
+    @pytest.fixture
+    def twophase_sink_factory(self, tmp_path: Path) -> SinkFactory:
+        base = tmp_path / "dataset"
+
+        def current_ids() -> list[str]:
+            rows: list[dict[str, object]] = []
+            for path in _visible_files(base):
+                rows.extend(json.loads(line) for line in path.read_text().splitlines())
+            state: set[str] = set()
+            for row in sorted(rows, key=lambda r: (str(r["_partition"]), int(str(r["_offset"])))):
+                if row["_op"] == "d":
+                    state.discard(str(row["id"]))
+                else:
+                    state.add(str(row["id"]))
+            return sorted(state)
+
+        return SinkFactory(
+            sink_class=FileSink,
+            config={
+                "name": "files",
+                "type": "files",
+                "path": str(base),
+                "format": "jsonl",
+                "op_column": "_op",
+                "source_columns": True,
+            },
+            committed_ids=current_ids,
+        )

@@ -17,6 +17,9 @@ A sink author writes one fixture and one class::
     class TestMySink(SinkConformance):
         pass
 
+A sink that applies deletes (``supports_deletes``) also subclasses ``DeleteConformance`` next to
+a factory configured to apply them, keyed on the value's ``id`` field (``docs/cdc.md``).
+
 The plugin (entry point ``pytest11: twophase_sinkkit``, installed with twophase) supplies the
 ``twophase_kit`` fixture the cases use. See ``docs/write-a-sink.md``.
 """
@@ -30,6 +33,19 @@ pytest.register_assert_rewrite(
 )
 
 from twophase.participants.sdk.testkit.kit import TOPIC, Kit, SinkFactory, record, records  # noqa: E402
-from twophase.participants.sdk.testkit.suite import CASES, SinkConformance  # noqa: E402
+from twophase.participants.sdk.testkit.suite import (  # noqa: E402
+    CASES,
+    DeleteConformance,
+    SinkConformance,
+)
 
-__all__ = ["CASES", "TOPIC", "Kit", "SinkConformance", "SinkFactory", "record", "records"]
+__all__ = [
+    "CASES",
+    "TOPIC",
+    "DeleteConformance",
+    "Kit",
+    "SinkConformance",
+    "SinkFactory",
+    "record",
+    "records",
+]

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 from twophase.participants.sdk.records import Record
 
-__all__ = ["TOPIC", "ids", "positions_of", "record", "records"]
+__all__ = ["TOPIC", "change", "ids", "positions_of", "record", "records"]
 
 TOPIC = "kit.orders"
 #: 2023-11-14T22:13:20Z: any fixed time works; sinks that partition by date get one date.
@@ -20,6 +20,15 @@ def record(offset: int, *, partition: int = 0, topic: str = TOPIC) -> Record:
     rid = f"{topic}:{partition}:{offset}"
     value = {"id": rid, "n": offset, "text": f"row {offset}"}
     return Record(topic, partition, offset, _T0_MS + offset, None, value, size=len(rid) + 24)
+
+
+def change(offset: int, key: int, *, deleted: bool = False, partition: int = 0) -> Record:
+    """A change at ``offset`` of the key of the kit's record at offset ``key`` (its ``id``):
+    a write of new fields, or with ``deleted`` a delete carrying only the key."""
+    rid = f"{TOPIC}:{partition}:{key}"
+    value = {"id": rid} if deleted else {"id": rid, "n": offset, "text": f"row {offset}"}
+    r = Record(TOPIC, partition, offset, _T0_MS + offset, None, value, size=len(rid) + 24)
+    return r._replace(deleted=True) if deleted else r
 
 
 def records(start: int, count: int, *, partition: int = 0) -> list[Record]:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from twophase.participants.sdk.testkit.kit import Kit, SinkFactory
-from twophase.participants.sdk.testkit.suite import CASES, SinkConformance
+from twophase.participants.sdk.testkit.suite import CASES, DeleteConformance, SinkConformance
 
 MARKER = "twophase_sinkkit"
 
@@ -41,7 +41,7 @@ def twophase_kit(twophase_sink_factory: SinkFactory) -> Iterator[Kit]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         cls = getattr(item, "cls", None)
-        if cls is None or not issubclass(cls, SinkConformance):
+        if cls is None or not issubclass(cls, SinkConformance | DeleteConformance):
             continue
         unknown = set(cls.known_failures) - CASES
         if unknown:

@@ -17,10 +17,17 @@ import pytest
 from twophase.participants.sdk.errors import FatalSinkError, SinkError, UnknownPartError
 from twophase.participants.sdk.records import RawBatch, Record
 from twophase.participants.sdk.sink import Sink
-from twophase.participants.sdk.testkit._records import TOPIC, ids, positions_of, record, records
+from twophase.participants.sdk.testkit._records import (
+    TOPIC,
+    change,
+    ids,
+    positions_of,
+    record,
+    records,
+)
 from twophase.participants.sdk.testkit.kit import Kit
 
-__all__ = ["CASES", "SinkConformance"]
+__all__ = ["CASES", "DeleteConformance", "SinkConformance"]
 
 #: How long one thread of a concurrency case waits for the other; generous for slow stores.
 THREAD_WAIT_S = 120.0
@@ -526,4 +533,89 @@ class SinkConformance:
 
 
 #: Every case's name, for ``known_failures`` checks.
-CASES = frozenset(name for name in vars(SinkConformance) if name.startswith("test_"))
+class DeleteConformance:
+    """The delete cases (change data capture, ``docs/cdc.md``): subclass it next to a
+    ``twophase_sink_factory`` whose ``config`` makes the sink apply deletes keyed on the record
+    value's ``id`` field (e.g. upsert mode with that key), and whose ``committed_ids`` reads the
+    current state (a sink that writes change rows replays them). Keys written, changed and
+    deleted in every order must leave exactly what applying the changes one by one leaves.
+    """
+
+    known_failures: ClassVar[Mapping[str, str]] = {}
+
+    def test_the_sink_as_configured_applies_deletes(self, twophase_kit: Kit) -> None:
+        assert twophase_kit.sink().supports_deletes, (
+            "supports_deletes is False: the factory's config must apply deletes"
+        )
+
+    def test_a_delete_is_applied_at_commit_and_not_before(self, twophase_kit: Kit) -> None:
+        kit = twophase_kit
+        sink = kit.sink()
+        kit.run(sink, kit.part(1), records(0, 3), commit=True)
+        batch = [change(10, 0, deleted=True), change(11, 2)]
+        kit.run(sink, kit.part(2), batch)
+        assert kit.visible() == ids(records(0, 3)), "a prepared delete is visible"
+        sink.commit(kit.part(2))
+        assert kit.visible() == ids(records(1, 2))
+        sink.commit(kit.part(2))  # repeated: nothing more happens
+        assert kit.visible() == ids(records(1, 2))
+
+    def test_the_last_change_of_a_key_wins_within_a_part(self, twophase_kit: Kit) -> None:
+        kit = twophase_kit
+        sink = kit.sink()
+        kit.run(sink, kit.part(1), records(0, 4), commit=True)
+        batch = [
+            change(10, 0),
+            change(11, 0, deleted=True),  # written then deleted: gone
+            change(12, 1, deleted=True),
+            change(13, 1),  # deleted then written: there
+            change(14, 2, deleted=True),
+            change(15, 2, deleted=True),  # deleted twice: gone
+            change(16, 9),
+            change(17, 9, deleted=True),
+            change(18, 9),  # new, deleted, new again: there once
+        ]
+        part = kit.part(2)
+        sink.begin(part)
+        sink.write(part, batch[:4])  # the changes of a key may span writes
+        sink.write(part, batch[4:])
+        sink.prepare(part, positions_of(batch))
+        sink.commit(part)
+        assert kit.visible() == ids([records(1, 1)[0], records(3, 1)[0], records(9, 1)[0]])
+
+    def test_a_delete_then_a_write_in_a_later_part_leaves_the_key(self, twophase_kit: Kit) -> None:
+        kit = twophase_kit
+        sink = kit.sink()
+        kit.run(sink, kit.part(1), records(0, 1), commit=True)
+        kit.run(sink, kit.part(2), [change(1, 0, deleted=True)], commit=True)
+        assert kit.visible() == ids([])
+        kit.run(sink, kit.part(3), [change(2, 0)], commit=True)
+        assert kit.visible() == ids(records(0, 1))
+
+    def test_an_aborted_delete_leaves_the_key(self, twophase_kit: Kit) -> None:
+        kit = twophase_kit
+        sink = kit.sink()
+        kit.run(sink, kit.part(1), records(0, 2), commit=True)
+        kit.run(sink, kit.part(2), [change(5, 0, deleted=True)])
+        sink.abort(kit.part(2))
+        kit.run(sink, kit.part(3), [change(6, 1, deleted=True)], prepare=False)
+        sink.abort(kit.part(3))  # aborted while open
+        assert kit.visible() == ids(records(0, 2))
+
+    def test_a_prepared_delete_is_committed_by_a_new_instance(self, twophase_kit: Kit) -> None:
+        kit = twophase_kit
+        first = kit.sink()
+        kit.run(first, kit.part(1), records(0, 2), commit=True)
+        kit.run(first, kit.part(2), [change(5, 0, deleted=True)])
+        later = kit.sink("w2")  # the process that prepared it is gone; another one decides
+        assert later.in_doubt() == [kit.part(2)]
+        later.commit(kit.part(2))
+        assert kit.visible() == ids(records(1, 1))
+
+
+CASES = frozenset(
+    name
+    for cls in (SinkConformance, DeleteConformance)
+    for name in vars(cls)
+    if name.startswith("test_")
+)
