@@ -1583,14 +1583,17 @@ def test_a_delete_then_a_reinsert_in_a_later_part_leaves_the_row(
 class Model:
     """What applying the changes one by one in order leaves: the reference."""
 
-    def __init__(self, rows: dict[int, dict[str, Any]]) -> None:
+    def __init__(self, rows: dict[int, dict[str, Any]], *, update_only: bool = False) -> None:
         self.rows = {k: dict(v) for k, v in rows.items()}
+        self.update_only = update_only
 
     def apply(self, record: Record) -> None:
         key = record.value["id"]
         if record.deleted:
             self.rows.pop(key, None)
             return
+        if self.update_only and key not in self.rows:
+            return  # update-only: a key with no row changes nothing
         row = self.rows.setdefault(key, {"name": None, "qty": 1, "note": None})
         row.update({k: v for k, v in record.value.items() if k != "id"})
 
@@ -1598,16 +1601,25 @@ class Model:
         return {k: (v["name"], v["qty"], v["note"]) for k, v in self.rows.items()}
 
 
+@pytest.mark.parametrize("mode", ["upsert", "update"])
 @pytest.mark.parametrize("seed", range(6))
 def test_the_last_change_of_a_key_wins_whatever_the_mix_and_the_batching(
-    env: PgEnv, make_sink: MakeSink, seed: int
+    env: PgEnv, make_sink: MakeSink, seed: int, mode: str
 ) -> None:
     """Random inserts, partial updates and deletes over a few keys, cut into random writes and
-    parts: the table always equals applying the changes one by one."""
+    parts: the table always equals applying the changes one by one -- in ``upsert`` mode, and in
+    ``update`` mode where a write to a key with no row changes nothing."""
     rnd = random.Random(seed)
     table = env.table("t", CDC_DDL)
-    sink = make_sink(table, mode="upsert", key=["id"])
-    model = Model({})
+    # Rows for update mode to update (some of them get deleted on the way).
+    env.reader.execute(
+        f"INSERT INTO \"{table}\" (id, name) VALUES (1, 'one'), (2, 'two'), (3, NULL)"
+    )
+    sink = make_sink(table, mode=mode, key=["id"])
+    model = Model(
+        {k: {"name": n, "qty": 1, "note": None} for k, n in [(1, "one"), (2, "two"), (3, None)]},
+        update_only=mode == "update",
+    )
     offset = 0
     for txn in range(1, 5):
         batches: list[list[Record]] = []

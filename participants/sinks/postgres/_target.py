@@ -183,7 +183,7 @@ class _Target(_Connections):
         # ourselves; one column the server must parse from text (enum, array, ...) makes it text.
         self._binary_types = None if None in binary else [b for b in binary if b is not None]
         self._encoder = self._compiled_encoder(conn, mapped)
-        self._stage = self._ensure_stage(conn, mapped) if cfg.mode == "upsert" else None
+        self._stage = self._ensure_stage(conn, mapped) if cfg.mode != "insert" else None
         self._stage_name = None if self._stage is None else self._stage.as_string(conn)
         self._statements.clear()
 
@@ -199,7 +199,7 @@ class _Target(_Connections):
         elif twophase_native is None:
             why = "twophase-native is not installed"
         elif cfg.mode != "insert":
-            why = "upsert mode merges rows per key in Python"
+            why = f"{cfg.mode} mode merges rows per key in Python"
         elif any(m.get is not None for m in mapped):
             why = "nested field paths"
         elif self._binary_types is None:

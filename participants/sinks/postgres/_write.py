@@ -127,8 +127,8 @@ class _WritePath(_Markers):
 
     @property
     def supports_deletes(self) -> bool:
-        """In upsert mode: a delete removes the row of its key (``docs/cdc.md``)."""
-        return self.cfg.mode == "upsert"
+        """In upsert and update mode: a delete removes the row of its key (``docs/cdc.md``)."""
+        return self.cfg.mode != "insert"
 
     def check(self, records: Sequence[Record]) -> Sequence[Rejected]:
         """What the client-side conversion of :meth:`write` refuses (the same code); what the
@@ -241,7 +241,7 @@ class _WritePath(_Markers):
         """Client-side conversion: the hot loop of the sink. Records with every mapped field
         present, non-null and convertible go through the loop compiled for this table's plan
         (:func:`_compile_plan`); the rest, through :meth:`_convert_one`, which gives the reason."""
-        upsert = self.cfg.mode == "upsert"
+        upsert = self.cfg.mode != "insert"  # rows merge per key
         key_idx = self._key_idx
         rows: list[_Row] = []
         by_key: dict[tuple[Any, ...], _Row] = {}
@@ -535,13 +535,30 @@ class _WritePath(_Markers):
                 if updates
                 else sql.SQL("DO NOTHING")
             )
-            merge = sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {} ON CONFLICT ({}) {}").format(
-                self._target,
-                names,
-                names,
-                self._stage,
-                sql.SQL(", ").join(map(sql.Identifier, self.cfg.key)),
-                action,
-            )
+            if self.cfg.mode == "update":
+                # Update-only: a staged row whose key has no row in the target changes nothing.
+                merge = (
+                    sql.SQL("UPDATE {} AS t SET {} FROM {} AS s WHERE {}").format(
+                        self._target,
+                        sql.SQL(", ").join(
+                            sql.SQL("{0} = s.{0}").format(sql.Identifier(c.name)) for c in updates
+                        ),
+                        self._stage,
+                        sql.SQL(" AND ").join(
+                            sql.SQL("t.{0} = s.{0}").format(sql.Identifier(k)) for k in self.cfg.key
+                        ),
+                    )
+                    if updates
+                    else sql.SQL("SELECT 1").format()  # only the key: nothing to update
+                )
+            else:
+                merge = sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {} ON CONFLICT ({}) {}").format(
+                    self._target,
+                    names,
+                    names,
+                    self._stage,
+                    sql.SQL(", ").join(map(sql.Identifier, self.cfg.key)),
+                    action,
+                )
         self._statements[mask] = (copy, merge)
         return copy, merge

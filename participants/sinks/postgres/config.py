@@ -51,9 +51,14 @@ class PostgresSinkConfig(SinkConfig):
     password: SecretStr | None = None
     #: Target table, optionally ``schema.table``. Names are exact (case-sensitive), not folded.
     table: str = Field(min_length=1)
-    #: ``insert``: one row per record. ``upsert``: one row per ``key``, the latest record wins.
-    mode: Literal["insert", "upsert"] = "insert"
-    #: Upsert key: target columns with a unique index or primary key on exactly these columns.
+    #: ``insert``: one row per record. ``upsert``: one row per ``key``, the latest record wins:
+    #: a record whose key has no row inserts one, else it updates the columns whose fields it
+    #: carries (an absent field leaves its column as it is: a partial update). ``update``: the
+    #: same update, but a record whose key has no row changes nothing (update-only). Deletes
+    #: apply in ``upsert`` and ``update`` (``docs/cdc.md``).
+    mode: Literal["insert", "upsert", "update"] = "insert"
+    #: Key of ``upsert`` and ``update``: target columns with a unique index or primary key on
+    #: exactly these columns (``update`` needs only the columns).
     key: list[str] = Field(default_factory=list, validate_default=True)
     #: Target column -> JSON field (``a.b`` for nested). Default: every table column, fed from
     #: the same-named field. An absent field leaves the column to its DEFAULT on insert and
@@ -95,10 +100,10 @@ class PostgresSinkConfig(SinkConfig):
     @classmethod
     def _key_for_upsert(cls, value: list[str], info: ValidationInfo) -> list[str]:
         mode = info.data.get("mode")
-        if mode == "upsert" and not value:
-            raise ValueError("required (one or more target columns) when mode is 'upsert'")
+        if mode in ("upsert", "update") and not value:
+            raise ValueError(f"required (one or more target columns) when mode is {mode!r}")
         if mode == "insert" and value:
-            raise ValueError("only used when mode is 'upsert'")
+            raise ValueError("only used when mode is 'upsert' or 'update'")
         if len(set(value)) != len(value):
             raise ValueError("names a column twice")
         return value
