@@ -950,3 +950,50 @@ def test_a_delete_without_its_key_is_rejected(make_sink: MakeSink, db: Database[
     rejected = run_part(sink, PartId("p1", 1, "w1"), [delete(0, {"q": 1}), rec(1, {"sku": "k"})])
     assert [r.reason for r in rejected] == ["a delete needs its key: key field 'sku' is missing"]
     assert ids(db.target) == ["k"]
+
+
+@pytest.mark.parametrize("versioned", [False, True])
+@pytest.mark.parametrize(
+    ("mode", "partial", "chunk"),
+    [
+        ("upsert", False, 1000),
+        ("upsert", True, 3),
+        ("upsert", True, 1000),
+        ("update", False, 3),
+        ("update", True, 1000),
+    ],
+)
+def test_the_last_change_of_a_key_wins_in_every_mode(
+    make_sink: MakeSink, db: Database[Doc], mode: str, partial: bool, chunk: int, versioned: bool
+) -> None:
+    """Random writes of some fields and deletes over a few keys, in random parts and chunks: the
+    collection equals applying the changes one by one -- a write replaces the document (or,
+    ``partial``, sets its fields), ``update`` mode never creates one, a delete removes it."""
+    db.target.insert_many([{"_id": k, "sku": k, "seed": True} for k in ("a", "b")])
+    model: dict[str, Doc] = {k: {"sku": k, "seed": True} for k in ("a", "b")}
+    sink = make_sink(
+        mode=mode,
+        key=["sku"],
+        partial=partial,
+        commit_chunk_size=chunk,
+        version_field="_v" if versioned else None,
+    )
+    rnd = random.Random(f"{mode}{partial}")
+    offset = 0
+    for txn in range(1, 5):
+        batch = []
+        for _ in range(rnd.randint(1, 30)):
+            sku = rnd.choice("abcd")
+            if rnd.random() < 0.3:
+                batch.append(delete(offset, {"sku": sku}))
+                model.pop(sku, None)
+            else:
+                fields = {f: offset for f in rnd.sample(["x", "y", "z"], rnd.randint(1, 3))}
+                batch.append(rec(offset, {"sku": sku, **fields}))
+                if sku in model or mode == "upsert":
+                    base = model.get(sku, {}) if partial else {}
+                    model[sku] = {**base, "sku": sku, **fields}
+            offset += 1
+        assert run_part(sink, PartId("p1", txn, "w1"), batch) == []
+        got = {d.pop("_id"): d for d in db.target.find({}, {"_v": 0})}
+        assert got == model, f"{mode} partial={partial} txn {txn}"

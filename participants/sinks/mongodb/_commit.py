@@ -20,6 +20,7 @@ import threading
 from datetime import UTC, datetime
 from typing import Any
 
+import bson
 import pymongo
 from bson.raw_bson import RawBSONDocument
 from pymongo import ASCENDING, DeleteOne, ReplaceOne, UpdateOne
@@ -366,21 +367,30 @@ class Committer:
         return True
 
     def _apply(self, part: PartId, chunk: list[RawBSONDocument], session: ClientSession) -> int:
-        """Replace-upsert the chunk's documents into the target and delete the deleted ones,
-        the last change per ``_id`` winning."""
+        """Apply the chunk's changes to the target, the last change per ``_id`` winning: a
+        document replaces (or, ``partial``, sets its fields on) its key's, a delete removes it;
+        a write after a delete in the chunk starts a new document (the delete is applied
+        first)."""
+        cfg = self.store.cfg
+        keyed = cfg.mode != "insert"
         latest: dict[bytes, RawBSONDocument] = {}
         deleted: dict[bytes, Any] = {}
+        merged: dict[bytes, Doc] = {}  # partial: the fields the key's writes set, merged
         for staged in chunk:
             doc = staged["doc"]
             key = id_key(doc["_id"])
-            latest.pop(key, None)  # keep the order of the last occurrence
-            deleted.pop(key, None)
             if staged.get("delete"):
+                latest.pop(key, None)
+                merged.pop(key, None)
                 deleted[key] = doc["_id"]
-            else:
-                latest[key] = doc
-        vf = self.store.cfg.version_field if self.store.cfg.mode == "upsert" else None
-        ops: list[ReplaceOne[RawBSONDocument] | UpdateOne | DeleteOne]
+                continue
+            # A delete before this write stays: applied first, it makes the write a new document.
+            latest.pop(key, None)  # keep the order of the last occurrence
+            latest[key] = doc
+            if cfg.partial and keyed:
+                merged.setdefault(key, {}).update(bson.decode(doc.raw))
+        vf = cfg.version_field if keyed else None
+        ops: list[ReplaceOne[RawBSONDocument] | UpdateOne | DeleteOne] = []
         if vf and latest:
             # A newer part may have deleted a key already (a commit applied out of order): its
             # tombstone keeps this older write from bringing the document back.
@@ -396,33 +406,56 @@ class Committer:
                 )
             }
             latest = {k: d for k, d in latest.items() if k not in gone}
-        if vf:
-            # One server-side step per key, no read round trip: keep the stored document when
-            # this pipeline already wrote it from a later transaction, else replace it.
-            newer = {
-                "$and": [
-                    {"$eq": [f"${vf}.pipeline", part.pipeline]},
-                    {"$in": [{"$type": f"${vf}.txn"}, ["int", "long"]]},
-                    {"$gt": [f"${vf}.txn", part.txn]},
-                ]
-            }
-            ops = [
-                UpdateOne(
-                    {"_id": doc["_id"]},
-                    [{"$replaceWith": {"$cond": [newer, "$$ROOT", {"$literal": doc}]}}],
-                    upsert=True,
-                )
-                for doc in latest.values()
-            ]
-        else:
-            ops = [ReplaceOne({"_id": doc["_id"]}, doc, upsert=True) for doc in latest.values()]
         if deleted:
             ops += self._deletes(part, list(deleted.values()), vf, session)
+        insert = cfg.mode != "update"
+        for key, doc in latest.items():
+            if cfg.partial and keyed:
+                ops.append(self._set(part, merged[key], vf, insert))
+            else:
+                ops.append(self._replace(part, doc, vf, insert))
         if ops:
             self.store.target.with_options(codec_options=RAW).bulk_write(
                 ops, ordered=True, session=session
             )
         return len(ops)
+
+    @staticmethod
+    def _newer(part: PartId, vf: str) -> Doc:
+        """True of a stored document this pipeline wrote from a later transaction."""
+        return {
+            "$and": [
+                {"$eq": [f"${vf}.pipeline", part.pipeline]},
+                {"$in": [{"$type": f"${vf}.txn"}, ["int", "long"]]},
+                {"$gt": [f"${vf}.txn", part.txn]},
+            ]
+        }
+
+    def _replace(
+        self, part: PartId, doc: RawBSONDocument, vf: str | None, upsert: bool
+    ) -> ReplaceOne[RawBSONDocument] | UpdateOne:
+        """``doc`` replaces its key's document (inserted when absent and ``upsert``); with
+        ``version_field``, one server-side step and no read: a document this pipeline wrote from
+        a later transaction stays."""
+        if not vf:
+            return ReplaceOne({"_id": doc["_id"]}, doc, upsert=upsert)
+        return UpdateOne(
+            {"_id": doc["_id"]},
+            [{"$replaceWith": {"$cond": [self._newer(part, vf), "$$ROOT", {"$literal": doc}]}}],
+            upsert=upsert,
+        )
+
+    def _set(self, part: PartId, fields: Doc, vf: str | None, upsert: bool) -> UpdateOne:
+        """``partial``: set ``fields`` on their key's document, leaving its other fields."""
+        doc_id = fields["_id"]
+        if not vf:
+            return UpdateOne({"_id": doc_id}, {"$set": fields}, upsert=upsert)
+        merged = {"$mergeObjects": ["$$ROOT", {"$literal": fields}]}
+        return UpdateOne(
+            {"_id": doc_id},
+            [{"$replaceWith": {"$cond": [self._newer(part, vf), "$$ROOT", merged]}}],
+            upsert=upsert,
+        )
 
     def _deletes(
         self, part: PartId, ids: list[Any], vf: str | None, session: ClientSession

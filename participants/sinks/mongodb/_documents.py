@@ -52,8 +52,8 @@ class Documents:
         body: Doc
         if record.deleted:
             # A delete stages the key only; the commit deletes the document of that _id.
-            if self.cfg.mode != "upsert":
-                raise Reject("a delete needs mode: upsert (a key to delete by)")
+            if self.cfg.mode == "insert":
+                raise Reject("a delete needs mode: upsert or update (a key to delete by)")
             try:
                 doc_id = self.key_of(value)
             except Reject as exc:

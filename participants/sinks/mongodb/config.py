@@ -25,9 +25,14 @@ class MongoSinkConfig(SinkConfig):
     database: str
     #: The target collection.
     collection: str
-    #: ``insert``: one document per record, ``_id`` = record id. ``upsert``: one document per key.
-    mode: Literal["insert", "upsert"] = "insert"
-    #: Top-level value fields that form the document key (``mode: upsert`` only).
+    #: ``insert``: one document per record, ``_id`` = record id. ``upsert``: one document per key,
+    #: inserted when absent. ``update``: one document per key, a record whose key has no
+    #: document changes nothing (update-only). Deletes apply in ``upsert`` and ``update``.
+    mode: Literal["insert", "upsert", "update"] = "insert"
+    #: ``upsert``/``update``: False, a record replaces its key's document; True, it sets the
+    #: fields it carries (``$set``) and leaves the document's other fields as they are.
+    partial: bool = False
+    #: Top-level value fields that form the document key (``upsert`` and ``update`` only).
     key: list[str] = Field(default_factory=list, validate_default=True)
     #: Where parts wait for their decision; default ``<collection>__twophase_staging``.
     staging_collection: str | None = None
@@ -94,10 +99,12 @@ class MongoSinkConfig(SinkConfig):
     @classmethod
     def _check_key(cls, value: list[str], info: ValidationInfo) -> list[str]:
         mode = info.data.get("mode", "insert")
-        if mode == "upsert" and not value:
-            raise ValueError("required when mode is 'upsert': the fields that identify a document")
+        if mode in ("upsert", "update") and not value:
+            raise ValueError(f"required when mode is {mode!r}: the fields that identify a document")
         if mode == "insert" and value:
-            raise ValueError("only used when mode is 'upsert' (insert mode keys by record id)")
+            raise ValueError(
+                "only used when mode is 'upsert' or 'update' (insert mode keys by record id)"
+            )
         for name in value:
             if not name or name.startswith("$") or "." in name or "\x00" in name:
                 raise ValueError(f"{name!r}: key fields are top-level field names without $ or '.'")

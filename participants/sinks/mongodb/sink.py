@@ -212,8 +212,8 @@ class MongoSink(sdk.BatchingSink):
 
     @property
     def supports_deletes(self) -> bool:
-        """In upsert mode: a delete removes the document of its key (``docs/cdc.md``)."""
-        return self.cfg.mode == "upsert"
+        """In upsert and update mode: a delete removes the document of its key."""
+        return self.cfg.mode != "insert"
 
     def check(self, records: Sequence[sdk.Record]) -> Sequence[sdk.Rejected]:
         """What :meth:`write` would refuse: the same staging code on a stand-in part of the
