@@ -32,7 +32,13 @@ from twophase.participants.sdk import (
     SinkError,
     UnknownPartError,
 )
-from twophase.participants.sdk.testkit import CASES, Kit, SinkConformance, SinkFactory
+from twophase.participants.sdk.testkit import (
+    CASES,
+    DeleteConformance,
+    Kit,
+    SinkConformance,
+    SinkFactory,
+)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "twophase-sqlite-sink"
 if str(EXAMPLE) not in sys.path:  # also in the kit's crashing child, which re-imports this module
@@ -401,6 +407,68 @@ class CheckStages(SqliteSink):
         self._open_part = part
 
 
+# -- mutants of the sink with ``key`` (deletes) ------------------------------------------------
+
+
+class SaysItCannotDelete(SqliteSink):
+    @property
+    def supports_deletes(self) -> bool:
+        return False
+
+
+class DeletesRightAway(SqliteSink):
+    """A delete removes the row when it is written, not at commit."""
+
+    def stage(self, part: PartId, records: Sequence[Record]) -> list[Rejected]:
+        with self._tx("write", AbortTransactionError) as db:
+            for r in records:
+                if r.deleted:
+                    db.execute(f'DELETE FROM {self._target} WHERE "id" = ?', (r.value["id"],))
+        return super().stage(part, [r for r in records if not r.deleted])
+
+
+class DeletesAfterWrites(SqliteSink):
+    """The commit applies the part's writes, then its deletes: the order within a part is lost."""
+
+    def _apply(self, db: sqlite3.Connection, part: PartId) -> None:
+        t = (part.token,)
+        db.execute(f'DELETE FROM {self._target} WHERE "id" IN (SELECT "id" FROM {self._stage}'
+                   " WHERE _part = ?)", t)  # fmt: skip
+        db.execute(f"INSERT INTO {self._target} ({self._cols}) SELECT {self._cols}"
+                   f" FROM {self._stage} s WHERE _part = ?1 AND _seq = (SELECT max(_seq)"
+                   f' FROM {self._stage} WHERE _part = ?1 AND "id" = s."id")', t)  # fmt: skip
+        db.execute(f'DELETE FROM {self._target} WHERE "id" IN (SELECT _key FROM {self._deletes}'
+                   " WHERE _part = ?)", t)  # fmt: skip
+
+
+class DeletedKeysStayDeleted(SqliteSink):
+    """A delete leaves a tombstone that nothing ever clears: the key can never come back."""
+
+    def _apply(self, db: sqlite3.Connection, part: PartId) -> None:
+        db.execute("CREATE TABLE IF NOT EXISTS gone (_key PRIMARY KEY)")
+        super()._apply(db, part)
+        db.execute('DELETE FROM "orders" WHERE "id" IN (SELECT _key FROM gone)')
+        db.execute(f"INSERT OR IGNORE INTO gone SELECT _key FROM {self._deletes} WHERE _part = ?",
+                   (part.token,))  # fmt: skip
+
+
+class DeletesInMemory(SqliteSink):
+    """Deletes are kept by the process until the commit: a new instance never applies them."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._held: dict[str, list[Record]] = {}
+
+    def stage(self, part: PartId, records: Sequence[Record]) -> list[Rejected]:
+        self._held.setdefault(part.token, []).extend(r for r in records if r.deleted)
+        return super().stage(part, [r for r in records if not r.deleted])
+
+    def _apply(self, db: sqlite3.Connection, part: PartId) -> None:
+        super()._apply(db, part)
+        for r in self._held.pop(part.token, []):
+            db.execute(f'DELETE FROM {self._target} WHERE "id" = ?', (r.value["id"],))
+
+
 #: mutant -> the cases it must fail ("name[param]" for one parameter of a parametrized case).
 MUTANTS: dict[type[SqliteSink], set[str]] = {
     VisibleBeforeCommit: {
@@ -457,6 +525,18 @@ MUTANTS: dict[type[SqliteSink], set[str]] = {
     CheckRefusesWhatWriteStores: {"test_check_refuses_only_what_write_refuses_and_writes_nothing"},
     CheckStages: {"test_check_refuses_only_what_write_refuses_and_writes_nothing"},
 }
+#: The mutants of DeleteConformance's cases: the sink configured with ``key: id``.
+DELETE_MUTANTS: dict[type[SqliteSink], set[str]] = {
+    SaysItCannotDelete: {"test_the_sink_as_configured_applies_deletes"},
+    DeletesRightAway: {
+        "test_a_delete_is_applied_at_commit_and_not_before",
+        "test_an_aborted_delete_leaves_the_key",
+    },
+    DeletesAfterWrites: {"test_the_last_change_of_a_key_wins_within_a_part"},
+    DeletedKeysStayDeleted: {"test_a_delete_then_a_write_in_a_later_part_leaves_the_key"},
+    DeletesInMemory: {"test_a_prepared_delete_is_committed_by_a_new_instance"},
+}
+MUTANTS.update(DELETE_MUTANTS)
 
 
 def _factory(path: Path, sink_class: type[SqliteSink]) -> SinkFactory:
@@ -472,6 +552,7 @@ def _factory(path: Path, sink_class: type[SqliteSink]) -> SinkFactory:
             "path": str(path),
             "table": "orders",
             "columns": {"id": "TEXT NOT NULL", "n": "INTEGER CHECK (n >= 0)", "text": "TEXT"},
+            "key": "id" if sink_class in DELETE_MUTANTS else None,
         },
         committed_ids=committed_ids,
         bad_value={"id": "refused", "n": -1, "text": "x"},
@@ -491,7 +572,8 @@ def run_case(tmp_path: Path) -> Iterator[Callable[[type[SqliteSink], str], None]
         kit = Kit(_factory(tmp_path / f"{sink_class.__name__}.db", sink_class))
         kits.append(kit)
         base, args = _case(name)
-        getattr(SinkConformance(), base)(kit, *args)
+        suite = DeleteConformance() if sink_class in DELETE_MUTANTS else SinkConformance()
+        getattr(suite, base)(kit, *args)
 
     yield run
     for kit in kits:
