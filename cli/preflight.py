@@ -77,6 +77,10 @@ def live_checks(
                     f"control topic {name} has {len(meta.partitions)} partitions; the protocol "
                     "needs exactly 1"
                 )
+        for source in cfg.sources:
+            if source.topic_pattern:
+                matched = [t for t in cfg.resolve_topics(topics) if cfg.source_for(t) is source]
+                result["topics"][source.name] = f"{len(matched)} topics match"
     # The participant's own start-up step: every sink's setup(), retrying retriable errors.
     sinks, errors = open_sinks(cfg, retry_s=timeout_s, progress=progress)
     for sink in sinks:

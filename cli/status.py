@@ -169,8 +169,7 @@ def pipeline_status(
         md = probe.list_topics(timeout=CALL_TIMEOUT_S)
         tps = [
             TopicPartition(t, p)
-            for t in cfg.source_topics
-            if t in md.topics
+            for t in cfg.resolve_topics(md.topics)
             for p in sorted(md.topics[t].partitions)
         ]
         committed = {

@@ -210,6 +210,7 @@ class CoordinatorMachine:
     def __init__(self, settings: CoordinatorSettings) -> None:
         self.settings = settings
         self.partitions: frozenset[TP] = frozenset()
+        self.recheck = False
         self.group_offsets: dict[TP, int] = {}
         self._reset()
 
@@ -249,6 +250,8 @@ class CoordinatorMachine:
         if isinstance(event, LeadershipLost):
             return self._step_down(event.reason)
         if isinstance(event, SourcePartitions):
+            # A cycle waiting on partitions the metadata did not show is looked at again.
+            self.recheck = self.recheck or event.partitions != self.partitions
             self.partitions = event.partitions
             self.group_offsets = dict(event.group_offsets)
             return []
@@ -376,10 +379,10 @@ class CoordinatorMachine:
                     )
                 if pr.end < pr.start:
                     return self._abort(f"{pr.topic}[{pr.partition}] ends before it starts", now)
-        unknown = set(covered) - self.partitions
-        if unknown and self.partitions:
-            return self._abort(f"votes name partitions that do not exist: {sorted(unknown)}", now)
-        if not self.partitions or set(covered) != self.partitions:
+        # Partitions the metadata does not show yet (a new topic, added partitions) are waited
+        # for until the deadline: the next metadata refresh may bring them.
+        required = self._required(busy)
+        if not required or set(covered) != required:
             return []  # keep waiting for the rest, until the deadline
         parts = tuple(
             Part(v.participant, v.generation, v.sinks)
@@ -397,6 +400,16 @@ class CoordinatorMachine:
             positions=tuple(Position(t, p, o) for (t, p), o in sorted(positions.items())),
         )
         return self._decide(decision, now)
+
+    def _required(self, busy: list[Vote]) -> frozenset[TP]:
+        """The partitions the votes must cover: every source partition of a topic some
+        non-empty vote subscribed to (a vote without ``topics``: of every topic). A topic no
+        voter reads yet -- a new one a pattern matches, which the participants pick up after the
+        coordinator -- waits for them; its positions stay where they are."""
+        if any(v.topics is None for v in busy):
+            return self.partitions
+        topics = {t for v in busy for t in v.topics or ()}
+        return frozenset(tp for tp in self.partitions if tp[0] in topics)
 
     def _committed_position(self, tp: TP) -> int | None:
         if tp in self.log.positions:
@@ -512,13 +525,21 @@ class CoordinatorMachine:
                 return [Publish(self.outbox)]
             return []
         if self.phase is Phase.COLLECTING and self.cycle is not None:
+            if self.recheck and now < self.cycle.deadline_ms:
+                self.recheck = False
+                return self._evaluate(self.cycle, now)
             if now >= self.cycle.deadline_ms:
-                missing = self.partitions - {
-                    (p.topic, p.partition) for v in self.cycle.votes.values() for p in v.partitions
-                }
+                votes = self.cycle.votes.values()
+                claimed = {(p.topic, p.partition) for v in votes for p in v.partitions}
+                missing = self._required([v for v in votes if v.partitions]) - claimed
+                unknown = claimed - self.partitions
+                why = f"no vote covered {_fmt(missing)}" if missing or not unknown else ""
+                if unknown:
+                    why += "; " if why else ""
+                    why += f"votes name partitions the metadata does not show: {_fmt(unknown)}"
                 return self._abort(
-                    f"vote timeout after {self.settings.vote_timeout_ms} ms: no vote covered "
-                    f"{_fmt(missing)}; voters: {sorted(self.cycle.votes) or 'none'}",
+                    f"vote timeout after {self.settings.vote_timeout_ms} ms: {why}; "
+                    f"voters: {sorted(self.cycle.votes) or 'none'}",
                     now,
                 )
             return []

@@ -51,6 +51,7 @@ from twophase.errors import FatalError, FencedError
 from twophase.faults import crash_point
 from twophase.kafka import (
     CALL_TIMEOUT_S,
+    TOPIC_REFRESH_S,
     ControlPublisher,
     await_broker,
     client_settings,
@@ -68,8 +69,6 @@ log = logging.getLogger("twophase.coordinator")
 
 #: Main-loop poll: the granularity of ticks, so of vote deadlines and commit intervals.
 POLL_S = 0.02
-#: Source partitions are re-read this often, so added partitions join the next cycles.
-PARTITION_REFRESH_S = 10.0
 #: The leader compares the source partitions' ends with its commits' positions this often
 #: (more often when the stall alarm is set shorter).
 STALL_CHECK_S = 10.0
@@ -205,7 +204,7 @@ class CoordinatorRuntime:
             [self.cfg.control_topic], on_assign=self._on_assign, on_revoke=self._on_revoke
         )
         self._refresh_partitions()
-        next_refresh = time.monotonic() + PARTITION_REFRESH_S
+        next_refresh = time.monotonic() + TOPIC_REFRESH_S
         log.info(
             "coordinator %s for pipeline %s waiting for leadership",
             self.instance,
@@ -220,7 +219,7 @@ class CoordinatorRuntime:
                     self._on_message(msg)
                 self._execute(self.machine.handle(Tick(_now_ms())))
                 if time.monotonic() >= next_refresh:
-                    next_refresh = time.monotonic() + PARTITION_REFRESH_S
+                    next_refresh = time.monotonic() + TOPIC_REFRESH_S
                     self._refresh_partitions()
                 self._watch_stalls()
         finally:
@@ -458,7 +457,11 @@ class CoordinatorRuntime:
                 raise FatalError(
                     f"source topic {topic} does not exist (run `twophase topics create`)"
                 )
-            tps.update((topic, p) for p in t.partitions)
+        for topic in self.cfg.resolve_topics(md.topics):
+            if (t := md.topics[topic]).error is None:  # one being created or deleted: next time
+                tps.update((topic, p) for p in t.partitions)
+        if self.cfg.has_topic_patterns and tps != self.machine.partitions:
+            log.info("source partitions: %s", _fmt_topics(tps))
         try:
             committed = self.group_handle.committed(
                 [TopicPartition(t, p) for t, p in sorted(tps)], timeout=CALL_TIMEOUT_S
@@ -552,3 +555,10 @@ class CoordinatorRuntime:
                 partition,
                 extra={"topic": topic, "partition": partition},
             )
+
+
+def _fmt_topics(tps: set[tuple[str, int]]) -> str:
+    counts: dict[str, int] = {}
+    for t, _p in tps:
+        counts[t] = counts.get(t, 0) + 1
+    return ", ".join(f"{t} ({n})" for t, n in sorted(counts.items())) or "none"

@@ -102,6 +102,9 @@ class Assigned:
     generation: int
     member_id: str
     offsets: Mapping[TP, int]
+    #: The source topics the consumer subscribed to for this assignment (its votes carry them:
+    #: the coordinator's coverage rule); None: every source topic.
+    topics: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,6 +311,7 @@ class ParticipantMachine:
         self.caught_up = False
         self.generation = -1
         self.member_id = ""
+        self.topics: tuple[str, ...] | None = None
         self.assigned = False
         #: Where the next part starts, per assigned partition.
         self.base: dict[TP, int] = {}
@@ -530,6 +534,7 @@ class ParticipantMachine:
         self.open = None
         self.generation = event.generation
         self.member_id = event.member_id
+        self.topics = event.topics
         self.assigned = True
         self.fallback = dict(event.offsets)
         self.base = {tp: self._start_of(tp) for tp in event.offsets}
@@ -658,6 +663,7 @@ class ParticipantMachine:
                 vote=VoteValue.PREPARED,
                 partitions=ranges,
                 sinks=sinks,
+                topics=self.topics,
             )
         )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,6 +25,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from twophase.errors import ConfigError
@@ -111,7 +112,14 @@ class DebeziumConfig(_Strict):
 
 class SourceConfig(_Strict):
     #: A source topic the participants consume (one consumer group for the whole pipeline).
-    topic: str = Field(min_length=1)
+    #: Set ``topic`` or ``topic_pattern``.
+    topic: str = ""
+    #: A Python regular expression a whole topic name must match (``re.fullmatch``): every
+    #: matching topic is a source, and topics created while the pipeline runs join it within
+    #: ``TOPIC_REFRESH_S`` (10 s). Internal topics (``__*``) and the pipeline's own control and
+    #: dead-letter topics never match. A topic named by another source's ``topic`` is that
+    #: source's; one matching several patterns belongs to the first.
+    topic_pattern: str = ""
     #: How record values are decoded. ``json``: one JSON object per record (a Kafka Connect
     #: ``{schema, payload}`` envelope is not unwrapped: its fields are the record's).
     #: ``debezium``: Debezium change events as JSON, with or without the Kafka Connect
@@ -140,6 +148,27 @@ class SourceConfig(_Strict):
     partitions: int = Field(default=4, ge=1)
     #: Replication factor when ``twophase topics create`` makes the topic.
     replication_factor: int = Field(default=3, ge=1)
+
+    @field_validator("topic_pattern")
+    @classmethod
+    def _pattern_compiles(cls, value: str) -> str:
+        if value:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"not a regular expression: {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _topic_or_pattern(self) -> SourceConfig:
+        if bool(self.topic) == bool(self.topic_pattern):
+            raise ValueError("set exactly one of topic and topic_pattern")
+        return self
+
+    @property
+    def name(self) -> str:
+        """How logs and errors name the source: its topic, or its pattern."""
+        return self.topic or f"/{self.topic_pattern}/"
 
     @field_validator("debezium")
     @classmethod
@@ -298,7 +327,31 @@ class PipelineConfig(_Strict):
 
     @property
     def source_topics(self) -> list[str]:
-        return [s.topic for s in self.sources]
+        """The topics the sources name (``topic``); a ``topic_pattern``'s are found in Kafka's
+        metadata (:meth:`resolve_topics`)."""
+        return [s.topic for s in self.sources if s.topic]
+
+    @property
+    def has_topic_patterns(self) -> bool:
+        return any(s.topic_pattern for s in self.sources)
+
+    def source_for(self, topic: str) -> SourceConfig | None:
+        """The source ``topic`` belongs to: the one naming it, else the first pattern it
+        matches (never an internal topic or the pipeline's own control or dead-letter topic)."""
+        for source in self.sources:
+            if source.topic == topic:
+                return source
+        if topic.startswith("__") or topic in (self.control_topic, self.dead_letter_topic):
+            return None
+        for source in self.sources:
+            if source.topic_pattern and re.fullmatch(source.topic_pattern, topic):
+                return source
+        return None
+
+    def resolve_topics(self, existing: Iterable[str]) -> list[str]:
+        """The source topics among ``existing`` (a broker's topic names), sorted: those the
+        sources name and those their patterns match."""
+        return sorted({t for t in existing if self.source_for(t) is not None})
 
 
 def _resolve(value: Any, path: str, source: str) -> Any:

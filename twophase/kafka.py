@@ -65,6 +65,10 @@ log.addFilter(_collapse_repeats)
 #: How long a blocking Kafka call may take before we call it a failure. Broker restarts take
 #: a few seconds; longer than this and the caller's own retry/abort logic should decide.
 CALL_TIMEOUT_S = 30.0
+#: Source topics and partitions are re-read from Kafka's metadata this often, by the coordinator
+#: and by every participant: added partitions and new topics a ``topic_pattern`` matches join the
+#: pipeline within this time.
+TOPIC_REFRESH_S = 10.0
 #: A handshake failure that could be a broker going down mid-handshake (a disconnect, an
 #: unexpected EOF) is fatal only when it keeps coming, with no broker reached in between, for
 #: this long: a broker restart lasts seconds, a wrong security.protocol lasts forever.

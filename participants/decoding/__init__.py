@@ -11,12 +11,13 @@ before anything starts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from confluent_kafka import Message
 
-from twophase.config import SourceConfig
+from twophase.config import PipelineConfig, SourceConfig
 from twophase.participants.decoding.base import Decoded, Decoder, Deletion, Headers, Undecodable
 from twophase.participants.decoding.debezium import DebeziumDecoder
 from twophase.participants.decoding.json import JsonDecoder
@@ -48,16 +49,24 @@ def decoder_for(source: SourceConfig) -> Decoder:
     return DECODERS[source.format](source)
 
 
-def source_decoder(sources: Sequence[SourceConfig]) -> Decoder:
+def source_decoder(cfg: PipelineConfig) -> Decoder:
     """One decoder for every source topic of a pipeline: the source's own when there is one
-    (the hot path), else one that hands each topic's messages to its source's."""
-    if len(sources) == 1:
-        return decoder_for(sources[0])
-    decoders = {s.topic: decoder_for(s) for s in sources}
-    first = decoders[sources[0].topic]
-    if all(type(d) is type(first) and d.options == first.options for d in decoders.values()):
+    (the hot path), else one that hands each topic's messages to the decoder of the source the
+    topic belongs to (``cfg.source_for``: named, or matched by a pattern)."""
+    sources = cfg.sources
+    decoders = [decoder_for(s) for s in sources]
+    first = decoders[0]
+    if all(type(d) is type(first) and d.options == first.options for d in decoders):
         return first
-    return _ByTopic(decoders)
+    by_source = {id(s): d for s, d in zip(sources, decoders, strict=True)}
+
+    def pick(topic: str) -> Decoder:
+        source = cfg.source_for(topic)
+        if source is None:  # the participants subscribe only to topics of a source
+            raise LookupError(f"topic {topic!r} belongs to no source of pipeline {cfg.pipeline}")
+        return by_source[id(source)]
+
+    return _ByTopic(functools.cache(pick), decoders)
 
 
 def can_delete(sources: Sequence[SourceConfig]) -> bool:
@@ -70,16 +79,16 @@ class _ByTopic(Decoder):
 
     format = "per source"
 
-    def __init__(self, by_topic: dict[str, Decoder]) -> None:
-        self.by_topic = by_topic
-        self.raw_values = all(d.raw_values for d in by_topic.values())
-        self.deletes = any(d.deletes for d in by_topic.values())
+    def __init__(self, pick: Callable[[str], Decoder], decoders: Sequence[Decoder]) -> None:
+        self.pick = pick
+        self.raw_values = all(d.raw_values for d in decoders)
+        self.deletes = any(d.deletes for d in decoders)
 
     def decode_value(self, value: bytes, headers: Headers) -> dict[str, Any] | str:
         raise TypeError("a per-source decoder decodes messages, which name their topic")
 
     def decode_message(self, m: Message) -> Record | str:
-        return self.by_topic[m.topic() or ""].decode_message(m)
+        return self.pick(m.topic() or "").decode_message(m)
 
     def decode_batch(
         self, msgs: Sequence[Message], max_record_bytes: int, decode: bool = True
@@ -89,7 +98,7 @@ class _ByTopic(Decoder):
             groups.setdefault(m.topic() or "", []).append(m)
         out = Decoded([], [], {}, {}, 0, [], [], self)
         for topic, group in groups.items():
-            part = self.by_topic[topic].decode_batch(group, max_record_bytes, decode)
+            part = self.pick(topic).decode_batch(group, max_record_bytes, decode)
             out.records += part.records
             out.bad += part.bad
             out.last.update(part.last)  # (topic, partition) keys: disjoint across topics

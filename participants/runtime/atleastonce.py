@@ -34,6 +34,7 @@ from twophase.participants.runtime.batch import (
     quiet_gc,
     write_batch,
 )
+from twophase.participants.runtime.subscription import Subscription
 from twophase.participants.sdk import PartId, Sink, SinkError
 from twophase.retry import STORE_OR_KAFKA, STORE_WAIT_S
 
@@ -59,7 +60,7 @@ class AtLeastOnceRuntime:
         self.me = participant_id or cfg.participant_id
         self.metrics = metrics or Metrics(cfg.pipeline, "participant")
         self.sinks, self.producer, self.dlq = open_writers(cfg, self.me, self.metrics, sinks)
-        self.decoder = source_decoder(cfg.sources)
+        self.decoder = source_decoder(cfg)
         self.stop_event = threading.Event()
         self.consumer = Consumer(
             client_settings(
@@ -76,6 +77,7 @@ class AtLeastOnceRuntime:
                 },
             )
         )
+        self.subscription = Subscription(cfg, self.consumer, self._on_assign, self._on_revoke)
         self._assigned = False
         self.health = HealthServer(self.metrics, ready=lambda: self._assigned, status=self.status)
         self._txn = 0
@@ -107,9 +109,7 @@ class AtLeastOnceRuntime:
                 self._retry(sink.setup, f"setup {sink.name}", STORE_WAIT_S)
             self._txn = self._next_txn()
             self._discard_leftovers()
-            self.consumer.subscribe(
-                self.cfg.source_topics, on_assign=self._on_assign, on_revoke=self._on_revoke
-            )
+            self.subscription.start()
             log.info(
                 "participant %s running at-least-once for pipeline %s (%s)",
                 self.me,
@@ -119,6 +119,7 @@ class AtLeastOnceRuntime:
             quiet_gc()
             while not self.stop_event.is_set():
                 self.health.beat()
+                self.subscription.refresh()
                 msgs = self.consumer.consume(
                     self.cfg.participant.max_batch_records, CONSUME_TIMEOUT_S
                 )

@@ -75,6 +75,7 @@ from twophase.participants.runtime.batch import (
     quiet_gc,
     write_batch,
 )
+from twophase.participants.runtime.subscription import Subscription
 from twophase.participants.sdk import (
     FatalSinkError,
     PartId,
@@ -147,7 +148,7 @@ class ParticipantRuntime:
         self.me = participant_id or cfg.participant_id
         self.metrics = metrics or Metrics(cfg.pipeline, "participant")
         self.sinks, self.producer, self.dlq = open_writers(cfg, self.me, self.metrics, sinks)
-        self.decoder = source_decoder(cfg.sources)
+        self.decoder = source_decoder(cfg)
         self.sink_by_name = {s.name: s for s in self.sinks}
         self.machine = ParticipantMachine(
             ParticipantSettings(
@@ -186,6 +187,7 @@ class ParticipantRuntime:
                 },
             )
         )
+        self.subscription = Subscription(cfg, self.consumer, self._on_assign, self._on_revoke)
         self.health = HealthServer(
             self.metrics, ready=lambda: self.machine.ready, status=self.status
         )
@@ -267,9 +269,7 @@ class ParticipantRuntime:
             )
             applier.start()
             control.start()
-            self.consumer.subscribe(
-                self.cfg.source_topics, on_assign=self._on_assign, on_revoke=self._on_revoke
-            )
+            self.subscription.start()
             log.info(
                 "participant %s running for pipeline %s (%s)",
                 self.me,
@@ -696,6 +696,7 @@ class ParticipantRuntime:
             self._pause()
         elif self._paused and not self._poisoned:
             self._resume()
+        self.subscription.refresh()
         msgs = self.consumer.consume(self._batch_size, CONSUME_TIMEOUT_S)
         if self._drain_queue():
             return  # a rewind happened: what was just fetched will be fetched again
@@ -886,7 +887,7 @@ class ParticipantRuntime:
                     stop=self.stop_event,
                 )
             offsets[(c.topic, c.partition)] = off
-        actions = self._feed(Assigned(generation, member, offsets))
+        actions = self._feed(Assigned(generation, member, offsets, self.subscription.topics))
         start = offsets
         for a in actions:
             if isinstance(a, Seek):

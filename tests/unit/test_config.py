@@ -43,6 +43,9 @@ def test_a_valid_config_has_derived_names() -> None:
         (_with(kafka={}), "kafka.bootstrap_servers"),
         (_with(surprise=1), "surprise"),
         (_with(sinks=[{"type": "files"}]), "sinks"),
+        (_with(sources=[{"topic_pattern": "cdc\\.(.*"}]), "sources[0].topic_pattern"),
+        (_with(sources=[{"topic": "a", "topic_pattern": "b.*"}]), "sources[0]"),
+        (_with(sources=[{"format": "json"}]), "sources[0]"),
     ],
 )
 def test_errors_name_the_field(raw: dict[str, object], field: str) -> None:
@@ -165,3 +168,35 @@ def test_validation_errors_name_the_field_and_mask_secret_values() -> None:
     err = validation_error(exc.value, prefix="sinks[0].")
     assert err.field == "sinks[0]" and "hunter2" not in str(err), err
     assert "order_id" in str(err), err
+
+
+def test_topic_patterns_match_whole_names_and_never_the_pipelines_own_topics() -> None:
+    cfg = parse_config(
+        _with(
+            sources=[
+                {"topic": "cdc.inventory.audit"},
+                {"topic_pattern": r"cdc\.inventory\..*", "format": "debezium"},
+                {"topic_pattern": ".*"},
+            ],
+            dead_letter={"topic": "cdc.inventory.dlq"},
+        ),
+        env={},
+    )
+    existing = [
+        "cdc.inventory.orders",
+        "cdc.inventory.audit",
+        "cdc.inventory.dlq",  # the pipeline's own dead letters: never a source
+        "twophase.control.orders",
+        "__consumer_offsets",
+        "xcdc.inventory.orders",  # matches only the catch-all: re.fullmatch, not search
+    ]
+    assert cfg.resolve_topics(existing) == [
+        "cdc.inventory.audit",
+        "cdc.inventory.orders",
+        "xcdc.inventory.orders",
+    ]
+    assert cfg.source_for("cdc.inventory.audit") is cfg.sources[0]  # named beats matched
+    assert cfg.source_for("cdc.inventory.orders") is cfg.sources[1]  # first pattern wins
+    assert cfg.source_for("xcdc.inventory.orders") is cfg.sources[2]
+    assert cfg.source_topics == ["cdc.inventory.audit"]
+    assert cfg.has_topic_patterns

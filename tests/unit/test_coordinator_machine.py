@@ -276,3 +276,81 @@ def test_a_second_vote_replacing_a_busy_one_aborts() -> None:
     m.handle(Received(env(vote(1, "a", gen=1, ranges=((0, 0, 1),))), 1))
     (d,) = published(m.handle(Received(env(vote(1, "a", gen=2, ranges=((0, 0, 2),))), 1)))
     assert isinstance(d, Decision) and d.outcome is Outcome.ABORT and "twice" in d.reason
+
+
+# -- topics that come and go (sources[].topic_pattern): votes say which topics they read --------
+
+NEW = "src.new"
+
+
+def topic_vote(
+    txn: int, who: str, topics: tuple[str, ...], ranges: tuple[tuple[str, int, int, int], ...]
+) -> Vote:
+    return Vote(
+        txn,
+        who,
+        1,
+        f"{who}-m",
+        VoteValue.PREPARED,
+        tuple(PartitionRange(t, p, s, e, e - s) for t, p, s, e in ranges),
+        ("pg",),
+        topics=topics,
+    )
+
+
+def test_a_topic_no_voter_reads_yet_does_not_hold_back_the_commit() -> None:
+    """The coordinator's metadata shows a new topic before the participants subscribe to it:
+    votes covering every partition of the topics they read commit; the new topic's positions
+    stay unknown (nothing of it was read)."""
+    m = leader()
+    m.handle(SourcePartitions(TPS | {(NEW, 0)}, {(T, 0): 0, (T, 1): 0}))
+    start_cycle(m)
+    assert m.handle(Received(env(topic_vote(1, "a", (T,), ((T, 0, 0, 4),))), 1)) == []
+    (d,) = published(m.handle(Received(env(topic_vote(1, "b", (T,), ((T, 1, 0, 2),))), 2)))
+    assert isinstance(d, Decision) and d.outcome is Outcome.COMMIT
+    assert {(p.topic, p.partition, p.offset) for p in d.positions} == {(T, 0, 4), (T, 1, 2)}
+
+
+def test_once_a_voter_reads_the_new_topic_every_partition_of_it_must_be_covered() -> None:
+    m = leader()
+    m.handle(SourcePartitions(TPS | {(NEW, 0), (NEW, 1)}, {(T, 0): 0, (T, 1): 0}))
+    start_cycle(m)
+    both = (T, NEW)
+    m.handle(Received(env(topic_vote(1, "a", both, ((T, 0, 0, 4), (NEW, 0, 0, 3)))), 1))
+    # b still reads only T (its assignment predates the new topic): NEW[1] is nobody's yet
+    assert m.handle(Received(env(topic_vote(1, "b", (T,), ((T, 1, 0, 2),))), 2)) == []
+    (d,) = published(m.handle(Tick(SETTINGS.vote_timeout_ms)))
+    assert isinstance(d, Decision) and d.outcome is Outcome.ABORT
+    assert f"{NEW}[1]" in d.reason
+
+
+def test_a_vote_naming_partitions_the_metadata_does_not_show_waits_for_the_refresh() -> None:
+    """A participant subscribed to a topic the coordinator has not seen yet: the cycle waits,
+    and commits once the metadata shows it -- or aborts at the deadline, naming it."""
+    m = leader()
+    start_cycle(m)
+    both = (T, NEW)
+    m.handle(Received(env(topic_vote(1, "a", both, ((T, 0, 0, 4), (NEW, 0, 0, 3)))), 1))
+    assert m.handle(Received(env(topic_vote(1, "b", both, ((T, 1, 0, 2),))), 2)) == []
+    m.handle(SourcePartitions(TPS | {(NEW, 0)}, {(T, 0): 0, (T, 1): 0}))
+    (d,) = published(m.handle(Tick(3)))  # the next tick re-evaluates the cycle
+    assert isinstance(d, Decision) and d.outcome is Outcome.COMMIT, d
+    assert (NEW, 0, 3) in {(p.topic, p.partition, p.offset) for p in d.positions}
+
+    m2 = leader()
+    start_cycle(m2)
+    m2.handle(Received(env(topic_vote(1, "a", both, ((T, 0, 0, 4), (NEW, 0, 0, 3)))), 1))
+    m2.handle(Received(env(topic_vote(1, "b", both, ((T, 1, 0, 2),))), 2))
+    (d,) = published(m2.handle(Tick(SETTINGS.vote_timeout_ms)))
+    assert isinstance(d, Decision) and d.outcome is Outcome.ABORT
+    assert f"{NEW}[0]" in d.reason and "metadata does not show" in d.reason
+
+
+def test_a_vote_without_topics_needs_every_source_partition_as_before() -> None:
+    m = leader()
+    m.handle(SourcePartitions(TPS | {(NEW, 0)}, {(T, 0): 0, (T, 1): 0}))
+    start_cycle(m)
+    m.handle(Received(env(vote(1, "a", ranges=((0, 0, 4),))), 1))
+    assert m.handle(Received(env(vote(1, "b", ranges=((1, 0, 2),))), 2)) == []
+    (d,) = published(m.handle(Tick(SETTINGS.vote_timeout_ms)))
+    assert isinstance(d, Decision) and d.outcome is Outcome.ABORT and f"{NEW}[0]" in d.reason

@@ -106,7 +106,7 @@ def test_an_unknown_format_fails_at_start_up_naming_the_field() -> None:
 
 def test_the_decoder_is_picked_by_the_sources_format() -> None:
     cfg = parse_config(PIPELINE, env={})
-    assert isinstance(source_decoder(cfg.sources), JsonDecoder)
+    assert isinstance(source_decoder(cfg), JsonDecoder)
 
 
 def test_sources_of_different_formats_decode_each_topic_with_its_own() -> None:
@@ -116,7 +116,8 @@ def test_sources_of_different_formats_decode_each_topic_with_its_own() -> None:
         def decode_value(self, value: bytes, headers: Headers) -> dict[str, Any] | str:
             return {"raw": value.decode(errors="replace"), "headers": len(headers or [])}
 
-    by_topic = ByTopic({"orders": JsonDecoder(), "refunds": _Tagged()})
+    decoders = {"orders": JsonDecoder(), "refunds": _Tagged()}
+    by_topic = ByTopic(decoders.__getitem__, list(decoders.values()))
     assert not by_topic.raw_values  # one format whose values are not JSON: decode here
     d = by_topic.decode_batch(BATCH, max_record_bytes=64)
     assert {(r.topic, r.offset) for r in d.records} == {

@@ -197,6 +197,9 @@ class Vote:
     partitions: tuple[PartitionRange, ...] = ()
     sinks: tuple[str, ...] = ()
     reason: str = ""
+    #: The source topics the voter's consumer subscribed to for this generation's assignment;
+    #: None (absent): every source topic (a voter that reads a fixed set, e.g. the Spark driver).
+    topics: tuple[str, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -210,6 +213,8 @@ class Vote:
         }
         if self.reason:
             d["reason"] = self.reason
+        if self.topics is not None:
+            d["topics"] = list(self.topics)
         return d
 
     @classmethod
@@ -223,6 +228,7 @@ class Vote:
             tuple(PartitionRange.from_json(p) for p in _objects(d, "partitions")),
             _strings(d, "sinks"),
             read_str(d, "reason", ""),
+            _strings(d, "topics") if "topics" in d else None,
         )
 
 

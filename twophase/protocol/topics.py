@@ -45,5 +45,6 @@ def topic_settings(cfg: PipelineConfig) -> list[tuple[str, int, int, dict[str, s
             {k: str(v) for k, v in d["dead_letter"]["config"].items()},
         ),
     ]
-    out += [(s.topic, s.partitions, s.replication_factor, {}) for s in cfg.sources]
+    # A topic_pattern's topics are made by whoever produces them (e.g. Debezium, per table).
+    out += [(s.topic, s.partitions, s.replication_factor, {}) for s in cfg.sources if s.topic]
     return out
