@@ -22,6 +22,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from twophase.config import PipelineConfig
 from twophase.errors import RetriableError
+from twophase.faults import crash_point
 from twophase.kafka import CALL_TIMEOUT_S, client_settings, raise_fatal
 from twophase.observability import HealthServer, Metrics, txn_extra
 from twophase.participants.decoding import source_decoder
@@ -146,22 +147,30 @@ class AtLeastOnceRuntime:
         return txn_extra(txn, tps, pipeline=self.cfg.pipeline, participant=self.me)
 
     def _discard_leftovers(self) -> None:
-        """A crashed run of this participant may have left a prepared or an open part: its
-        offsets were never committed, so the records come again -- abort it."""
+        """A crashed run of this participant may have left parts behind; their offsets were
+        never committed, so the records come again. An open part is aborted. A prepared one is
+        committed -- rolled forward, never back: the crash may have come in the middle of its
+        commit, after a sink had already shown it (a files commit that published its files and
+        not yet its manifest cannot be undone), and committing a batch whose records come again
+        is what at-least-once allows."""
         for sink in self.sinks:
-            parts = self._retry(sink.in_doubt, f"in_doubt {sink.name}", STORE_WAIT_S)
-            parts += self._retry(
+            prepared = self._retry(sink.in_doubt, f"in_doubt {sink.name}", STORE_WAIT_S)
+            stale = self._retry(
                 partial(sink.stale_parts, self._txn), f"stale {sink.name}", STORE_WAIT_S
             )
-            for part in parts:
+            for part, decide, what in [
+                *((p, sink.commit, "committed") for p in prepared),
+                *((p, sink.abort, "aborted") for p in stale),
+            ]:
                 if part.pipeline == self.cfg.pipeline and part.participant == self.me:
                     self._retry(
-                        partial(sink.abort, part), f"abort {part.token} {sink.name}", STORE_WAIT_S
+                        partial(decide, part), f"{what} {part.token} {sink.name}", STORE_WAIT_S
                     )
-                    # A leftover's partitions are not known here (it is aborted unread): none.
+                    # A leftover's partitions are not known here (it is decided unread): none.
                     log.info(
-                        "txn=%s aborted a leftover part in %s",
+                        "txn=%s %s a leftover part in %s",
                         part.txn,
+                        what,
                         sink.name,
                         extra=self._txn_extra(part.txn, ()),
                     )
@@ -186,8 +195,6 @@ class AtLeastOnceRuntime:
             self.dlq.flush(CALL_TIMEOUT_S)
             for sink in self.sinks:
                 self._retry(partial(sink.prepare, part, positions), f"prepare {sink.name}")
-            for sink in self.sinks:
-                self._retry(partial(sink.commit, part), f"commit {sink.name}")
         except (SinkError, RetriableError) as exc:
             # Nothing of the batch's offsets is committed: re-read it from the last commit.
             log.error(
@@ -202,6 +209,12 @@ class AtLeastOnceRuntime:
                 self._retry(partial(sink.abort, part), f"abort {sink.name}", STORE_WAIT_S)
             self._rewind()
             return
+        # Prepared in every sink: from here the batch only goes forward. Once one sink shows
+        # it, aborting the others would need an abort of a committed part, which is refused.
+        for i, sink in enumerate(self.sinks):
+            if i:
+                crash_point("alo_mid_commit")  # a sink shows the batch, the next does not yet
+            self._retry(partial(sink.commit, part), f"commit {sink.name}", STORE_WAIT_S)
         self.consumer.commit(
             offsets=[TopicPartition(t, p, o) for (t, p), o in sorted(positions.items())],
             asynchronous=False,

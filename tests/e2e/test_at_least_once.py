@@ -89,3 +89,44 @@ def test_at_least_once_loses_nothing_through_a_kill_and_leaves_nothing_prepared(
             break
     dlq.close()
     assert reasons and reasons[0].startswith("undecodable"), reasons
+
+
+def test_a_batch_one_sink_committed_before_a_crash_is_rolled_forward_in_the_others(
+    tmp_path: Path,
+) -> None:
+    """Killed between two sinks' commits of one batch: the restart commits the batch in the
+    sinks where it is still prepared (it cannot take it back from the one that shows it), so
+    the sinks hold the same records -- the batch's replay duplicates it in both alike."""
+    s = Scenario.on_stack(
+        f"alo-{uuid.uuid4().hex[:6]}",
+        tmp_path,
+        mongo=False,
+        extra={"participant": {"mode": "at_least_once", "max_batch_records": MAX_BATCH}},
+    )
+    s.write()
+    s.prepare_stores()
+    create_topics(load_config(s.config_path))
+    n = 5_000
+    produce(s.bootstrap, s.topic, 0, n)
+    c = Cluster(s)
+    try:
+        c.start("participant", "w-0", {"TWOPHASE_CRASH_AT": "alo_mid_commit:3"})
+        wait_until(lambda: not c.alive("w-0"), 120, "w-0 to die between two commits")
+        assert "crash point alo_mid_commit reached" in c.log_tail("w-0", 50)
+        c.start("participant", "w-0")
+        wait_until(
+            lambda: (
+                group_offsets(s.bootstrap, f"twophase.{s.name}", s.topic, 4)
+                == end_offsets(s.bootstrap, s.topic, 4)
+            ),
+            120,
+            "offsets to reach the end",
+        )
+        assert c.alive("w-0"), c.log_tail("w-0", 40)
+    finally:
+        c.stop_all()
+    reports = verify(s, set(range(n)))
+    for sink, r in reports.items():
+        assert r.missing == 0 and r.orphaned_prepared == 0 and r.staging_leftovers == 0, (sink, r)
+    assert reports["pg"].rows == reports["files"].rows, reports
+    assert reports["pg"].duplicated > 0, reports  # the crashed batch was replayed
