@@ -68,16 +68,25 @@ def check_config(cfg: PipelineConfig) -> PipelineConfig:
     sinks = build_sinks(
         cfg.sinks, pipeline=cfg.pipeline, participant=cfg.participant_id, source=cfg.source_file
     )
-    deleting = [i for i, s in enumerate(cfg.sources) if decoder_for(s).deletes]
-    if deleting:
+    for j, src in enumerate(cfg.sources):
+        if src.topic and not any(sink.config.takes(src.topic) for sink in sinks):
+            raise ConfigError(
+                f"sources[{j}].topic",
+                f"no sink takes topic {src.topic!r}: every sink's topics leaves it out",
+                source=cfg.source_file,
+            )
+    for j, src in enumerate(cfg.sources):
+        if not decoder_for(src).deletes:
+            continue
         for i, sink in enumerate(sinks):
-            if not sink.supports_deletes:
-                src = cfg.sources[deleting[0]]
+            # A pattern's topics are not known yet: every sink may get its deletes.
+            takes = sink.config.takes(src.topic) if src.topic else True
+            if takes and not sink.supports_deletes:
                 raise ConfigError(
                     f"sinks[{i}].type",
                     f"sink {sink.name!r} ({sink.config.type}) cannot apply deletes as configured "
                     "(postgres, mongodb: in mode upsert; files: with op_column; docs/cdc.md), and "
-                    f"sources[{deleting[0]}] (topic {src.topic!r}, format {src.format}, "
+                    f"sources[{j}] (topic {src.name!r}, format {src.format}, "
                     f"tombstones {decoder_for(src).tombstones}) produces them",
                     source=cfg.source_file,
                 )

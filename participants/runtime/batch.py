@@ -212,9 +212,15 @@ def write_batch(
     if retractions is None:
         retractions = Retractions()
     msgs, retracted = retractions.split(msgs)
-    raw_mode = reads_raw(sinks, decoder)
+    routes = _Routes(sinks)
+    msgs, untaken = routes.split(msgs)
+    raw_mode = reads_raw(sinks, decoder) and not routes.routed
     decoded = decoder.decode_batch(msgs, max_record_bytes, decode=not raw_mode)
     dead: dict[tuple[str, int], int] = {}
+    for m in untaken:
+        tp = (m.topic() or "", m.partition() or 0)
+        _dead_letter(dlq, m, f"no sink takes topic {tp[0]} (sinks[].topics)", txn, dead)
+        decoded.last[tp] = max(decoded.last.get(tp, -1), m.offset() or 0)
     for m in retracted:
         # Dead-lettered again on every try, not only when it was refused: that first letter may
         # have failed delivery (the flush that failed the part cleared its error), and this try
@@ -309,26 +315,62 @@ def write_batch(
     else:
         remaining: list[Record] = decoded.records
         for sink in checked:
-            rejected = sink.check(remaining)
+            rejected = sink.check(routes.of(sink, remaining))
             if rejected:
                 ids, gone = refuse(sink, rejected)
                 size -= gone
                 remaining = [r for r in remaining if r.record_id not in ids]
         for i, sink in enumerate(sinks):
-            rejected = retry(partial(sink.write, part, remaining), f"txn={txn} write {sink.name}")
+            mine = routes.of(sink, remaining)
+            rejected = retry(partial(sink.write, part, mine), f"txn={txn} write {sink.name}")
             if rejected and i > 0:
                 raise retract(sink, rejected)
             if rejected:
                 ids, gone = refuse(sink, rejected)
                 size -= gone
                 remaining = [r for r in remaining if r.record_id not in ids]
-            metrics.records.labels(part.pipeline, sink.name).inc(len(remaining))
-            metrics.bytes.labels(part.pipeline, sink.name).inc(size)
+                mine = [r for r in mine if r.record_id not in ids]
+            metrics.records.labels(part.pipeline, sink.name).inc(len(mine))
+            metrics.bytes.labels(part.pipeline, sink.name).inc(
+                size if mine is remaining else sum(r.size for r in mine)
+            )
     batch_result: BatchResult = {}
     for tp, last in decoded.last.items():
         out = refused.get(tp, 0)
         batch_result[tp] = (last, decoded.counts.get(tp, 0) - out, dead.get(tp, 0) + out)
     return batch_result
+
+
+class _Routes:
+    """Which sinks take which topics (``sinks[].topics``), looked up once per topic."""
+
+    def __init__(self, sinks: Sequence[Sink]) -> None:
+        self.sinks = sinks
+        self.routed = any(s.config.topics for s in sinks)
+        self._takes: dict[tuple[str, str], bool] = {}
+
+    def takes(self, sink: Sink, topic: str) -> bool:
+        key = (sink.name, topic)
+        if (known := self._takes.get(key)) is None:
+            known = self._takes[key] = sink.config.takes(topic)
+        return known
+
+    def split(self, msgs: Sequence[Message]) -> tuple[Sequence[Message], list[Message]]:
+        """``msgs`` some sink takes, and those no sink takes."""
+        if not self.routed:
+            return msgs, []
+        kept: list[Message] = []
+        untaken: list[Message] = []
+        for m in msgs:
+            topic = m.topic() or ""
+            (kept if any(self.takes(s, topic) for s in self.sinks) else untaken).append(m)
+        return kept, untaken
+
+    def of(self, sink: Sink, records: list[Record]) -> list[Record]:
+        """The records of ``records`` that ``sink`` takes."""
+        if not sink.config.topics:
+            return records
+        return [r for r in records if self.takes(sink, r.topic)]
 
 
 def _dead_letter(

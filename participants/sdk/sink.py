@@ -112,11 +112,12 @@ from __future__ import annotations
 
 import abc
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from twophase.participants.sdk.records import (
     CommittedInfo,
@@ -140,6 +141,25 @@ class SinkConfig(BaseModel):
     name: str
     #: The sink type: a built-in (``postgres``, ``mongodb``, ``files``) or an installed plugin's.
     type: str
+    #: The source topics this sink takes, as Python regular expressions a whole topic name
+    #: must match (``re.fullmatch``); empty (the default): every topic. The runtime hands the
+    #: sink only records of those topics. A record of a topic no sink takes is dead-lettered
+    #: with the reason.
+    topics: tuple[str, ...] = ()
+
+    @field_validator("topics")
+    @classmethod
+    def _topics_compile(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for pattern in value:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"{pattern!r} is not a regular expression: {exc}") from None
+        return value
+
+    def takes(self, topic: str) -> bool:
+        """Whether records of ``topic`` are this sink's (``topics``)."""
+        return not self.topics or any(re.fullmatch(p, topic) for p in self.topics)
 
 
 @dataclass(frozen=True, slots=True)

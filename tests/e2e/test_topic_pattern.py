@@ -13,6 +13,7 @@ import re
 import time
 from pathlib import Path
 
+import psycopg
 import pytest
 import yaml
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -44,6 +45,21 @@ def test_a_topic_created_while_running_joins_the_pipeline_exactly_once(tmp_path:
     raw = s.config()
     prefix = f"{s.name}.cdc."
     raw["sources"] = [{"topic_pattern": re.escape(prefix) + r"[a-z]+"}]
+    # A second sink takes only the topic created later (sinks[].topics), into a table of its own.
+    only_c = f"{s.table}_c"
+    raw["sinks"].append(
+        {
+            "name": "pg-c",
+            "type": "postgres",
+            "dsn": s.pg_dsn,
+            "table": only_c,
+            "mode": "insert",
+            "topics": [re.escape(prefix) + "c"],
+        }
+    )
+    with psycopg.connect(s.pg_dsn, autocommit=True) as conn:
+        conn.execute(f"DROP TABLE IF EXISTS {only_c}")
+        conn.execute(f"CREATE TABLE {only_c} (LIKE {s.table})")
     s.config_path.write_text(yaml.safe_dump(raw, sort_keys=False))
     from twophase.config import load_config
     from twophase.kafka import create_topics
@@ -97,6 +113,9 @@ def test_a_topic_created_while_running_joins_the_pipeline_exactly_once(tmp_path:
         report = verify(s, expected)["pg"]
         assert report.ok, report  # every id once, none missing, nothing prepared
         assert report.rows == len(expected)  # and nothing of the unmatched topic
+        with psycopg.connect(s.pg_dsn) as conn:
+            ids = [r[0] for r in conn.execute(f"SELECT id FROM {only_c}")]
+        assert sorted(ids) == list(range(10_000, 10_000 + PER_TOPIC))  # c's, each once
         assert group_offsets(s.bootstrap, f"twophase.{s.name}", f"{prefix}not-matched", 1) == {
             0: -1001
         }

@@ -23,6 +23,7 @@ from twophase.participants.sdk import (
     Record,
     Rejected,
     Sink,
+    SinkConfig,
 )
 
 JSON = JsonDecoder()
@@ -99,9 +100,15 @@ class _Refusing:
     ``checks`` it says so in check() too (as built-in sinks do for their own rules)."""
 
     def __init__(
-        self, name: str, refuse: set[int], twice: bool = False, checks: bool = True
+        self,
+        name: str,
+        refuse: set[int],
+        twice: bool = False,
+        checks: bool = True,
+        topics: tuple[str, ...] = (),
     ) -> None:
         self.name = name
+        self.config = SinkConfig(name=name, type="test", topics=topics)
         self.refuse = refuse
         self.twice = twice
         self.checks = checks
@@ -284,3 +291,41 @@ def test_integers_of_any_width_decode_exactly(text: bytes) -> None:
     one = decode_message(m)
     assert isinstance(one, Record) and one.value == json.loads(text)
     assert repr(got.value) == repr(json.loads(text))  # 1e19 stays a float, ints stay ints
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["decoded-here", "sinks-read-raw"])
+def test_each_sink_gets_only_the_topics_it_takes_and_a_topic_none_takes_is_dead_lettered(
+    raw: bool,
+) -> None:
+    sink = _RawRefusing if raw else _Refusing
+    orders = sink("pg", set(), topics=("orders",))
+    every = sink("files", set(), topics=("orders|refunds",))
+    refunds = sink("mongo", {14}, topics=("ref.*", "nothing"))
+    batch = [*BATCH, msg(0, 3, {"id": 3}, topic="returns"), msg(0, 15, {"id": 15}, topic="refunds")]
+    dlq = _Dlq()
+    ordered = cast(list[Sink], [orders, every, refunds])
+    result = write_batch(
+        batch,
+        PartId("p", 3, "w1"),
+        ordered,
+        dlq=cast(DeadLetters, dlq),
+        metrics=Metrics("p", "participant"),
+        decoder=JSON,
+        max_record_bytes=64,
+        retry=lambda fn, what: fn(),
+    )
+    assert [(r.topic, r.offset) for r in orders.got] == [
+        ("orders", 10),
+        ("orders", 11),
+        ("orders", 5),
+        ("orders", 8),
+    ]
+    assert [(r.topic, r.offset) for r in refunds.got] == [("refunds", 15)]
+    # 14, refused by mongo's check, reaches no sink; "returns" is nobody's: dead-lettered
+    assert [(r.topic, r.offset) for r in every.got] == [
+        ("orders", 10), ("orders", 11), ("orders", 5), ("orders", 8), ("refunds", 15)
+    ]  # fmt: skip
+    reasons = {(s["topic"], s["offset"]): s["reason"] for s in dlq.sent}
+    assert reasons[("returns", 3)] == "no sink takes topic returns (sinks[].topics)"
+    assert reasons[("refunds", 14)] == "rejected by sink mongo: no"
+    assert result[("returns", 0)] == (3, 0, 1)  # its position moves on: nothing is lost

@@ -200,3 +200,19 @@ def test_topic_patterns_match_whole_names_and_never_the_pipelines_own_topics() -
     assert cfg.source_for("xcdc.inventory.orders") is cfg.sources[2]
     assert cfg.source_topics == ["cdc.inventory.audit"]
     assert cfg.has_topic_patterns
+
+
+def test_a_named_topic_no_sink_takes_fails_at_start_up_naming_it() -> None:
+    from twophase.participants.registry import check_config
+
+    raw = _with(
+        sources=[{"topic": "orders"}, {"topic": "refunds"}],
+        sinks=[{"name": "files", "type": "files", "path": "/tmp/x", "topics": ["orders"]}],
+    )
+    with pytest.raises(ConfigError) as err:
+        check_config(parse_config(raw, env={}))
+    assert err.value.field == "sources[1].topic" and "no sink takes" in str(err.value)
+    bad = _with(sinks=[{"name": "files", "type": "files", "path": "/tmp/x", "topics": ["(a"]}])
+    with pytest.raises(ConfigError) as err:
+        check_config(parse_config(bad, env={}))
+    assert err.value.field.startswith("sinks[0].topics"), err.value.field
