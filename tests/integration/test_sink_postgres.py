@@ -1707,3 +1707,70 @@ def test_participants_setting_up_one_upsert_table_at_once_all_succeed(
         with ThreadPoolExecutor(len(sinks)) as pool:
             for future in [pool.submit(setup, s, barrier) for s in sinks]:
                 future.result()  # raises what a set-up raised
+
+
+# -- a table per topic (table: ${topic}) --------------------------------------------------------
+
+
+def trec(topic: str, offset: int, value: dict[str, Any], *, deleted: bool = False) -> Record:
+    r = Record(topic, 0, offset, 1_700_000_000_000 + offset, None, value)
+    return r._replace(deleted=True) if deleted else r
+
+
+def test_a_table_template_writes_each_topic_into_its_table_in_one_prepared_transaction(
+    env: PgEnv, make_sink: MakeSink
+) -> None:
+    """One part spans several tables of differing shapes: nothing of it is visible before the
+    commit, a new instance commits it from its prepared transaction, an abort leaves every
+    table as it was, and a record whose table cannot be had is rejected with the reason."""
+    ta = env.table("ta", "id int PRIMARY KEY, v text, n int NOT NULL DEFAULT 0")
+    tb = env.table("tb", "id int PRIMARY KEY, w int")
+    sink = make_sink(
+        "${topic}", mode="upsert", key=["id"], topic_replace=[r"^cdc\.", ""], name=f"s{env.base}"
+    )
+    batch = [
+        trec(f"cdc.{ta}", 0, {"id": 1, "v": "a1"}),
+        trec(f"cdc.{tb}", 0, {"id": 1, "w": 10}),
+        trec(f"cdc.{ta}", 1, {"id": 2, "v": "a2", "n": 5}),
+        trec(f"cdc.{tb}", 1, {"id": 2, "w": 20}),
+        trec(f"cdc.{ta}", 2, {"id": 1}, deleted=True),  # the last change of ta's 1: gone
+        trec("cdc.nosuchtable_xyz", 0, {"id": 1}),
+        trec(f"cdc.{tb}", 2, {"id": 3, "w": "not a number"}),
+    ]
+    pid = part(env, 1)
+    sink.begin(pid)
+    rejected = sink.write(pid, batch)
+    sink.prepare(pid, positions_of(batch))
+    reasons = {(r.record.topic, r.record.offset): r.reason for r in rejected}
+    assert set(reasons) == {("cdc.nosuchtable_xyz", 0), (f"cdc.{tb}", 2)}, reasons
+    assert "nosuchtable_xyz does not exist" in reasons[("cdc.nosuchtable_xyz", 0)]
+    assert env.rows(f'SELECT * FROM "{ta}"') == [] and env.rows(f'SELECT * FROM "{tb}"') == []
+    sink.close()  # the writer is gone; its part stays prepared
+    later = make_sink("${topic}", mode="upsert", key=["id"], topic_replace=[r"^cdc\.", ""],
+                      name=f"s{env.base}", participant="w2")  # fmt: skip
+    assert later.in_doubt() == [pid]
+    later.commit(pid)
+    assert env.rows(f'SELECT id, v, n FROM "{ta}" ORDER BY id') == [(2, "a2", 5)]
+    assert env.rows(f'SELECT id, w FROM "{tb}" ORDER BY id') == [(1, 10), (2, 20)]
+
+    aborted = [trec(f"cdc.{ta}", 3, {"id": 2}, deleted=True), trec(f"cdc.{tb}", 3, {"id": 9})]
+    run_part(later, part(env, 2, "w2"), aborted, commit=False)
+    later.abort(part(env, 2, "w2"))
+    assert env.rows(f'SELECT id FROM "{ta}"') == [(2,)]
+    assert env.rows(f'SELECT id FROM "{tb}" ORDER BY id') == [(1,), (2,)]
+    assert env.prepared_gids() == []
+
+
+def test_a_table_template_with_create_table_makes_a_new_topics_table(
+    env: PgEnv, make_sink: MakeSink
+) -> None:
+    name = env.table("tnew", "x int")  # registered for clean-up; made again by the sink
+    env.reader.execute(f'DROP TABLE "{name}"')
+    sink = make_sink("${value.kind}", mode="upsert", key=["id"],
+                     create_table={"id": "bigint", "label": "text"})  # fmt: skip
+    batch = [trec("t", 0, {"kind": name, "id": 7, "label": "x"}), trec("t", 1, {"id": 8})]
+    rejected = run_part(sink, part(env, 1), batch)
+    assert [(r.record.offset, r.reason) for r in rejected] == [
+        (1, "table ${value.kind}: no value for ${value.kind}")
+    ]
+    assert env.rows(f'SELECT id, label FROM "{name}"') == [(7, "x")]

@@ -127,6 +127,10 @@ class _Connections(Sink):
         self._stage: sql.Composable | None = None
         self._stage_name: str | None = None
         self._statements: dict[int, tuple[sql.Composed, sql.Composed | None]] = {}
+        #: The table the fields above describe; with a ``table`` template, every table's
+        #: fields by name (``_Target._use_table``).
+        self._current = ""
+        self._tables: dict[str, dict[str, object]] = {}
         self._ready = False
 
     def _connect(self, *, autocommit: bool) -> Connection:

@@ -13,7 +13,11 @@ from psycopg import sql
 from twophase.participants.sdk import (
     FatalSinkError,
 )
-from twophase.participants.sinks.postgres._connections import _Connections, twophase_native
+from twophase.participants.sinks.postgres._connections import (
+    _Connections,
+    _qualified,
+    twophase_native,
+)
 from twophase.participants.sinks.postgres._errors import (
     _CREATED_CONCURRENTLY,
     _MAX_PREPARED_ZERO,
@@ -34,6 +38,23 @@ from twophase.participants.sinks.postgres.types import (
 
 __all__ = ["_Target"]
 
+#: What the write path knows of one target table; a template's sink keeps it per table.
+_TABLE_STATE = (
+    "_target",
+    "_mapped",
+    "_key_idx",
+    "_key_mask",
+    "_delete_sql",
+    "_plan",
+    "_fast",
+    "_binary_types",
+    "_encoder",
+    "_stage",
+    "_stage_name",
+    "_statements",
+    "_current",
+)
+
 
 class _Target(_Connections):
     """Set-up of the marker table and the target table."""
@@ -43,7 +64,8 @@ class _Target(_Connections):
             try:
                 self._check_server(conn)
                 self._ensure_marker_table(conn)
-                self._load_target(conn)
+                if not self.cfg.templated:
+                    self._load_target(conn, self.cfg.table)
             except psycopg.Error as exc:
                 if _is_lost(conn, exc):
                     raise
@@ -56,9 +78,44 @@ class _Target(_Connections):
             self.name,
             self.cfg.table,
             self.cfg.mode,
-            ", ".join(m.column.name for m in self._mapped),
+            ", ".join(m.column.name for m in self._mapped) or "each table's",
             ", compiled COPY encoder" if self._encoder is not None else "",
         )
+
+    # -- tables of a template (``table: ${topic}``): each one's state, loaded on first use --
+
+    def _use_table(self, table: str) -> str | None:
+        """Make ``table`` the one the write path works on (its columns, plan, staging table);
+        loaded once, on its first record. None when it can be; else why not (its records are
+        rejected with that reason: a missing table is the data's problem, not the sink's)."""
+        if self._current == table:
+            return None
+        state = self._tables.get(table)
+        if state is None:
+            if len(table.encode()) > 63 * 2 + 1 or not all(table.split(".")):
+                return f"{table!r} is not a table name"
+            self._current = ""  # whatever fails below, the fields are no table's
+            with self._admin_conn() as conn:
+                try:
+                    self._load_target(conn, table)
+                except FatalSinkError as exc:
+                    return str(exc)
+                except psycopg.Error as exc:
+                    if _is_lost(conn, exc):
+                        raise
+                    return f"set-up of table {table} failed: {str(exc).strip()}"
+            self.log.info(
+                "postgres sink %s: table %s, columns %s",
+                self.name,
+                table,
+                ", ".join(m.column.name for m in self._mapped),
+            )
+            state = self._tables[table] = {a: getattr(self, a) for a in _TABLE_STATE}
+        else:
+            for name, value in state.items():
+                setattr(self, name, value)
+        self._current = table
+        return None
 
     def _check_server(self, conn: Connection) -> None:
         row = conn.execute("SELECT current_setting('max_prepared_transactions')::int").fetchone()
@@ -92,21 +149,20 @@ class _Target(_Connections):
             ).format(self._marker)
         )
 
-    def _regclass(self, conn: Connection) -> int | None:
-        row = conn.execute(
-            "SELECT to_regclass(%s)::oid", (self._target.as_string(conn),)
-        ).fetchone()
+    def _regclass(self, conn: Connection, target: sql.Composable) -> int | None:
+        row = conn.execute("SELECT to_regclass(%s)::oid", (target.as_string(conn),)).fetchone()
         return None if row is None or row[0] is None else int(row[0])
 
-    def _load_target(self, conn: Connection) -> None:
+    def _load_target(self, conn: Connection, table: str) -> None:
         cfg = self.cfg
-        oid = self._regclass(conn)
+        target = _qualified(table)
+        oid = self._regclass(conn, target)
         if oid is None and cfg.create_table is not None:
-            self._create_target(conn)
-            oid = self._regclass(conn)
+            self._create_target(conn, table, target)
+            oid = self._regclass(conn, target)
         if oid is None:
             raise FatalSinkError(
-                f"target table {cfg.table} does not exist (create it, or set create_table)",
+                f"target table {table} does not exist (create it, or set create_table)",
                 sink=self.name,
             )
         rows = conn.execute(
@@ -149,12 +205,12 @@ class _Target(_Connections):
         for column_name, path in wanted.items():
             if column_name not in table_columns:
                 raise FatalSinkError(
-                    f"columns: table {cfg.table} has no column {column_name!r}", sink=self.name
+                    f"columns: table {table} has no column {column_name!r}", sink=self.name
                 )
             column, generated = table_columns[column_name]
             if generated:
                 raise FatalSinkError(
-                    f"columns: {cfg.table}.{column_name} is a generated column", sink=self.name
+                    f"columns: {table}.{column_name} is a generated column", sink=self.name
                 )
             mapped.append(
                 _Mapped(
@@ -168,11 +224,10 @@ class _Target(_Connections):
             )
         for key in cfg.key:
             if key not in table_columns:
-                raise FatalSinkError(
-                    f"key: table {cfg.table} has no column {key!r}", sink=self.name
-                )
+                raise FatalSinkError(f"key: table {table} has no column {key!r}", sink=self.name)
         if cfg.mode == "upsert":
-            self._check_unique_key(conn, oid)
+            self._check_unique_key(conn, oid, table)
+        self._target = target
         self._mapped = mapped
         self._key_idx = [i for i, m in enumerate(mapped) if m.is_key]
         self._key_mask = sum(1 << i for i in self._key_idx)
@@ -183,9 +238,11 @@ class _Target(_Connections):
         # ourselves; one column the server must parse from text (enum, array, ...) makes it text.
         self._binary_types = None if None in binary else [b for b in binary if b is not None]
         self._encoder = self._compiled_encoder(conn, mapped)
-        self._stage = self._ensure_stage(conn, mapped) if cfg.mode != "insert" else None
+        self._stage = self._ensure_stage(conn, mapped, table) if cfg.mode != "insert" else None
         self._stage_name = None if self._stage is None else self._stage.as_string(conn)
-        self._statements.clear()
+        self._statements = {}
+        self._delete_sql = None
+        self._current = table
 
     def _compiled_encoder(
         self, conn: Connection, mapped: list[_Mapped]
@@ -228,15 +285,13 @@ class _Target(_Connections):
             null = f"column {column.name!r}: field {m.field!r} is null ({what})"
         return (m.field, m.get, m.convert, absent, null)
 
-    def _ensure_stage(self, conn: Connection, mapped: list[_Mapped]) -> sql.Composable:
+    def _ensure_stage(self, conn: Connection, mapped: list[_Mapped], table: str) -> sql.Composable:
         """The UNLOGGED staging table of upsert mode (a TEMP table would forbid PREPARE).
 
         Named after the target and the mapped columns' types, so a changed target gets a new
         one instead of DDL on a table that prepared transactions may hold locks on.
         """
-        signature = "|".join(
-            [self.cfg.table, *(f"{m.column.name}:{m.column.sql_type}" for m in mapped)]
-        )
+        signature = "|".join([table, *(f"{m.column.name}:{m.column.sql_type}" for m in mapped)])
         name = f"twophase_stage_{hashlib.sha1(signature.encode()).hexdigest()[:16]}"
         schema = self.cfg.marker_table.split(".")[0] if "." in self.cfg.marker_table else None
         stage = sql.Identifier(schema, name) if schema else sql.Identifier(name)
@@ -247,20 +302,20 @@ class _Target(_Connections):
             conn.execute(
                 sql.SQL(
                     "CREATE UNLOGGED TABLE IF NOT EXISTS {} AS SELECT {} FROM {} WITH NO DATA"
-                ).format(stage, columns, self._target)
+                ).format(stage, columns, _qualified(table))
             )
             conn.execute(
                 sql.SQL("COMMENT ON TABLE {} IS {}").format(
                     stage,
                     sql.Literal(
-                        f"twophase upsert staging for {self.cfg.table}; "
+                        f"twophase upsert staging for {table}; "
                         "empty outside the transactions that use it"
                     ),
                 )
             )
         return stage
 
-    def _create_target(self, conn: Connection) -> None:
+    def _create_target(self, conn: Connection, table: str, target: sql.Composable) -> None:
         assert self.cfg.create_table is not None
         items: list[sql.Composable] = [
             sql.SQL("{} {}").format(sql.Identifier(name), sql.SQL(sql_type))
@@ -275,12 +330,12 @@ class _Target(_Connections):
         with suppress(*_CREATED_CONCURRENTLY):
             conn.execute(
                 sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
-                    self._target, sql.SQL(", ").join(items)
+                    target, sql.SQL(", ").join(items)
                 )
             )
-        self.log.info("postgres sink %s: created table %s", self.name, self.cfg.table)
+        self.log.info("postgres sink %s: created table %s", self.name, table)
 
-    def _check_unique_key(self, conn: Connection, oid: int) -> None:
+    def _check_unique_key(self, conn: Connection, oid: int, table: str) -> None:
         rows = conn.execute(
             """
             SELECT array_agg(a.attname::text ORDER BY a.attname)
@@ -295,6 +350,6 @@ class _Target(_Connections):
         if sorted(self.cfg.key) not in [sorted(r[0]) for r in rows]:
             raise FatalSinkError(
                 f"key: upsert needs a primary key or unique index on exactly "
-                f"({', '.join(self.cfg.key)}) of table {self.cfg.table}",
+                f"({', '.join(self.cfg.key)}) of table {table}",
                 sink=self.name,
             )

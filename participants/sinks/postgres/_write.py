@@ -4,8 +4,10 @@ upsert merge) under a savepoint, and isolate the rows the server refuses."""
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -41,11 +43,22 @@ from twophase.participants.sinks.postgres._errors import (
 )
 from twophase.participants.sinks.postgres._markers import _Markers
 from twophase.participants.sinks.postgres._rows import _ABSENT, _Row
+from twophase.participants.sinks.postgres.config import _PLACEHOLDER
 from twophase.participants.sinks.postgres.types import (
     BadValue,
 )
 
 __all__ = ["_BATCH_SAVEPOINT", "_WRITE_SAVEPOINT", "_WritePath"]
+
+
+def _compiled_none(records: Sequence[Record]) -> tuple[bytes, int, Sequence[Record]]:
+    """``encode`` of :meth:`_WritePath._write` for records only the Python path converts."""
+    return b"", 0, records
+
+
+def _all(records: Sequence[Record]) -> Sequence[Record]:
+    return records
+
 
 #: Savepoints: one around each write() so that a failed write leaves the part as it was (the
 #: runtime may retry it), and nested ones only while isolating rows the server refused. Kept
@@ -123,7 +136,7 @@ class _WritePath(_Markers):
         return error
 
     def accepts_raw(self) -> bool:
-        return self._encoder is not None
+        return self._encoder is not None and not self.cfg.templated
 
     @property
     def supports_deletes(self) -> bool:
@@ -134,11 +147,74 @@ class _WritePath(_Markers):
         """What the client-side conversion of :meth:`write` refuses (the same code); what the
         server refuses (constraints, ``numeric(p, s)`` overflow) shows only in ``write``."""
         self._require_ready()
+        if not self.cfg.templated:
+            return self._check(records)
+        out: list[Rejected] = []
+        for group, refused in self._by_table(records):
+            out += refused
+            out += self._check(group)
+        return out
+
+    def _check(self, records: Sequence[Record]) -> list[Rejected]:
         convert = self._convert_one
         return [row for r in records if (row := convert(r)).__class__ is Rejected]
 
     def write(self, part: PartId, records: Sequence[Record]) -> Sequence[Rejected]:
-        return self._write(part, lambda: (b"", 0, records), lambda: records)
+        if not self.cfg.templated:
+            return self._write(part, lambda: (b"", 0, records), lambda: records)
+        rejected: list[Rejected] = []
+        for group, refused in self._by_table(records):
+            rejected += refused
+            if group:
+                rejected += self._write(part, partial(_compiled_none, group), partial(_all, group))
+        return rejected
+
+    # -- a table template: each record's table -------------------------------------------------
+
+    def _by_table(
+        self, records: Sequence[Record]
+    ) -> Iterator[tuple[Sequence[Record], list[Rejected]]]:
+        """The records of each table the template names, in their order, with that table made
+        the write path's (:meth:`_use_table`); records whose table cannot be had come back as
+        rejections with the reason, and an empty group."""
+        groups: dict[str, list[Record]] = {}
+        refused: list[Rejected] = []
+        for r in records:
+            table = self._table_of(r)
+            if isinstance(table, Rejected):
+                refused.append(table)
+            else:
+                groups.setdefault(table, []).append(r)
+        if refused:
+            yield [], refused
+        for table, group in groups.items():
+            why = self._use_table(table)
+            if why is None:
+                yield group, []
+            else:
+                yield [], [Rejected(r, f"table {table}: {why}") for r in group]
+
+    def _table_of(self, record: Record) -> str | Rejected:
+        cfg = self.cfg
+        missing: list[str] = []
+
+        def fill(m: re.Match[str]) -> str:
+            name = m.group(1)
+            if name == "topic":
+                topic = record.topic
+                if cfg.topic_replace is not None:
+                    topic = re.sub(cfg.topic_replace[0], cfg.topic_replace[1], topic)
+                return topic
+            value = record.value.get(name[len("value.") :])
+            if value is None or isinstance(value, dict | list):
+                missing.append(name)
+                return ""
+            return str(value)
+
+        table = _PLACEHOLDER.sub(fill, cfg.table)
+        if missing:
+            return Rejected(record, f"table {cfg.table}: no value for ${{{missing[0]}}}")
+        return table
 
     def write_raw(self, part: PartId, batch: RawBatch) -> Sequence[Rejected]:
         encoder = self._encoder

@@ -34,6 +34,10 @@ SINK_NAME_MAX = 40
 _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 
 
+#: A placeholder of a table template.
+_PLACEHOLDER = re.compile(r"\$\{(topic|value\.[^{}]+)\}")
+
+
 #: Column types in create_table are spliced into DDL: allow type syntax, never a statement.
 _SQL_TYPE_PATTERN = r'^[A-Za-z_][A-Za-z0-9_ ,()\[\]".]*$'
 
@@ -50,7 +54,13 @@ class PostgresSinkConfig(SinkConfig):
     #: Password of the DSN's user, kept out of the DSN (``${ENV:...}``, ``${FILE:...}``).
     password: SecretStr | None = None
     #: Target table, optionally ``schema.table``. Names are exact (case-sensitive), not folded.
+    #: A template routes each record to a table of its own: ``${topic}`` is the record's topic
+    #: (after ``topic_replace``), ``${value.FIELD}`` a field of the record (``docs/cdc.md``).
     table: str = Field(min_length=1)
+    #: With a ``table`` template: ``[pattern, replacement]``, applied to the topic name with
+    #: ``re.sub`` before it becomes ``${topic}`` (Kafka Connect's RegexRouter), e.g.
+    #: ``['^inventory\.public\.', '']`` makes ``inventory.public.orders`` the table ``orders``.
+    topic_replace: tuple[str, str] | None = None
     #: ``insert``: one row per record. ``upsert``: one row per ``key``, the latest record wins:
     #: a record whose key has no row inserts one, else it updates the columns whose fields it
     #: carries (an absent field leaves its column as it is: a partial update). ``update``: the
@@ -88,7 +98,37 @@ class PostgresSinkConfig(SinkConfig):
             raise ValueError("not a valid libpq connection string or URI") from None
         return value
 
-    @field_validator("table", "marker_table")
+    @property
+    def templated(self) -> bool:
+        """Whether ``table`` is a template (a table per topic or per field value)."""
+        return "${" in self.table
+
+    @field_validator("table")
+    @classmethod
+    def _table_or_template(cls, value: str) -> str:
+        if "${" not in value:
+            return cls._qualified_name(value)
+        rest = _PLACEHOLDER.sub("", value)
+        if "${" in rest or "}" in rest:
+            raise ValueError(f"{value!r}: a template knows ${{topic}} and ${{value.FIELD}} only")
+        return value
+
+    @field_validator("topic_replace")
+    @classmethod
+    def _replace_compiles(
+        cls, value: tuple[str, str] | None, info: ValidationInfo
+    ) -> tuple[str, str] | None:
+        if value is None:
+            return None
+        if "${topic}" not in info.data.get("table", ""):
+            raise ValueError("used only with a table template naming ${topic}")
+        try:
+            re.compile(value[0])
+        except re.error as exc:
+            raise ValueError(f"{value[0]!r} is not a regular expression: {exc}") from None
+        return value
+
+    @field_validator("marker_table")
     @classmethod
     def _qualified_name(cls, value: str) -> str:
         parts = value.split(".")
