@@ -936,7 +936,7 @@ def test_config_errors_name_the_field_and_hide_secrets(pg_dsn: str) -> None:
             PostgresSinkConfig.model_validate({**base, **changes})
         return str(info.value)
 
-    assert "key" in error_of(mode="upsert") and "upsert" in error_of(mode="upsert")
+    assert "key" in error_of(mode="insert", key=["id"])  # upsert without key: the primary key
     assert "name" in error_of(name="x" * 41)
     assert "name" in error_of(name="a:b")
     assert "dsn" in error_of(dsn="host=127.0.0.1 port")
@@ -1774,3 +1774,27 @@ def test_a_table_template_with_create_table_makes_a_new_topics_table(
         (1, "table ${value.kind}: no value for ${value.kind}")
     ]
     assert env.rows(f'SELECT id, label FROM "{name}"') == [(7, "x")]
+
+
+def test_without_key_each_table_is_keyed_on_its_own_primary_key(
+    env: PgEnv, make_sink: MakeSink
+) -> None:
+    one = env.table("k1", "id int PRIMARY KEY, v text")
+    two = env.table("k2", "order_id int, line int, v text, PRIMARY KEY (line, order_id)")
+    none = env.table("k3", "id int, v text")  # no primary key: its records are rejected
+    sink = make_sink("${topic}", mode="upsert")
+    batch = [
+        trec(one, 0, {"id": 1, "v": "a"}),
+        trec(two, 0, {"order_id": 1, "line": 1, "v": "x"}),
+        trec(two, 1, {"order_id": 1, "line": 2, "v": "y"}),
+        trec(one, 1, {"id": 1, "v": "b"}),
+        trec(two, 2, {"order_id": 1, "line": 1, "v": "x2"}),
+        trec(two, 3, {"order_id": 1, "line": 2}, deleted=True),
+        trec(none, 0, {"id": 1, "v": "z"}),
+    ]
+    rejected = run_part(sink, part(env, 1), batch)
+    assert [(r.record.topic, "no primary key" in r.reason) for r in rejected] == [(none, True)]
+    assert env.rows(f'SELECT id, v FROM "{one}"') == [(1, "b")]
+    assert env.rows(f'SELECT order_id, line, v FROM "{two}"') == [(1, 1, "x2")]
+    with pytest.raises(FatalSinkError, match="no primary key"):
+        make_sink(none, mode="upsert")

@@ -116,6 +116,8 @@ class _Connections(Sink):
         self._admin_lock = threading.Lock()
         self._admin: Connection | None = None
         self._mapped: list[_Mapped] = []
+        #: The key columns (``key``, else the table's primary key).
+        self._key: list[str] = list(config.key)
         self._key_idx: list[int] = []
         #: The mask of the upsert key's columns (a delete's row).
         self._key_mask = 0

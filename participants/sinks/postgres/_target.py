@@ -53,6 +53,7 @@ _TABLE_STATE = (
     "_stage_name",
     "_statements",
     "_current",
+    "_key",
 )
 
 
@@ -196,6 +197,9 @@ class _Target(_Connections):
                 max_length=max_len,
             )
             table_columns[name] = (column, bool(generated))
+        key = list(cfg.key)
+        if not key and cfg.mode != "insert":
+            key = self._primary_key(conn, oid, table)
         wanted = (
             cfg.columns
             if cfg.columns is not None
@@ -219,15 +223,18 @@ class _Target(_Connections):
                     # The default mapping reads the column's own name, dots and all.
                     get=_nested_getter(path) if cfg.columns is not None else None,
                     convert=converter_for(column),
-                    is_key=column_name in cfg.key,
+                    is_key=column_name in key,
                 )
             )
-        for key in cfg.key:
-            if key not in table_columns:
-                raise FatalSinkError(f"key: table {table} has no column {key!r}", sink=self.name)
+        for k in key:
+            if k not in table_columns:
+                raise FatalSinkError(f"key: table {table} has no column {k!r}", sink=self.name)
+            if k not in wanted:
+                raise FatalSinkError(f"columns: must map the key column {k!r}", sink=self.name)
         if cfg.mode == "upsert":
-            self._check_unique_key(conn, oid, table)
+            self._check_unique_key(conn, oid, table, key)
         self._target = target
+        self._key = key
         self._mapped = mapped
         self._key_idx = [i for i, m in enumerate(mapped) if m.is_key]
         self._key_mask = sum(1 << i for i in self._key_idx)
@@ -335,7 +342,24 @@ class _Target(_Connections):
             )
         self.log.info("postgres sink %s: created table %s", self.name, table)
 
-    def _check_unique_key(self, conn: Connection, oid: int, table: str) -> None:
+    def _primary_key(self, conn: Connection, oid: int, table: str) -> list[str]:
+        """The primary key's columns of ``table``: the key when the config names none."""
+        row = conn.execute(
+            """
+            SELECT array_agg(a.attname::text ORDER BY array_position(i.indkey, a.attnum))
+              FROM pg_index i
+              JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
+             WHERE i.indrelid = %s AND i.indisprimary
+            """,
+            (oid,),
+        ).fetchone()
+        if row is None or not row[0]:
+            raise FatalSinkError(
+                f"key: table {table} has no primary key; name the key columns", sink=self.name
+            )
+        return list(row[0])
+
+    def _check_unique_key(self, conn: Connection, oid: int, table: str, key: list[str]) -> None:
         rows = conn.execute(
             """
             SELECT array_agg(a.attname::text ORDER BY a.attname)
@@ -347,9 +371,9 @@ class _Target(_Connections):
             """,
             (oid,),
         ).fetchall()
-        if sorted(self.cfg.key) not in [sorted(r[0]) for r in rows]:
+        if sorted(key) not in [sorted(r[0]) for r in rows]:
             raise FatalSinkError(
                 f"key: upsert needs a primary key or unique index on exactly "
-                f"({', '.join(self.cfg.key)}) of table {table}",
+                f"({', '.join(key)}) of table {table}",
                 sink=self.name,
             )

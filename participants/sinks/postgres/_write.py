@@ -600,7 +600,7 @@ class _WritePath(_Markers):
             copy = sql.SQL("COPY {} ({}) FROM STDIN{}").format(self._target, names, binary)
         else:
             copy = sql.SQL("COPY {} ({}) FROM STDIN{}").format(self._stage, names, binary)
-            updates = [c for c in columns if c.name not in self.cfg.key]
+            updates = [c for c in columns if c.name not in self._key]
             action = (
                 sql.SQL("DO UPDATE SET {}").format(
                     sql.SQL(", ").join(
@@ -621,7 +621,7 @@ class _WritePath(_Markers):
                         ),
                         self._stage,
                         sql.SQL(" AND ").join(
-                            sql.SQL("t.{0} = s.{0}").format(sql.Identifier(k)) for k in self.cfg.key
+                            sql.SQL("t.{0} = s.{0}").format(sql.Identifier(k)) for k in self._key
                         ),
                     )
                     if updates
@@ -633,7 +633,7 @@ class _WritePath(_Markers):
                     names,
                     names,
                     self._stage,
-                    sql.SQL(", ").join(map(sql.Identifier, self.cfg.key)),
+                    sql.SQL(", ").join(map(sql.Identifier, self._key)),
                     action,
                 )
         self._statements[mask] = (copy, merge)

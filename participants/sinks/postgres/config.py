@@ -68,7 +68,8 @@ class PostgresSinkConfig(SinkConfig):
     #: apply in ``upsert`` and ``update`` (``docs/cdc.md``).
     mode: Literal["insert", "upsert", "update"] = "insert"
     #: Key of ``upsert`` and ``update``: target columns with a unique index or primary key on
-    #: exactly these columns (``update`` needs only the columns).
+    #: exactly these columns (``update`` needs only the columns). Empty: the table's primary
+    #: key (each table's, with a ``table`` template).
     key: list[str] = Field(default_factory=list, validate_default=True)
     #: Target column -> JSON field (``a.b`` for nested). Default: every table column, fed from
     #: the same-named field. An absent field leaves the column to its DEFAULT on insert and
@@ -140,8 +141,6 @@ class PostgresSinkConfig(SinkConfig):
     @classmethod
     def _key_for_upsert(cls, value: list[str], info: ValidationInfo) -> list[str]:
         mode = info.data.get("mode")
-        if mode in ("upsert", "update") and not value:
-            raise ValueError(f"required (one or more target columns) when mode is {mode!r}")
         if mode == "insert" and value:
             raise ValueError("only used when mode is 'upsert' or 'update'")
         if len(set(value)) != len(value):
