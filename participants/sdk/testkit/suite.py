@@ -583,6 +583,35 @@ class DeleteConformance:
         sink.commit(part)
         assert kit.visible() == ids([records(1, 1)[0], records(3, 1)[0], records(9, 1)[0]])
 
+    def test_a_delete_written_while_the_part_that_wrote_the_key_is_undecided(
+        self, twophase_kit: Kit
+    ) -> None:
+        """Records keep flowing while a part is decided: the next part may delete a key the
+        previous part wrote (a new row) before that part commits. The delete must hold once
+        both commit -- a store that applies changes at write time must wait for the earlier
+        part, or it deletes a row it cannot see yet."""
+        kit = twophase_kit
+        sink = kit.sink()
+        kit.run(sink, kit.part(1), records(0, 2), commit=True)
+        kit.run(sink, kit.part(2), [change(10, 5), change(11, 0)])  # prepared, undecided
+        nxt = kit.part(3)
+        started = threading.Event()
+
+        def data_thread() -> None:
+            sink.begin(nxt)
+            started.set()
+            sink.write(nxt, [change(12, 5, deleted=True), change(13, 0, deleted=True)])
+            sink.prepare(nxt, {(TOPIC, 0): 14})
+
+        writer = _Thread(data_thread, "kit-data-thread")
+        writer.start()
+        writer.wait_for(started)
+        time.sleep(0.2)  # the write is under way, or waiting for part 2's decision
+        sink.commit(kit.part(2))
+        writer.result()
+        sink.commit(nxt)
+        assert kit.visible() == ids(records(1, 1)), "a delete of the previous part's key was lost"
+
     def test_a_delete_then_a_write_in_a_later_part_leaves_the_key(self, twophase_kit: Kit) -> None:
         kit = twophase_kit
         sink = kit.sink()

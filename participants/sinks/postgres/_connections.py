@@ -112,6 +112,10 @@ class _Connections(Sink):
         self._lock = threading.Lock()  # guards the fields below
         self._open: _OpenPart | None = None
         self._prepared: dict[PartId, Connection] = {}
+        #: Parts this instance prepared whose decision it has not applied yet (a delete waits
+        #: for them: :meth:`_WritePath._await_decisions`), and the condition that says so.
+        self._undecided: set[PartId] = set()
+        self._decided = threading.Condition(self._lock)
         self._idle: list[Connection] = []
         self._admin_lock = threading.Lock()
         self._admin: Connection | None = None

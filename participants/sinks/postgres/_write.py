@@ -50,6 +50,10 @@ from twophase.participants.sinks.postgres.types import (
 
 __all__ = ["_BATCH_SAVEPOINT", "_WRITE_SAVEPOINT", "_WritePath"]
 
+#: How long a delete waits for an earlier part's decision before the write is retried; a
+#: decision takes a cycle, or the vote timeout when a participant is lost.
+DELETE_WAIT_S = 30.0
+
 
 def _compiled_none(records: Sequence[Record]) -> tuple[bytes, int, Sequence[Record]]:
     """``encode`` of :meth:`_WritePath._write` for records only the Python path converts."""
@@ -260,6 +264,8 @@ class _WritePath(_Markers):
             payload, compiled, records = encode()
             n = compiled + len(records)
             rows = self._convert(records, rejected)
+            if self.cfg.mode == "upsert" and any(row.deleted for row in rows):
+                self._await_decisions(part)
             try:
                 try:
                     if rows or payload:
@@ -294,6 +300,27 @@ class _WritePath(_Markers):
                 rejected[0].reason,
             )
         return rejected
+
+    def _await_decisions(self, part: PartId) -> None:
+        """Before a delete: wait until every earlier part this instance prepared is decided.
+
+        A row an undecided part inserted is invisible to this part's transaction, so a DELETE
+        of its key would find nothing and the row would appear when that part commits -- a lost
+        delete (an upsert, by contrast, waits on the unique index by itself). Records keep
+        flowing while a part is decided, so the next part's first delete usually waits for one
+        decision. Another process's undecided part needs no wait here: this part then starts
+        before that part's end, and the chain rule aborts it (``control-topic/PROTOCOL.md``).
+        """
+        with self._decided:
+            if self._decided.wait_for(
+                lambda: not (self._undecided - {part}), timeout=DELETE_WAIT_S
+            ):
+                return
+            pending = sorted(p.token for p in self._undecided - {part})
+        raise RetriableSinkError(
+            f"part {part.token}: deletes wait for the decision of {', '.join(pending)}",
+            sink=self.name,
+        )
 
     def _classify_write_error(self, op: _OpenPart, exc: BaseException) -> Exception:
         state = _sqlstate(exc)

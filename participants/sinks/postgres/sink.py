@@ -151,6 +151,7 @@ class PostgresSink(_WritePath):
             with self._lock:
                 self._open = None
                 self._prepared[part] = conn
+                self._undecided.add(part)
                 surplus = list(self._prepared)[:-_MAX_HELD_PREPARED]
                 released = [self._prepared.pop(p) for p in surplus]
         for old in released:
@@ -184,8 +185,10 @@ class PostgresSink(_WritePath):
             else:
                 self._checkin(conn)
                 self.log.info("postgres sink %s: part %s committed", self.name, part.token)
+                self._now_decided(part)
                 return
         self._finish(part, "COMMIT")
+        self._now_decided(part)
 
     def abort(self, part: PartId) -> None:
         self._require_ready()
@@ -216,8 +219,15 @@ class PostgresSink(_WritePath):
             else:
                 self._checkin(prepared)
                 self.log.info("postgres sink %s: part %s rolled back", self.name, part.token)
+                self._now_decided(part)
                 return
         self._finish(part, "ROLLBACK")
+        self._now_decided(part)
+
+    def _now_decided(self, part: PartId) -> None:
+        with self._decided:
+            self._undecided.discard(part)
+            self._decided.notify_all()
 
     def _finish(self, part: PartId, action: Literal["COMMIT", "ROLLBACK"]) -> None:
         """Decide ``part`` by gid from the admin connection (recovery, other process, retry)."""
