@@ -11,10 +11,11 @@ export TWOPHASE_STACK_DIR ?= $(CURDIR)/.stack
 # Downloads and builds (jars, helm, SecantusDB) are shared by every clone on the machine.
 export TWOPHASE_CACHE_DIR ?= $(HOME)/.cache/twophase
 
-.PHONY: help venv stack-up stack-down stack-status test test-fast lint demo bench chaos helm clean config-doc
+.PHONY: help venv stack-up stack-down stack-status test test-fast lint demo demo-cdc bench chaos helm clean config-doc
 
 help:
 	@echo "make demo         set everything up and run the main pipeline end to end"
+	@echo "make demo-cdc     Debezium change streams of 4 tables replicated exactly, through a kill"
 	@echo "make test         set everything up and run the whole test suite"
 	@echo "make stack-up     start Kafka, PostgreSQL and SecantusDB on 127.0.0.1"
 	@echo "make stack-down   stop what stack-up started"
@@ -68,6 +69,11 @@ test-fast: venv
 demo: venv stack-up
 	$(PY) -m harness.demo
 	$(PY) -m harness.spark_demo
+
+# Change data capture: Debezium on Kafka Connect -> one pipeline -> PostgreSQL replica tables.
+demo-cdc: export TWOPHASE_STACK_CONNECT = 1
+demo-cdc: venv stack-up
+	$(PY) -m harness.cdc_demo
 
 # docs/config.md, every pipeline option, generated from the config models.
 config-doc: venv
