@@ -14,6 +14,9 @@ Sections (``--only`` picks some):
   participants.
 * ``spark``      -- the coordinated ``foreachBatch`` writer vs plain ``foreachPartition`` +
   psycopg COPY of the same rows (:mod:`bench.spark_writer`, in its own process).
+* ``cdc``        -- Debezium change events of three tables (40% creates, 50% updates, 10%
+  deletes) through one topic_pattern into PostgreSQL replica tables (table template, upsert)
+  vs as many plain JSON inserts into one table (:mod:`bench.cdc`).
 
 Runs of the two sides of a comparison alternate, so a noisy neighbour hurts both alike.
 """
@@ -33,17 +36,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import cdc as cdc_bench
 from bench import latency as lat
 from bench import throughput as tp
 from harness import load_stack_env
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("throughput", "ceiling", "mongo", "latency", "spark")
+SECTIONS = ("throughput", "ceiling", "mongo", "latency", "spark", "cdc")
 TARGETS = {
     "eo_over_alo": (">=", 0.9),
     "pg_pipeline_over_copy": (">=", 0.5),
     "commit_latency_p99_ms_at_8": ("<=", 250),
     "spark_ratio": (">=", 0.8),
+    "cdc_over_plain": (">=", 0.5),
 }
 MONGO_NOTE = (
     "MongoDB figures are measured on SecantusDB 0.7.0b3 (a MongoDB-protocol test server on "
@@ -209,12 +214,44 @@ def spark(args: argparse.Namespace, _env: dict[str, str], work: Path) -> dict[st
     }
 
 
+def cdc(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[str, Any]:
+    bootstrap = env["TWOPHASE_KAFKA_BOOTSTRAP"]
+    say(f"cdc: producing {args.cdc_events:,} change events and as many plain records")
+    changes = cdc_bench.Changes.create(bootstrap, args.cdc_events)
+    plain = cdc_bench.plain_source(bootstrap, changes.messages)
+    details: dict[str, list[dict[str, Any]]] = {"cdc": [], "plain": []}
+
+    def run_cdc() -> float:
+        r = cdc_bench.cdc_run(changes, work)
+        details["cdc"].append(r.asdict())
+        return r.records_per_s
+
+    def run_plain() -> float:
+        r = tp.pipeline_run(plain, work, mode="exactly_once", sinks={"pg"})
+        details["plain"].append(r.asdict())
+        return r.records_per_s
+
+    try:
+        got = alternate(args.runs, {"cdc": run_cdc, "plain": run_plain})
+    finally:
+        changes.delete()
+        plain.delete()
+    c, p = median(got["cdc"]), median(got["plain"])
+    return {
+        "cdc_records_per_s": round(c),
+        "cdc_plain_records_per_s": round(p),
+        "cdc_over_plain": round(c / p, 3),
+        "_runs": details,
+    }
+
+
 def targets(res: dict[str, Any]) -> dict[str, Any]:
     values = {
         "eo_over_alo": res.get("eo_over_alo"),
         "pg_pipeline_over_copy": res.get("pg_pipeline_over_copy"),
         "commit_latency_p99_ms_at_8": res.get("commit_latency_ms", {}).get("8", {}).get("p99"),
         "spark_ratio": res.get("spark_ratio"),
+        "cdc_over_plain": res.get("cdc_over_plain"),
     }
     out = {}
     for name, (op, bound) in TARGETS.items():
@@ -306,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--latency-cycles", type=int, default=20, help="cycles measured per run")
     ap.add_argument("--spark-rows", type=int, default=200_000)
+    ap.add_argument("--cdc-events", type=int, default=1_000_000, help="change events (cdc)")
     ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
     ap.add_argument("--out", default=str(RESULTS / "latest.json"))
     args = ap.parse_args(argv)
@@ -336,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         "mongo": mongo,
         "latency": latency,
         "spark": spark,
+        "cdc": cdc,
     }
     with tempfile.TemporaryDirectory(prefix="twophase-bench-") as tmp:
         for name in sections:
