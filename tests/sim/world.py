@@ -52,8 +52,13 @@ records on Seek; poll before WillWrite; subscribe to the source group with the l
 offset of partitions the group has never committed, on both the participant and the coordinator
 side (``SourcePartitions.group_offsets``).
 
-What is not modelled: dead-lettering and poison records, multiple source topics and partitions
-added at run time, control-topic retention/compaction (the whole log is kept), decode errors,
+Source topics created while the pipeline runs (``topic_pattern``): some seeds add one or two
+one-partition topics that the coordinator's metadata and the group (a rebalance) each find at
+their own random moment, so votes name topics the coordinator does not show yet and the
+coordinator shows topics no voter reads yet; votes carry their ``topics`` (the coverage rule).
+
+What is not modelled: dead-lettering and poison records, partitions added to an existing topic,
+topics deleted, control-topic retention/compaction (the whole log is kept), decode errors,
 real time, clock skew between processes, participants with different sink sets, and Kafka's own
 failure modes beyond the ones above (e.g. a consumer group that loses committed offsets, a
 commit_transaction with an unknown outcome).
@@ -234,6 +239,9 @@ class Params:
     p_duplicate: float
     quiesce_ms: int = 60_000
     max_steps: int = 60_000
+    #: Topics (one partition each) created while the pipeline runs, as a topic_pattern finds
+    #: them: the coordinator's metadata and the group see each at its own moment.
+    new_topics: int = 0
 
     @classmethod
     def calm(cls, participants: int = 3, partitions: int = 4, records: int = 30) -> Params:
@@ -245,7 +253,10 @@ class Params:
         def maybe(p: float) -> float:
             return p if rng.random() < 0.6 else 0.0
 
+        # Drawn apart, so that the main stream (every other seed's schedule) stays as it was.
+        extra = random.Random(rng.random())
         return cls(
+            new_topics=extra.choice((0, 0, 1, 2)),
             participants=rng.randint(2, 4),
             partitions=rng.randint(2, 6),
             fault_steps=rng.randint(150, 500),
@@ -382,9 +393,9 @@ class Participant:
         if self.rebalance:
             out.append((w.rebalance_weight, self.poll_rebalance))
         elif self.machine.ready:
-            hw = w.hw
-            for (_, p), off in self.fetch.items():
-                if off < hw[p]:
+            hw, index = w.hw, w.index
+            for tp, off in self.fetch.items():
+                if off < hw[index[tp]]:
                     out.append((4, self.start_batch))
                     break
 
@@ -486,7 +497,9 @@ class Participant:
         self.rebalance = 0
         mine = sorted(w.assignment.get(self.member_id, ()))
         offsets = {tp: w.group_offsets.get(tp, 0) for tp in mine}
-        yield from self.feed_data(pm.Assigned(w.generation, self.member_id, offsets))
+        yield from self.feed_data(
+            pm.Assigned(w.generation, self.member_id, offsets, w.group_topics())
+        )
 
     def start_batch(self) -> None:
         self.start_data(self.batch_job())
@@ -497,11 +510,12 @@ class Participant:
         batch: dict[TP, tuple[int, int, int]] = {}
         recs: list[tuple[int, int]] = []
         for tp, off in sorted(self.fetch.items()):
-            avail = w.hw[tp[1]] - off
+            i = w.index[tp]
+            avail = w.hw[i] - off
             if avail <= 0 or (batch and w.rng.random() < 0.3):
                 continue
             n = w.rng.randint(1, min(avail, 3))
-            recs += [(tp[1], o) for o in range(off, off + n)]
+            recs += [(i, o) for o in range(off, off + n)]
             batch[tp] = (off + n - 1, n, 0)
             self.fetch[tp] = off + n
         yield from self.feed_data(pm.WillWrite())
@@ -630,7 +644,7 @@ class Coordinator:
 
     def feed_partitions(self) -> None:
         w = self.world
-        tps = frozenset((TOPIC, p) for p in range(w.p.partitions))
+        tps = frozenset(w.tp(p) for p in range(w.coord_sees))
         self.feed(cm.SourcePartitions(tps, {tp: w.group_offsets.get(tp, 0) for tp in tps}))
 
     def acquire(self) -> None:
@@ -724,7 +738,13 @@ class World:
         self.checkpoints: list[int] = []
         self.msg_id = 0
         self.stores = {name: Store(self, name) for name in STORES}
-        self.hw = [0] * self.p.partitions
+        #: Partitions by index: the first ``p.partitions`` are topic ``src``'s, then one topic
+        #: per ``p.new_topics``, each seen by the group and the coordinator when they find it.
+        self.total = self.p.partitions + self.p.new_topics
+        self.index = {self.tp(i): i for i in range(self.total)}
+        self.group_sees = self.coord_sees = self.p.partitions
+        self.topic_rng = random.Random(seed + 1_000_003)
+        self.hw = [0] * self.total
         self.records_left = self.p.records
         self.group_offsets: dict[TP, int] = {}
         self.generation = 0
@@ -748,6 +768,27 @@ class World:
         self.coordinators[0].acquire()
 
     # -- utilities --
+
+    def tp(self, i: int) -> TP:
+        base = self.p.partitions
+        return (TOPIC, i) if i < base else (f"{TOPIC}.new{i - base}", 0)
+
+    def group_topics(self) -> tuple[str, ...]:
+        """The topics the members subscribe to now (all alike: they re-read one list)."""
+        return tuple(sorted({self.tp(i)[0] for i in range(self.group_sees)}))
+
+    def find_topics(self, *, every: bool = False) -> None:
+        """A created topic is found by the coordinator's metadata refresh and by the group's
+        (a rebalance), each in its own time; ``every``: both find every topic now."""
+        r = self.topic_rng
+        if self.coord_sees < self.total and (every or r.random() < 0.01):
+            self.coord_sees = self.total if every else self.coord_sees + 1
+            if self.verbose:
+                self.trace(f"== the coordinator's metadata shows {self.tp(self.coord_sees - 1)}")
+        if self.group_sees < self.total and (every or r.random() < 0.01):
+            self.group_sees = self.total if every else self.group_sees + 1
+            if self.members:
+                self.rebalance_group(f"subscribed to {self.group_topics()[-1]}")
 
     def trace(self, line: str) -> None:
         self.lines.append(f"[{self.now:6d}] {line}")
@@ -805,8 +846,8 @@ class World:
         self.rng.shuffle(ids)
         self.assignment = {m: set() for m in ids}
         if ids:
-            for p in range(self.p.partitions):
-                self.assignment[ids[p % len(ids)]].add((TOPIC, p))
+            for p in range(self.group_sees):
+                self.assignment[ids[p % len(ids)]].add(self.tp(p))
         if self.verbose:
             pretty = {m: sorted(p for _, p in tps) for m, tps in sorted(self.assignment.items())}
             self.trace(f"== rebalance to generation {self.generation} ({why}): {pretty}")
@@ -900,7 +941,7 @@ class World:
 
     def produce(self) -> None:
         self.records_left -= 1
-        self.hw[self.rng.randrange(self.p.partitions)] += 1
+        self.hw[self.rng.randrange(self.total)] += 1
 
     def maybe_fault(self) -> None:
         p = self.p
@@ -957,6 +998,8 @@ class World:
         self.steps += 1
         self.now += self.rng.randint(0, 4)
         self.timers()
+        if self.faults_on:
+            self.find_topics()
         moves = self.moves()
         if not moves:
             self.now += self.rng.randint(5, 20)  # nothing to do until a timer fires
@@ -979,7 +1022,7 @@ class World:
     def done(self) -> bool:
         if self.records_left or self.restarts or self.departures or self.ghosts or self.rejoins:
             return False
-        if any(self.group_offsets.get((TOPIC, p), 0) != hw for p, hw in enumerate(self.hw)):
+        if any(self.group_offsets.get(self.tp(p), 0) != hw for p, hw in enumerate(self.hw)):
             return False
         if any(s.in_doubt() for s in self.stores.values()):
             return False
@@ -1006,6 +1049,7 @@ class World:
         self.faults_on = False
         if self.verbose:
             self.trace("== faults off: driving to quiescence")
+        self.find_topics(every=True)
         for proc in self.participants:
             if not proc.alive:
                 self.restarts = [(t, n) for t, n in self.restarts if n != proc.name]
@@ -1034,7 +1078,7 @@ class World:
 
     def stuck(self) -> str:
         bits = []
-        lag = {p: (self.group_offsets.get((TOPIC, p), 0), hw) for p, hw in enumerate(self.hw)}
+        lag = {p: (self.group_offsets.get(self.tp(p), 0), hw) for p, hw in enumerate(self.hw)}
         bits.append(f"offsets/hw {lag}")
         for s in self.stores.values():
             if s.in_doubt():
@@ -1048,7 +1092,7 @@ class World:
     # -- the guarantees --
 
     def check(self) -> None:
-        tps = [(TOPIC, p) for p in range(self.p.partitions)]
+        tps = [self.tp(p) for p in range(self.total)]
         prev = {tp: 0 for tp in tps}
         decided: dict[int, Decision] = {}
         votes: dict[int, list[Vote]] = {}
@@ -1075,9 +1119,11 @@ class World:
             decided[msg.txn] = msg
             if msg.outcome is not Outcome.COMMIT:
                 continue
-            new = {(p.topic, p.partition): p.offset for p in msg.positions}
-            if set(new) != set(tps):
-                raise SimViolation(f"(3) commit {msg.txn} positions name {sorted(new)}")
+            named = {(p.topic, p.partition): p.offset for p in msg.positions}
+            # A topic no commit has named yet keeps its start (0); once named, always named.
+            if not set(named) <= set(tps) or any(tp not in named and prev[tp] for tp in tps):
+                raise SimViolation(f"(3) commit {msg.txn} positions name {sorted(named)}")
+            new = {tp: named.get(tp, prev[tp]) for tp in tps}
             if any(new[tp] < prev[tp] for tp in tps):
                 raise SimViolation(f"(3) commit {msg.txn} moves back: {_moves(prev, new)}")
             self._check_votes(msg, votes.get(msg.txn, []), prev, new)
@@ -1096,9 +1142,9 @@ class World:
                         )
                     committed_keys.add(key)
                     got += sp.records
-                want = [
-                    (p, o) for (t, p), end in sorted(new.items()) for o in range(prev[(t, p)], end)
-                ]
+                want = sorted(
+                    (self.index[tp], o) for tp, end in new.items() for o in range(prev[tp], end)
+                )
                 if sorted(got) != want:
                     raise SimViolation(
                         f"(1) commit {msg.txn} in {s}: records {_ranges(got)} but the positions "
@@ -1157,7 +1203,8 @@ class World:
                 if tp in seen:
                     raise SimViolation(f"(5) commit {d.txn}: {tp} covered twice")
                 seen[tp] = (pr.start, pr.end)
-        want = {tp: (prev[tp], new[tp]) for tp in new}
+        # What no vote covered (a topic nobody reads yet) must not have moved.
+        want = {tp: (prev[tp], new[tp]) for tp in new if tp in seen or new[tp] != prev[tp]}
         if seen != want:
             raise SimViolation(f"(5) commit {d.txn}: votes cover {seen}, positions moved {want}")
 
