@@ -28,9 +28,8 @@ from twophase.kafka import create_topics
 MAX_BATCH = 500
 
 
-def test_at_least_once_loses_nothing_through_a_kill_and_leaves_nothing_prepared(
-    tmp_path: Path,
-) -> None:
+def _scenario(tmp_path: Path) -> Scenario:
+    """An at-least-once pipeline into PostgreSQL and files, its stores and topics ready."""
     s = Scenario.on_stack(
         f"alo-{uuid.uuid4().hex[:6]}",
         tmp_path,
@@ -40,6 +39,13 @@ def test_at_least_once_loses_nothing_through_a_kill_and_leaves_nothing_prepared(
     s.write()
     s.prepare_stores()
     create_topics(load_config(s.config_path))
+    return s
+
+
+def test_at_least_once_loses_nothing_through_a_kill_and_leaves_nothing_prepared(
+    tmp_path: Path,
+) -> None:
+    s = _scenario(tmp_path)
     n = 20_000
     produce(s.bootstrap, s.topic, 0, n // 2)
     p = Producer({"bootstrap.servers": s.bootstrap})
@@ -97,15 +103,7 @@ def test_a_batch_one_sink_committed_before_a_crash_is_rolled_forward_in_the_othe
     """Killed between two sinks' commits of one batch: the restart commits the batch in the
     sinks where it is still prepared (it cannot take it back from the one that shows it), so
     the sinks hold the same records -- the batch's replay duplicates it in both alike."""
-    s = Scenario.on_stack(
-        f"alo-{uuid.uuid4().hex[:6]}",
-        tmp_path,
-        mongo=False,
-        extra={"participant": {"mode": "at_least_once", "max_batch_records": MAX_BATCH}},
-    )
-    s.write()
-    s.prepare_stores()
-    create_topics(load_config(s.config_path))
+    s = _scenario(tmp_path)
     n = 5_000
     produce(s.bootstrap, s.topic, 0, n)
     c = Cluster(s)
