@@ -10,6 +10,8 @@ in a pipeline's ``sinks[].type``.
   :class:`OpenSlot` for what its store operations hold in memory about the open part, and the
   marker's positions as JSON (:func:`positions_to_json`, :func:`positions_from_json`).
 * the durable file-system steps of :mod:`twophase.participants.sdk.staging`, for sinks that stage files.
+* :class:`TargetTemplate` -- a target name per record (``table: ${topic}``), for sinks that
+  route records to many tables or collections (:mod:`twophase.participants.sdk.routing`).
 * :mod:`twophase.participants.sdk.values` -- the value conversions the built-in sinks share
   (``docs/types.md``), so a record meets the same rule in every sink.
 * :mod:`twophase.participants.sdk.testkit` -- the conformance kit, a pytest plugin (imported on its own:
@@ -43,6 +45,12 @@ from twophase.participants.sdk.records import (
     Rejected,
     TopicPartition,
 )
+from twophase.participants.sdk.routing import (
+    TargetTemplate,
+    check_template,
+    check_topic_replace,
+    is_template,
+)
 from twophase.participants.sdk.sink import Sink, SinkConfig, SinkContext
 from twophase.participants.sdk.staging import (
     discard_tree,
@@ -75,10 +83,14 @@ __all__ = [
     "SinkConfig",
     "SinkContext",
     "SinkError",
+    "TargetTemplate",
     "TopicPartition",
     "UnknownPartError",
+    "check_template",
+    "check_topic_replace",
     "discard_tree",
     "fsync_dir",
+    "is_template",
     "makedirs_durable",
     "positions_from_json",
     "positions_to_json",

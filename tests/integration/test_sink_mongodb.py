@@ -997,3 +997,60 @@ def test_the_last_change_of_a_key_wins_in_every_mode(
         assert run_part(sink, PartId("p1", txn, "w1"), batch) == []
         got = {d.pop("_id"): d for d in db.target.find({}, {"_v": 0})}
         assert got == model, f"{mode} partial={partial} txn {txn}"
+
+
+def test_a_collection_template_writes_each_topic_into_its_collection(
+    make_sink: MakeSink, db: Database[Doc]
+) -> None:
+    """One part across collections made on their first record: invisible until the commit,
+    committed by a new instance from its staging, deletes applied in their own collection
+    (with tombstones of their own), an abort leaving every collection as it was, and a record
+    without the field its collection is named by rejected with the reason."""
+
+    def change(topic: str, offset: int, value: Doc, *, deleted: bool = False) -> Record:
+        r = rec(offset, value, topic=topic)
+        return r._replace(deleted=True) if deleted else r
+
+    options = {
+        "collection": "${topic}",
+        "topic_replace": [r"^cdc\.", "c_"],
+        "mode": "upsert",
+        "key": ["id"],
+    }
+    first = make_sink(**options)
+    run_part(first, PartId("p1", 1, "w1"), [change("cdc.b", 0, {"id": 1, "v": "b1"})])
+    part = PartId("p1", 2, "w1")
+    batch = [
+        change("cdc.a", 0, {"id": 1, "v": "a1"}),
+        change("cdc.b", 1, {"id": 2, "v": "b2"}),
+        change("cdc.a", 1, {"id": 2, "v": "a2"}),
+        change("cdc.b", 2, {"id": 1}, deleted=True),  # b's 1, committed by part 1: gone
+        change("cdc.a", 2, {"id": 1, "v": "a1 again"}),
+    ]
+    assert run_part(first, part, batch, commit=False) == []
+    assert "c_a" in db.list_collection_names()  # made on its first record, outside any txn
+    assert ids(db["c_a"]) == [] and ids(db["c_b"]) == [1]
+    later = make_sink(participant="w2", **options)  # the writer is gone; another commits
+    assert later.in_doubt() == [part]
+    later.commit(part)
+    assert [(d["_id"], d["v"]) for d in db["c_a"].find().sort("_id")] == [
+        (1, "a1 again"),
+        (2, "a2"),
+    ]
+    assert [(d["_id"], d["v"]) for d in db["c_b"].find().sort("_id")] == [(2, "b2")]
+    tombstones = list(db["twophase_parts"].find({"kind": "tombstone"}))
+    assert [(t["_id"]["tombstone"], t["_id"].get("coll")) for t in tombstones] == [(1, "c_b")]
+
+    aborted = PartId("p1", 3, "w2")
+    run_part(later, aborted, [change("cdc.a", 3, {"id": 2}, deleted=True)], commit=False)
+    later.abort(aborted)
+    assert ids(db["c_a"]) == [1, 2]
+
+    by_field = make_sink(sink_name="mongo2", collection="${value.kind}", mode="upsert", key=["id"])
+    rejected = run_part(
+        by_field, PartId("p1", 4, "w1"), [rec(0, {"kind": "k_x", "id": 7}), rec(1, {"id": 8})]
+    )
+    assert [(r.record.offset, r.reason) for r in rejected] == [
+        (1, "target ${value.kind}: no value for ${value.kind}")
+    ]
+    assert ids(db["k_x"]) == [7]

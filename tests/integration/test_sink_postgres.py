@@ -1771,7 +1771,7 @@ def test_a_table_template_with_create_table_makes_a_new_topics_table(
     batch = [trec("t", 0, {"kind": name, "id": 7, "label": "x"}), trec("t", 1, {"id": 8})]
     rejected = run_part(sink, part(env, 1), batch)
     assert [(r.record.offset, r.reason) for r in rejected] == [
-        (1, "table ${value.kind}: no value for ${value.kind}")
+        (1, "target ${value.kind}: no value for ${value.kind}")
     ]
     assert env.rows(f'SELECT id, label FROM "{name}"') == [(7, "x")]
 

@@ -367,10 +367,24 @@ class Committer:
         return True
 
     def _apply(self, part: PartId, chunk: list[RawBSONDocument], session: ClientSession) -> int:
-        """Apply the chunk's changes to the target, the last change per ``_id`` winning: a
-        document replaces (or, ``partial``, sets its fields on) its key's, a delete removes it;
-        a write after a delete in the chunk starts a new document (the delete is applied
-        first)."""
+        """Apply the chunk's changes to their targets (the configured collection, or each
+        document's own with a ``collection`` template), the last change per ``_id`` winning."""
+        by_coll: dict[str | None, list[RawBSONDocument]] = {}
+        for staged in chunk:
+            by_coll.setdefault(staged.get("coll"), []).append(staged)
+        return sum(self._apply_to(part, coll, some, session) for coll, some in by_coll.items())
+
+    def _apply_to(
+        self,
+        part: PartId,
+        coll: str | None,
+        chunk: list[RawBSONDocument],
+        session: ClientSession,
+    ) -> int:
+        """Apply the chunk's changes to one target collection, the last change per ``_id``
+        winning: a document replaces (or, ``partial``, sets its fields on) its key's, a delete
+        removes it; a write after a delete in the chunk starts a new document (the delete is
+        applied first)."""
         cfg = self.store.cfg
         keyed = cfg.mode != "insert"
         latest: dict[bytes, RawBSONDocument] = {}
@@ -398,7 +412,9 @@ class Committer:
                 id_key(t["_id"]["tombstone"])
                 for t in self.store.markers.find(
                     {
-                        "_id": {"$in": [self._tombstone(part, d["_id"]) for d in latest.values()]},
+                        "_id": {
+                            "$in": [self._tombstone(part, d["_id"], coll) for d in latest.values()]
+                        },
                         "txn": {"$gt": part.txn},
                     },
                     {"_id": 1},
@@ -407,7 +423,7 @@ class Committer:
             }
             latest = {k: d for k, d in latest.items() if k not in gone}
         if deleted:
-            ops += self._deletes(part, list(deleted.values()), vf, session)
+            ops += self._deletes(part, list(deleted.values()), vf, session, coll)
         insert = cfg.mode != "update"
         for key, doc in latest.items():
             if cfg.partial and keyed:
@@ -415,9 +431,8 @@ class Committer:
             else:
                 ops.append(self._replace(part, doc, vf, insert))
         if ops:
-            self.store.target.with_options(codec_options=RAW).bulk_write(
-                ops, ordered=True, session=session
-            )
+            target = self.store.target if coll is None else self.store.coll(coll)
+            target.with_options(codec_options=RAW).bulk_write(ops, ordered=True, session=session)
         return len(ops)
 
     @staticmethod
@@ -458,7 +473,12 @@ class Committer:
         )
 
     def _deletes(
-        self, part: PartId, ids: list[Any], vf: str | None, session: ClientSession
+        self,
+        part: PartId,
+        ids: list[Any],
+        vf: str | None,
+        session: ClientSession,
+        coll: str | None = None,
     ) -> list[DeleteOne]:
         """Deletes of the documents ``ids``; with ``version_field``, not of one a newer part
         wrote, and each leaves a tombstone (in the marker collection, ``kind: tombstone``, the
@@ -468,7 +488,7 @@ class Committer:
         self.store.markers.bulk_write(
             [
                 UpdateOne(
-                    {"_id": self._tombstone(part, i)},
+                    {"_id": self._tombstone(part, i, coll)},
                     {
                         "$max": {"txn": part.txn},
                         "$setOnInsert": {
@@ -487,9 +507,11 @@ class Committer:
         newer = {f"{vf}.pipeline": part.pipeline, f"{vf}.txn": {"$gt": part.txn}}
         return [DeleteOne({"_id": i, "$nor": [newer]}) for i in ids]
 
-    def _tombstone(self, part: PartId, doc_id: Any) -> Doc:
-        """The marker-collection ``_id`` of the tombstone of ``doc_id``."""
-        return {"tombstone": doc_id, "sink": self.store.sink, "pipeline": part.pipeline}
+    def _tombstone(self, part: PartId, doc_id: Any, coll: str | None = None) -> Doc:
+        """The marker-collection ``_id`` of the tombstone of ``doc_id`` (in ``coll``, with a
+        ``collection`` template)."""
+        tomb = {"tombstone": doc_id, "sink": self.store.sink, "pipeline": part.pipeline}
+        return tomb if coll is None else {**tomb, "coll": coll}
 
     def release_leases(self) -> None:
         """Hand back the leases this instance holds (a clean shutdown)."""

@@ -42,9 +42,13 @@ class Documents:
         self.store = store
         self.cfg = store.cfg
 
-    def staged(self, part: PartId, pk: str, record: Record, seq: int) -> RawBSONDocument:
+    def staged(
+        self, part: PartId, pk: str, record: Record, seq: int, coll: str | None = None
+    ) -> RawBSONDocument:
         """The staged document of ``record`` (number ``seq`` of the part with marker ``pk``),
-        ready to insert as it is; :class:`Reject` when the record cannot become a document."""
+        ready to insert as it is; :class:`Reject` when the record cannot become a document.
+        ``coll``: its target collection, with a ``collection`` template."""
+        where = {} if coll is None else {"coll": coll}
         value: Any = record.value
         if not isinstance(value, Mapping):
             raise Reject(f"value is a {type(value).__name__}, not a JSON object")
@@ -66,6 +70,7 @@ class Documents:
                         "seq": seq,
                         "delete": True,
                         "doc": {"_id": doc_id},
+                        **where,
                     }
                 )
             )
@@ -81,7 +86,7 @@ class Documents:
             body = {**value, "_id": doc_id}
             if self.cfg.version_field:
                 body[self.cfg.version_field] = {"pipeline": part.pipeline, "txn": part.txn}
-        staged = {"_id": f"{pk}|{record.record_id}", "part": pk, "seq": seq, "doc": body}
+        staged = {"_id": f"{pk}|{record.record_id}", "part": pk, "seq": seq, "doc": body, **where}
         try:
             try:
                 raw = bson.encode(staged)

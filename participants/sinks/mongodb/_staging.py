@@ -30,6 +30,7 @@ from twophase.participants.sdk import (
     Record,
     Rejected,
     RetriableSinkError,
+    TargetTemplate,
 )
 from twophase.participants.sinks.mongodb._documents import Documents, Reject
 from twophase.participants.sinks.mongodb._store import DUPLICATE_KEY, RAW, RETRIABLE_CODES, Store
@@ -37,14 +38,17 @@ from twophase.participants.sinks.mongodb._store import DUPLICATE_KEY, RAW, RETRI
 __all__ = ["OpenStaging", "target_refuses"]
 
 
-def target_refuses(store: Store) -> bool:
-    """Whether the target can refuse a document by itself: a validator, or a unique index
-    besides ``_id`` (read once per part, so an index added later counts from the next)."""
+def target_refuses(store: Store, name: str | None = None) -> bool:
+    """Whether the target (``name``, else the configured collection) can refuse a document by
+    itself: a validator, or a unique index besides ``_id`` (read once per part and collection,
+    so an index added later counts from the next part)."""
+    name = name or store.cfg.collection
     db = store.client[store.cfg.database]
-    for info in db.list_collections(filter={"name": store.cfg.collection}):
+    for info in db.list_collections(filter={"name": name}):
         if info.get("options", {}).get("validator"):
             return True
-    return any(ix.get("unique") and ix.get("name") != "_id_" for ix in store.target.list_indexes())
+    indexes = store.coll(name).list_indexes()
+    return any(ix.get("unique") and ix.get("name") != "_id_" for ix in indexes)
 
 
 @dataclass(slots=True)
@@ -66,6 +70,10 @@ class OpenStaging:
     uncertain: set[str] = field(default_factory=set)
     #: Record ids and first seq of the last write() that failed with a retriable error.
     failed: tuple[tuple[str, ...], int] | None = None
+    #: With a ``collection`` template: each record's collection, and per collection whether
+    #: it can refuse a document (``strict``, looked up on its first record in the part).
+    template: TargetTemplate | None = None
+    strict_of: dict[str, bool] = field(default_factory=dict)
 
     def write(self, records: Sequence[Record]) -> list[Rejected]:
         """Stage one document per record; a retried call stages each of them once."""
@@ -80,14 +88,25 @@ class OpenStaging:
         staged: list[RawBSONDocument] = []
         staged_records: list[Record] = []
         for record in records:
+            coll = None
+            if self.template is not None:
+                target = self.template.render(record)
+                if isinstance(target, Rejected):
+                    rejected.append(Rejected(record, target.reason, {"sink": sink}))
+                    continue
+                coll = target
+                if coll not in self.strict_of:
+                    with self.store.errors("write", self.part.token, AbortTransactionError):
+                        self.store.ensure_collection(coll)
+                        self.strict_of[coll] = target_refuses(self.store, coll)
             try:
-                staged.append(self.documents.staged(self.part, self.pk, record, seq))
+                staged.append(self.documents.staged(self.part, self.pk, record, seq, coll))
             except Reject as exc:
                 rejected.append(Rejected(record, str(exc), {"sink": sink}))
                 continue
             staged_records.append(record)
             seq += 1
-        if staged and self.strict:
+        if staged and (self.strict or any(self.strict_of.values())):
             refused = self._tried_on_target(staged)
             if refused:
                 rejected.extend(
@@ -111,11 +130,27 @@ class OpenStaging:
         """Which of ``staged`` the target refuses, and why: each batch is written to the
         target in a MongoDB transaction that is always aborted. A write error ends a
         transaction, so each round finds one refused document and the rest are tried again."""
-        store, token = self.store, self.part.token
         refused: dict[int, str] = {}
         # A delete cannot be refused by a validator or a unique index.
-        left = [i for i in range(len(staged)) if not staged[i].get("delete")]
-        target = store.target.with_options(codec_options=RAW)
+        writes = [i for i in range(len(staged)) if not staged[i].get("delete")]
+        by_coll: dict[str | None, list[int]] = {}
+        for i in writes:
+            by_coll.setdefault(staged[i].get("coll"), []).append(i)
+        for coll, some in by_coll.items():
+            strict = self.strict if coll is None else self.strict_of.get(coll, False)
+            if strict:
+                refused.update(self._tried_on(coll, staged, some))
+        return refused
+
+    def _tried_on(
+        self, coll: str | None, staged: list[RawBSONDocument], left: list[int]
+    ) -> dict[int, str]:
+        """:meth:`_tried_on_target` for the documents ``left`` of one target collection."""
+        store, token = self.store, self.part.token
+        refused: dict[int, str] = {}
+        target = (store.target if coll is None else store.coll(coll)).with_options(
+            codec_options=RAW
+        )
         while left:
             ops = [
                 ReplaceOne({"_id": staged[i]["doc"]["_id"]}, staged[i]["doc"], upsert=True)

@@ -74,6 +74,8 @@ class Store:
         self.wc = WriteConcern(
             w="majority", j=True, wtimeout=int(cfg.write_concern_timeout_s * 1000)
         )
+        #: Collections known to exist (a template's targets, created on first use).
+        self._made: set[str] = set()
 
     @property
     def client(self) -> MongoClient[Doc]:
@@ -93,6 +95,20 @@ class Store:
     @property
     def target(self) -> Collection[Doc]:
         return self.coll(self.cfg.collection)
+
+    def ensure_collection(self, name: str) -> None:
+        """Create ``name`` when it does not exist yet (a template's collection, on its first
+        record: collections cannot be created inside transactions before MongoDB 4.4)."""
+        if name in self._made:
+            return
+        try:
+            self.client[self.cfg.database].create_collection(name, write_concern=self.wc)
+        except CollectionInvalid:
+            pass  # there already, or another participant created it first
+        except OperationFailure as exc:
+            if exc.code != 48:  # NamespaceExists: same race, older servers
+                raise
+        self._made.add(name)
 
     @property
     def staging(self) -> Collection[Doc]:
@@ -160,7 +176,10 @@ class Store:
             db = self.client[cfg.database]
             existing = set(db.list_collection_names())
             # Collections cannot be created inside a transaction before MongoDB 4.4: create them now.
-            for name in (cfg.collection, cfg.staging, cfg.marker_collection):
+            names = [cfg.staging, cfg.marker_collection]
+            if not cfg.templated:
+                names.append(cfg.collection)
+            for name in names:
                 if name not in existing:
                     try:
                         db.create_collection(name, write_concern=self.wc)

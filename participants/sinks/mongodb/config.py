@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator
 
-from twophase.participants.sdk import SinkConfig
+from twophase.participants.sdk import SinkConfig, check_template, check_topic_replace, is_template
 
 __all__ = ["MongoSinkConfig"]
 
@@ -23,8 +23,13 @@ class MongoSinkConfig(SinkConfig):
     uri: SecretStr
     #: Database of the target collection (1-63 bytes, no ``/\. "$``).
     database: str
-    #: The target collection.
+    #: The target collection. A template routes each record to a collection of its own:
+    #: ``${topic}`` is the record's topic (after ``topic_replace``), ``${value.FIELD}`` a field
+    #: of the record (``docs/cdc.md``); each collection is created on its first record.
     collection: str
+    #: With a ``collection`` template naming ``${topic}``: ``[pattern, replacement]``, applied
+    #: to the topic with ``re.sub`` first (Kafka Connect's RegexRouter).
+    topic_replace: tuple[str, str] | None = None
     #: ``insert``: one document per record, ``_id`` = record id. ``upsert``: one document per key,
     #: inserted when absent. ``update``: one document per key, a record whose key has no
     #: document changes nothing (update-only). Deletes apply in ``upsert`` and ``update``.
@@ -34,7 +39,8 @@ class MongoSinkConfig(SinkConfig):
     partial: bool = False
     #: Top-level value fields that form the document key (``upsert`` and ``update`` only).
     key: list[str] = Field(default_factory=list, validate_default=True)
-    #: Where parts wait for their decision; default ``<collection>__twophase_staging``.
+    #: Where parts wait for their decision; default ``<collection>__twophase_staging``
+    #: (``twophase_staging_<sink name>`` with a ``collection`` template).
     staging_collection: str | None = None
     #: Per-part markers and committed positions; may be shared by many sinks and pipelines.
     marker_collection: str = "twophase_parts"
@@ -78,6 +84,8 @@ class MongoSinkConfig(SinkConfig):
     @field_validator("collection", "staging_collection", "marker_collection")
     @classmethod
     def _check_collection(cls, value: str | None) -> str | None:
+        if value is not None and is_template(value):
+            return check_template(value)
         if value is not None and (
             not value or "$" in value or "\x00" in value or value.startswith("system.")
         ):
@@ -85,6 +93,13 @@ class MongoSinkConfig(SinkConfig):
                 "a collection name is non-empty, has no $ and does not start with system."
             )
         return value
+
+    @field_validator("topic_replace")
+    @classmethod
+    def _check_topic_replace(
+        cls, value: tuple[str, str] | None, info: ValidationInfo
+    ) -> tuple[str, str] | None:
+        return check_topic_replace(value, info.data.get("collection", ""))
 
     @field_validator("version_field")
     @classmethod
@@ -113,5 +128,14 @@ class MongoSinkConfig(SinkConfig):
         return value
 
     @property
+    def templated(self) -> bool:
+        """Whether ``collection`` is a template (a collection per topic or field value)."""
+        return is_template(self.collection)
+
+    @property
     def staging(self) -> str:
-        return self.staging_collection or f"{self.collection}__twophase_staging"
+        if self.staging_collection:
+            return self.staging_collection
+        if self.templated:
+            return f"twophase_staging_{self.name}"
+        return f"{self.collection}__twophase_staging"

@@ -101,8 +101,10 @@ class MongoSink(sdk.BatchingSink):
             with store.errors("begin", part.token, sdk.AbortTransactionError):
                 if not self._open_marker(part, expect):
                     return False
-                strict = target_refuses(store)
+                strict = False if self.cfg.templated else target_refuses(store)
             staging = OpenStaging(part, store.pk(part), store, self._documents, strict)
+            if self.cfg.templated:
+                staging.template = sdk.TargetTemplate(self.cfg.collection, self.cfg.topic_replace)
             self._open_staging.put(part, staging)
             return True
         if marker.state != PREPARED:
@@ -221,9 +223,21 @@ class MongoSink(sdk.BatchingSink):
         part = sdk.PartId(self.context.pipeline, 0, self.context.participant)
         pk = self._store.pk(part)
         rejected: list[sdk.Rejected] = []
+        template = (
+            sdk.TargetTemplate(self.cfg.collection, self.cfg.topic_replace)
+            if self.cfg.templated
+            else None
+        )
         for record in records:
+            coll = None
+            if template is not None:
+                target = template.render(record)
+                if isinstance(target, sdk.Rejected):
+                    rejected.append(sdk.Rejected(record, target.reason, {"sink": self.name}))
+                    continue
+                coll = target
             try:
-                self._documents.staged(part, pk, record, 0)
+                self._documents.staged(part, pk, record, 0, coll)
             except Reject as exc:
                 rejected.append(sdk.Rejected(record, str(exc), {"sink": self.name}))
         return rejected

@@ -20,6 +20,7 @@ from twophase.participants.sdk import (
     Sink,
     SinkConfig,
     SinkContext,
+    TargetTemplate,
 )
 from twophase.participants.sinks.postgres._errors import _CONNECT_FATAL_HINTS, Connection, _is_lost
 from twophase.participants.sinks.postgres._rows import (
@@ -137,6 +138,7 @@ class _Connections(Sink):
         #: fields by name (``_Target._use_table``).
         self._current = ""
         self._tables: dict[str, dict[str, object]] = {}
+        self._template: TargetTemplate | None = None
         self._ready = False
 
     def _connect(self, *, autocommit: bool) -> Connection:

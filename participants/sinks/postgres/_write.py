@@ -4,7 +4,6 @@ upsert merge) under a savepoint, and isolate the rows the server refuses."""
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -21,6 +20,7 @@ from twophase.participants.sdk import (
     Record,
     Rejected,
     RetriableSinkError,
+    TargetTemplate,
 )
 from twophase.participants.sinks.postgres._connections import _OpenPart
 from twophase.participants.sinks.postgres._errors import (
@@ -43,7 +43,6 @@ from twophase.participants.sinks.postgres._errors import (
 )
 from twophase.participants.sinks.postgres._markers import _Markers
 from twophase.participants.sinks.postgres._rows import _ABSENT, _Row
-from twophase.participants.sinks.postgres.config import _PLACEHOLDER
 from twophase.participants.sinks.postgres.types import (
     BadValue,
 )
@@ -199,26 +198,9 @@ class _WritePath(_Markers):
                 yield [], [Rejected(r, f"table {table}: {why}") for r in group]
 
     def _table_of(self, record: Record) -> str | Rejected:
-        cfg = self.cfg
-        missing: list[str] = []
-
-        def fill(m: re.Match[str]) -> str:
-            name = m.group(1)
-            if name == "topic":
-                topic = record.topic
-                if cfg.topic_replace is not None:
-                    topic = re.sub(cfg.topic_replace[0], cfg.topic_replace[1], topic)
-                return topic
-            value = record.value.get(name[len("value.") :])
-            if value is None or isinstance(value, dict | list):
-                missing.append(name)
-                return ""
-            return str(value)
-
-        table = _PLACEHOLDER.sub(fill, cfg.table)
-        if missing:
-            return Rejected(record, f"table {cfg.table}: no value for ${{{missing[0]}}}")
-        return table
+        if self._template is None:
+            self._template = TargetTemplate(self.cfg.table, self.cfg.topic_replace)
+        return self._template.render(record)
 
     def write_raw(self, part: PartId, batch: RawBatch) -> Sequence[Rejected]:
         encoder = self._encoder

@@ -12,6 +12,9 @@ from pydantic import Field, SecretStr, ValidationInfo, field_validator
 
 from twophase.participants.sdk import (
     SinkConfig,
+    check_template,
+    check_topic_replace,
+    is_template,
 )
 
 __all__ = ["PostgresSinkConfig", "SINK_NAME_MAX"]
@@ -32,10 +35,6 @@ SINK_NAME_MAX = 40
 
 
 _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
-
-
-#: A placeholder of a table template.
-_PLACEHOLDER = re.compile(r"\$\{(topic|value\.[^{}]+)\}")
 
 
 #: Column types in create_table are spliced into DDL: allow type syntax, never a statement.
@@ -102,32 +101,21 @@ class PostgresSinkConfig(SinkConfig):
     @property
     def templated(self) -> bool:
         """Whether ``table`` is a template (a table per topic or per field value)."""
-        return "${" in self.table
+        return is_template(self.table)
 
     @field_validator("table")
     @classmethod
     def _table_or_template(cls, value: str) -> str:
-        if "${" not in value:
+        if not is_template(value):
             return cls._qualified_name(value)
-        rest = _PLACEHOLDER.sub("", value)
-        if "${" in rest or "}" in rest:
-            raise ValueError(f"{value!r}: a template knows ${{topic}} and ${{value.FIELD}} only")
-        return value
+        return check_template(value)
 
     @field_validator("topic_replace")
     @classmethod
     def _replace_compiles(
         cls, value: tuple[str, str] | None, info: ValidationInfo
     ) -> tuple[str, str] | None:
-        if value is None:
-            return None
-        if "${topic}" not in info.data.get("table", ""):
-            raise ValueError("used only with a table template naming ${topic}")
-        try:
-            re.compile(value[0])
-        except re.error as exc:
-            raise ValueError(f"{value[0]!r} is not a regular expression: {exc}") from None
-        return value
+        return check_topic_replace(value, info.data.get("table", ""))
 
     @field_validator("marker_table")
     @classmethod
