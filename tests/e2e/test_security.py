@@ -287,8 +287,8 @@ BAD_CONFIGS: dict[str, tuple[str, str]] = {
         "sinks: [{name: pg, type: postgres, table: t, dsn: 'host=h', passwrd: SECRET}]",
         "sinks[0].passwrd",
     ),
-    "upsert without a key, dsn with a password": (
-        "sinks: [{name: pg, type: postgres, table: t, mode: upsert, "
+    "insert mode with a key, dsn with a password": (
+        "sinks: [{name: pg, type: postgres, table: t, mode: insert, key: [id], "
         "dsn: 'postgresql://u:SECRET@h/db'}]",
         "sinks[0].key",
     ),
