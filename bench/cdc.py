@@ -168,29 +168,18 @@ def cdc_run(changes: Changes, workdir: Path, *, timeout_s: float = 900.0) -> tp.
             conn.execute(f'DROP TABLE IF EXISTS "{table}"')
             conn.execute(f'CREATE TABLE "{table}" ({COLUMNS})')
     probe = Consumer({"bootstrap.servers": changes.bootstrap, "group.id": f"twophase.{name}"})
-    t_ready = t100 = 0.0
-    cpu: dict[str, float] = {}
     started = time.monotonic()
     try:
-        with tp.running(s, "exactly_once", tp.PARTICIPANTS) as (cluster, ports):
-            deadline = started + timeout_s
-            while time.monotonic() < deadline:
-                if not t_ready and tp.any_ready(ports[1:]):
-                    t_ready = time.monotonic()
-                if (
-                    t_ready
-                    and _committed(probe, changes) >= changes.messages
-                    and _replica_ids(s.pg_dsn, tables) == changes.live
-                ):
-                    t100 = time.monotonic()
-                    cpu = {n: tp._cpu_s(proc.pid) for n, proc in cluster.procs.items()}
-                    break
-                for proc_name in cluster.procs:
-                    if not cluster.alive(proc_name):
-                        raise RuntimeError(f"{proc_name} exited:\n{cluster.log_tail(proc_name)}")
-                time.sleep(tp.POLL_S if t_ready else 0.02)
-            else:
-                raise TimeoutError(f"{name}: the replica did not complete in {timeout_s}s")
+        seconds, cpu = tp.timed(
+            s,
+            "exactly_once",
+            tp.PARTICIPANTS,
+            lambda: (
+                _committed(probe, changes) >= changes.messages
+                and _replica_ids(s.pg_dsn, tables) == changes.live
+            ),
+            timeout_s,
+        )
     finally:
         probe.close()
     wall = time.monotonic() - started
@@ -200,8 +189,7 @@ def cdc_run(changes: Changes, workdir: Path, *, timeout_s: float = 900.0) -> tp.
         for table in tables.values():
             conn.execute(f'DROP TABLE IF EXISTS "{table}"')
     n = changes.messages
-    return tp.RunResult("exactly_once", ["pg"], n, n / (t100 - t_ready), t100 - t_ready, wall,
-                        rows, control, cpu)  # fmt: skip
+    return tp.RunResult("exactly_once", ["pg"], n, n / seconds, seconds, wall, rows, control, cpu)
 
 
 def plain_source(bootstrap: str, records: int) -> tp.Source:

@@ -27,7 +27,7 @@ import socket
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,6 +186,27 @@ def any_ready(ports: list[int]) -> bool:
     return False
 
 
+def timed(
+    s: Scenario, mode: str, participants: int, done: Callable[[], bool], timeout_s: float
+) -> tuple[float, dict[str, float]]:
+    """Run the pipeline's processes until ``done()``: the seconds from the first participant
+    ready to done, and each process's CPU seconds by then."""
+    t_ready = 0.0
+    started = time.monotonic()
+    with running(s, mode, participants) as (cluster, ports):
+        while time.monotonic() < started + timeout_s:
+            if not t_ready and any_ready(ports[1:] if mode == "exactly_once" else ports):
+                t_ready = time.monotonic()
+            if t_ready and done():
+                cpu = {name: _cpu_s(proc.pid) for name, proc in cluster.procs.items()}
+                return time.monotonic() - t_ready, cpu
+            for proc_name in cluster.procs:
+                if not cluster.alive(proc_name):
+                    raise RuntimeError(f"{proc_name} exited:\n{cluster.log_tail(proc_name)}")
+            time.sleep(POLL_S if t_ready else 0.02)
+    raise TimeoutError(f"{s.name}: not done in {timeout_s}s")
+
+
 def pipeline_run(
     source: Source,
     workdir: Path,
@@ -204,27 +225,17 @@ def pipeline_run(
         _drop_mongo(s)
     probe = CommittedProbe(source, f"twophase.{name}")
     n = source.records
-    t_ready = t100 = 0.0
-    cpu: dict[str, float] = {}
     started = time.monotonic()
     try:
-        with running(s, mode, participants) as (cluster, ports):
-            deadline = started + timeout_s
-            while time.monotonic() < deadline:
-                if not t_ready and any_ready(ports[1:] if mode == "exactly_once" else ports):
-                    t_ready = time.monotonic()
-                # Done = every offset committed and every record visible in every sink (an
-                # exactly-once decision commits the offsets; its parts are applied just after).
-                if t_ready and probe.total() >= n and _all_visible(s, sinks, source.topic, n):
-                    t100 = time.monotonic()
-                    cpu = {name: _cpu_s(proc.pid) for name, proc in cluster.procs.items()}
-                    break
-                for proc_name in cluster.procs:
-                    if not cluster.alive(proc_name):
-                        raise RuntimeError(f"{proc_name} exited:\n{cluster.log_tail(proc_name)}")
-                time.sleep(POLL_S if t_ready else 0.02)
-            else:
-                raise TimeoutError(f"{name}: {probe.total()} of {n} committed in {timeout_s}s")
+        # Done = every offset committed and every record visible in every sink (an
+        # exactly-once decision commits the offsets; its parts are applied just after).
+        seconds, cpu = timed(
+            s,
+            mode,
+            participants,
+            lambda: probe.total() >= n and _all_visible(s, sinks, source.topic, n),
+            timeout_s,
+        )
     finally:
         probe.close()
     wall = time.monotonic() - started
@@ -239,8 +250,8 @@ def pipeline_run(
         mode,
         sorted(sinks),
         n,
-        n / (t100 - t_ready),
-        t100 - t_ready,
+        n / seconds,
+        seconds,
         wall,
         verified,
         control,

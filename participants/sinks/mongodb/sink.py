@@ -45,6 +45,13 @@ class MongoSink(sdk.BatchingSink):
         self._retention = Retention(self._store, context.pipeline)
         #: The open part's staging state: put by its open marker, taken by its prepare or discard.
         self._open_staging: sdk.OpenSlot[OpenStaging] = sdk.OpenSlot()
+        #: With a ``collection`` template: each record's collection (one per sink, so its
+        #: per-topic names are worked out once, for check() and every part alike).
+        self._template = (
+            sdk.TargetTemplate(config.collection, config.topic_replace)
+            if config.templated
+            else None
+        )
 
     @property
     def client(self) -> MongoClient[Doc]:
@@ -103,8 +110,7 @@ class MongoSink(sdk.BatchingSink):
                     return False
                 strict = False if self.cfg.templated else target_refuses(store)
             staging = OpenStaging(part, store.pk(part), store, self._documents, strict)
-            if self.cfg.templated:
-                staging.template = sdk.TargetTemplate(self.cfg.collection, self.cfg.topic_replace)
+            staging.template = self._template
             self._open_staging.put(part, staging)
             return True
         if marker.state != PREPARED:
@@ -223,11 +229,7 @@ class MongoSink(sdk.BatchingSink):
         part = sdk.PartId(self.context.pipeline, 0, self.context.participant)
         pk = self._store.pk(part)
         rejected: list[sdk.Rejected] = []
-        template = (
-            sdk.TargetTemplate(self.cfg.collection, self.cfg.topic_replace)
-            if self.cfg.templated
-            else None
-        )
+        template = self._template
         for record in records:
             coll = None
             if template is not None:

@@ -138,7 +138,10 @@ class _Connections(Sink):
         #: fields by name (``_Target._use_table``).
         self._current = ""
         self._tables: dict[str, dict[str, object]] = {}
-        self._template: TargetTemplate | None = None
+        #: With a ``table`` template: each record's table (per-topic names worked out once).
+        self._template = (
+            TargetTemplate(config.table, config.topic_replace) if config.templated else None
+        )
         self._ready = False
 
     def _connect(self, *, autocommit: bool) -> Connection:

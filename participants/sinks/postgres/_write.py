@@ -20,7 +20,6 @@ from twophase.participants.sdk import (
     Record,
     Rejected,
     RetriableSinkError,
-    TargetTemplate,
 )
 from twophase.participants.sinks.postgres._connections import _OpenPart
 from twophase.participants.sinks.postgres._errors import (
@@ -198,8 +197,7 @@ class _WritePath(_Markers):
                 yield [], [Rejected(r, f"table {table}: {why}") for r in group]
 
     def _table_of(self, record: Record) -> str | Rejected:
-        if self._template is None:
-            self._template = TargetTemplate(self.cfg.table, self.cfg.topic_replace)
+        assert self._template is not None  # only with a table template
         return self._template.render(record)
 
     def write_raw(self, part: PartId, batch: RawBatch) -> Sequence[Rejected]:
