@@ -10,6 +10,9 @@ in a pipeline's ``sinks[].type``.
   :class:`OpenSlot` for what its store operations hold in memory about the open part, and the
   marker's positions as JSON (:func:`positions_to_json`, :func:`positions_from_json`).
 * the durable file-system steps of :mod:`twophase.participants.sdk.staging`, for sinks that stage files.
+* :class:`RecordSchema` -- the types a source says its values have (:attr:`Record.schema`),
+  and :func:`compare`, the one rule for which schema changes a target may follow
+  (:mod:`twophase.participants.sdk.schema`).
 * :class:`TargetTemplate` -- a target name per record (``table: ${topic}``), for sinks that
   route records to many tables or collections (:mod:`twophase.participants.sdk.routing`).
 * :mod:`twophase.participants.sdk.values` -- the value conversions the built-in sinks share
@@ -51,6 +54,7 @@ from twophase.participants.sdk.routing import (
     check_topic_replace,
     is_template,
 )
+from twophase.participants.sdk.schema import Change, Field, FieldType, RecordSchema, compare
 from twophase.participants.sdk.sink import Sink, SinkConfig, SinkContext
 from twophase.participants.sdk.staging import (
     discard_tree,
@@ -68,8 +72,11 @@ __all__ = [
     "AbortTransactionError",
     "BackpressureError",
     "BatchingSink",
+    "Change",
     "CommittedInfo",
     "FatalSinkError",
+    "Field",
+    "FieldType",
     "OpenSlot",
     "PartId",
     "PartMarker",
@@ -77,6 +84,7 @@ __all__ = [
     "Positions",
     "RawBatch",
     "Record",
+    "RecordSchema",
     "Rejected",
     "RetriableSinkError",
     "Sink",
@@ -87,6 +95,7 @@ __all__ = [
     "TopicPartition",
     "UnknownPartError",
     "check_template",
+    "compare",
     "check_topic_replace",
     "discard_tree",
     "fsync_dir",
