@@ -18,7 +18,7 @@ from typing import Any
 from confluent_kafka import Message
 
 from twophase.config import PipelineConfig, SourceConfig
-from twophase.participants.decoding.base import Decoded, Decoder, Deletion, Headers, Undecodable
+from twophase.participants.decoding.base import Decoded, Decoder, Headers, Row, Undecodable
 from twophase.participants.decoding.debezium import DebeziumDecoder
 from twophase.participants.decoding.json import JsonDecoder
 from twophase.participants.sdk import Record
@@ -28,8 +28,8 @@ __all__ = [
     "DebeziumDecoder",
     "Decoded",
     "Decoder",
-    "Deletion",
     "JsonDecoder",
+    "Row",
     "Undecodable",
     "can_delete",
     "decoder_for",

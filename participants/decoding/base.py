@@ -19,20 +19,25 @@ from confluent_kafka import Message
 
 from twophase.config import SourceConfig
 from twophase.participants.decoding.connect import ConnectError, unwrap
-from twophase.participants.sdk import RawBatch, Record
+from twophase.participants.sdk import RawBatch, Record, RecordSchema
 
-__all__ = ["Decoded", "Decoder", "Deletion", "Undecodable", "record_of"]
+__all__ = ["Decoded", "Decoder", "Row", "Undecodable", "record_of"]
 
 #: A Kafka message's headers, as confluent-kafka gives them.
 Headers = list[tuple[str, str | bytes | None]] | dict[str, str | bytes | None] | None
 
 
 @dataclass(frozen=True, slots=True)
-class Deletion:
-    """What :meth:`Decoder.decode_value` returns for a delete: the deleted row's fields (at
-    least its key's; a Debezium delete gives the whole row as it was)."""
+class Row:
+    """What :meth:`Decoder.decode_value` returns when a value says more than its fields: a
+    delete (``fields`` are the deleted row's, at least its key's; a Debezium delete gives the
+    whole row as it was), the value's schema, where the change came from (Debezium's
+    ``source``). A plain dict is a row with none of these."""
 
     fields: dict[str, Any]
+    deleted: bool = False
+    schema: RecordSchema | None = None
+    source: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +86,8 @@ def record_of(
     obj: dict[str, Any],
     n: int,
     deleted: bool = False,
+    schema: RecordSchema | None = None,
+    source: dict[str, Any] | None = None,
 ) -> Record:
     """The record of message ``m`` whose value decoded to ``obj`` (``n`` bytes)."""
     ts = m.timestamp()[1]
@@ -98,6 +105,8 @@ def record_of(
             (),
             n,
             deleted,
+            schema,
+            source,
         ),
     )
 
@@ -142,9 +151,9 @@ class Decoder(ABC):
     default_tombstones: ClassVar[str] = "dead_letter"
 
     @abstractmethod
-    def decode_value(self, value: bytes, headers: Headers) -> dict[str, Any] | Deletion | str:
-        """The record's fields (or, for a delete, a :class:`Deletion`), or why ``value`` is not
-        a record of this format."""
+    def decode_value(self, value: bytes, headers: Headers) -> dict[str, Any] | Row | str:
+        """The record's fields (or a :class:`Row`: a delete, a schema, a source), or why
+        ``value`` is not a record of this format."""
 
     def decode_message(self, m: Message) -> Record | str:
         """One kept message decoded: its record, or why it is undecodable."""
@@ -156,6 +165,7 @@ class Decoder(ABC):
         """Message ``m`` (a tombstone when ``value`` is None) as a record, with the source's
         options applied, or why it cannot be one."""
         deleted = value is None
+        schema = source = None
         if value is None:
             if self.tombstones != "delete":
                 return "null value (tombstone): nothing to write"
@@ -164,9 +174,10 @@ class Decoder(ABC):
             obj = self.decode_value(value, m.headers())
             if obj.__class__ is str:
                 return obj
-            if obj.__class__ is Deletion:
-                deleted = True
-                fields = dict(obj.fields)
+            if obj.__class__ is Row:
+                row: Row = obj
+                deleted, schema, source = row.deleted, row.schema, row.source
+                fields = row.fields
             else:
                 fields = obj  # type: ignore[assignment]
         if self.key_json:
@@ -178,7 +189,9 @@ class Decoder(ABC):
             return "tombstone: a delete needs the record key (sources[].key_format: json)"
         for coordinate, name in self.kafka_fields:
             fields[name] = _coordinate(m, coordinate, topic, partition, offset)
-        return record_of(m, topic, partition, offset, fields, len(value or b""), deleted)
+        return record_of(
+            m, topic, partition, offset, fields, len(value or b""), deleted, schema, source
+        )
 
     def key_fields(self, key: bytes | str | None) -> dict[str, Any] | str:
         """The record key's fields (``key_format: json``): a JSON object (a Kafka Connect

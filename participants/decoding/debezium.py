@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import orjson
 
 from twophase.config import DebeziumConfig, SourceConfig
-from twophase.participants.decoding.base import Decoder, Deletion, Headers
+from twophase.participants.decoding.base import Decoder, Headers, Row
 from twophase.participants.decoding.connect import ConnectError, unwrap
 
 __all__ = ["DebeziumDecoder"]
@@ -45,7 +45,7 @@ class DebeziumDecoder(Decoder):
         self.options += (self.unwrap, tuple(self.added))
         self.deletes = self.deletes or self.unwrap
 
-    def decode_value(self, value: bytes, headers: Headers) -> dict[str, Any] | Deletion | str:
+    def decode_value(self, value: bytes, headers: Headers) -> dict[str, Any] | Row | str:
         try:
             event = unwrap(orjson.loads(value))
         except orjson.JSONDecodeError as exc:
@@ -57,24 +57,28 @@ class DebeziumDecoder(Decoder):
         if not self.unwrap:
             return event
         op = event["op"]
+        source = event.get("source")
+        if source.__class__ is not dict:
+            source = None
         if op in _ROW_OPS:
             row = event.get("after")
             if row.__class__ is not dict:
                 return f"undecodable: Debezium op {op!r} without an after row"
-            return self._with_added(row, event)
+            return Row(self._with_added(row, event, source), source=source)
         if op == "d":
             before = event.get("before")
             if before is not None and before.__class__ is not dict:
                 return "undecodable: Debezium delete whose before is not a row"
-            return Deletion(self._with_added(before or {}, event))
+            return Row(self._with_added(before or {}, event, source), deleted=True, source=source)
         return f"not a row change: Debezium op {op!r} (truncate and messages are not applied)"
 
-    def _with_added(self, row: dict[str, Any], event: dict[str, Any]) -> dict[str, Any]:
+    def _with_added(
+        self, row: dict[str, Any], event: dict[str, Any], source: dict[str, Any] | None
+    ) -> dict[str, Any]:
         if not self.added:
             return row
         out = dict(row)
-        source = event.get("source")
-        source = source if source.__class__ is dict else {}
+        source = source or {}
         for name, field in self.added:
             if name in ("op", "ts_ms"):
                 out[field] = event.get(name)

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
+from twophase.participants.sdk.schema import RecordSchema
+
 __all__ = [
     "CommittedInfo",
     "PartId",
@@ -47,6 +49,13 @@ class Record(NamedTuple):
     #: that declares ``supports_deletes`` is given one (a pipeline whose sources can delete
     #: fails at start-up otherwise); it removes the row of that key in the same part.
     deleted: bool = False
+    #: The value's schema, when its source has one (a registry format, a Kafka Connect
+    #: envelope): what each field's type is, for a sink that creates or evolves its target
+    #: from it (:mod:`twophase.participants.sdk.schema`). None for schemaless JSON.
+    schema: RecordSchema | None = None
+    #: Where a change came from, when its source says: Debezium's ``source`` block (``table``,
+    #: ``schema``, ``db``, ``lsn``, ...). A target template reads it (``${source.table}``).
+    source: Mapping[str, Any] | None = None
 
     @property
     def record_id(self) -> str:

@@ -1,9 +1,12 @@
 """Target templates: one sink, a table (collection, ...) per topic or per field value.
 
-A sink whose target name is a template -- ``${topic}``, ``${value.FIELD}`` -- writes each record
-into the target the template names for it (``docs/cdc.md``). ``${topic}`` is the record's topic
-after an optional ``topic_replace`` (``[pattern, replacement]``, applied with ``re.sub``: Kafka
-Connect's RegexRouter); ``${value.FIELD}`` is a scalar field of the record's value.
+A sink whose target name is a template -- ``${topic}``, ``${value.FIELD}``, ``${source.FIELD}``
+-- writes each record into the target the template names for it (``docs/cdc.md``).
+``${topic}`` is the record's topic after an optional ``topic_replace`` (``[pattern,
+replacement]``, applied with ``re.sub``: Kafka Connect's RegexRouter); ``${value.FIELD}`` is a
+scalar field of the record's value; ``${source.FIELD}`` a field of where the change came from
+(:attr:`Record.source`: Debezium's ``source`` block, e.g. ``${source.table}``), which a delete
+carries as well as a write.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from twophase.participants.sdk.records import Record, Rejected
 __all__ = ["TargetTemplate", "check_template", "check_topic_replace", "is_template"]
 
 #: A placeholder of a template.
-_PLACEHOLDER = re.compile(r"\$\{(topic|value\.[^{}]+)\}")
+_PLACEHOLDER = re.compile(r"\$\{(topic|(?:value|source)\.[^{}]+)\}")
 
 
 def is_template(name: str) -> bool:
@@ -28,7 +31,9 @@ def check_template(value: str) -> str:
     config model's validator)."""
     rest = _PLACEHOLDER.sub("", value)
     if "${" in rest or "}" in rest:
-        raise ValueError(f"{value!r}: a template knows ${{topic}} and ${{value.FIELD}} only")
+        raise ValueError(
+            f"{value!r}: a template knows ${{topic}}, ${{value.FIELD}} and ${{source.FIELD}} only"
+        )
     return value
 
 
@@ -56,7 +61,7 @@ class TargetTemplate:
     @property
     def topic_only(self) -> bool:
         """Whether the name depends on the topic alone (cached per topic then)."""
-        return "${value." not in self.template
+        return "${value." not in self.template and "${source." not in self.template
 
     def render(self, record: Record) -> str | Rejected:
         """The target of ``record``, or a rejection saying why it has none."""
@@ -71,7 +76,10 @@ class TargetTemplate:
                 if self.topic_replace is not None:
                     topic = re.sub(self.topic_replace[0], self.topic_replace[1], topic)
                 return topic
-            value = record.value.get(name[len("value.") :])
+            if name.startswith("source."):
+                value = (record.source or {}).get(name[len("source.") :])
+            else:
+                value = record.value.get(name[len("value.") :])
             if value is None or isinstance(value, dict | list):
                 missing.append(name)
                 return ""

@@ -316,3 +316,26 @@ def test_a_sink_that_cannot_delete_is_refused_at_start_up_naming_it_and_the_sour
     # The same sink under a source that never deletes passes.
     kept = {**raw, "sources": [{"topic": "t", "format": "debezium", "debezium": {"unwrap": False}}]}
     assert check_config(parse_config(kept, env={})).pipeline == "cdc"
+
+
+def test_a_change_carries_its_source_and_a_template_routes_writes_and_deletes_by_it() -> None:
+    from twophase.participants.sdk import Rejected, TargetTemplate, check_template
+
+    d = DebeziumDecoder(source(format="debezium"))
+    other = event("d", before={"id": 7})
+    other["source"] = {**other["source"], "table": "order_lines", "schema": "sales"}
+    out = d.decode_batch(
+        [msg(1, event("c", after={"id": 1})), msg(2, other), msg(3, {"op": "c", "after": {}})],
+        max_record_bytes=10_000,
+    )
+    template = TargetTemplate(check_template("replica_${source.schema}_${source.table}"))
+    assert [template.render(r) for r in out.records[:2]] == [
+        "replica_public_orders",
+        "replica_sales_order_lines",  # a delete routes by its source too: its value is the key
+    ]
+    assert out.records[1].deleted and out.records[1].value == {"id": 7}
+    # An event without a source block: the record says why it has no target.
+    missing = template.render(out.records[2])
+    assert isinstance(missing, Rejected) and "no value for ${source.schema}" in missing.reason
+    with pytest.raises(ValueError, match=r"\$\{source.FIELD\}"):
+        check_template("${sources.table}")

@@ -25,7 +25,8 @@ class MongoSinkConfig(SinkConfig):
     database: str
     #: The target collection. A template routes each record to a collection of its own:
     #: ``${topic}`` is the record's topic (after ``topic_replace``), ``${value.FIELD}`` a field
-    #: of the record (``docs/cdc.md``); each collection is created on its first record.
+    #: of the record, ``${source.FIELD}`` a field of Debezium's ``source`` block, e.g.
+    #: ``${source.table}`` (``docs/cdc.md``); each collection is created on its first record.
     collection: str
     #: With a ``collection`` template naming ``${topic}``: ``[pattern, replacement]``, applied
     #: to the topic with ``re.sub`` first (Kafka Connect's RegexRouter).

@@ -54,7 +54,8 @@ class PostgresSinkConfig(SinkConfig):
     password: SecretStr | None = None
     #: Target table, optionally ``schema.table``. Names are exact (case-sensitive), not folded.
     #: A template routes each record to a table of its own: ``${topic}`` is the record's topic
-    #: (after ``topic_replace``), ``${value.FIELD}`` a field of the record (``docs/cdc.md``).
+    #: (after ``topic_replace``), ``${value.FIELD}`` a field of the record, ``${source.FIELD}``
+    #: a field of Debezium's ``source`` block, e.g. ``${source.table}`` (``docs/cdc.md``).
     table: str = Field(min_length=1)
     #: With a ``table`` template: ``[pattern, replacement]``, applied to the topic name with
     #: ``re.sub`` before it becomes ``${topic}`` (Kafka Connect's RegexRouter), e.g.
