@@ -191,7 +191,7 @@ class AtLeastOnceRuntime:
                 retry=self._retry,
                 retractions=self.retractions,
             )
-            positions = {tp: last + 1 for tp, (last, _w, _d) in batch.items()}
+            positions = {tp: last + 1 for tp, (last, _w, _d) in batch.result.items()}
             self.dlq.flush(CALL_TIMEOUT_S)
             for sink in self.sinks:
                 self._retry(partial(sink.prepare, part, positions), f"prepare {sink.name}")
@@ -219,6 +219,9 @@ class AtLeastOnceRuntime:
             offsets=[TopicPartition(t, p, o) for (t, p), o in sorted(positions.items())],
             asynchronous=False,
         )
+        for (topic, partition), offset in batch.held.items():
+            # Held for a later batch (Held): read again from there.
+            self.consumer.seek(TopicPartition(topic, partition, offset))
         self.retractions.prune(positions)
         self.batches += 1
         self.metrics.cycles.labels(self.cfg.pipeline, "commit").inc()

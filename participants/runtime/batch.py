@@ -7,6 +7,7 @@ import gc
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
@@ -20,6 +21,7 @@ from twophase.participants.registry import build_sinks
 from twophase.participants.runtime.deadletter import DeadLetters, message_key
 from twophase.participants.sdk import (
     AbortTransactionError,
+    Held,
     PartId,
     Record,
     Rejected,
@@ -29,6 +31,7 @@ from twophase.participants.sdk import (
 __all__ = [
     "SOURCE_FETCH_DEFAULTS",
     "SOURCE_GROUP_SETTINGS",
+    "BatchOutcome",
     "BatchResult",
     "Retractions",
     "decoding",
@@ -177,6 +180,17 @@ class Retractions:
         return (msgs, out) if not out else (kept, out)
 
 
+@dataclass(slots=True)
+class BatchOutcome:
+    """What :func:`write_batch` did: per source partition ``(last offset, written, dead)``
+    (:data:`BatchResult`), and the partitions whose part ends early: the offset of the first
+    record a sink held for a later part (:class:`Held`). The caller reads each of those
+    partitions again from that offset for the next part."""
+
+    result: BatchResult
+    held: dict[tuple[str, int], int] = field(default_factory=dict)
+
+
 def write_batch(
     msgs: Sequence[Message],
     part: PartId,
@@ -188,7 +202,7 @@ def write_batch(
     max_record_bytes: int,
     retry: Callable[[Callable[[], Any], str], Any],
     retractions: Retractions | None = None,
-) -> BatchResult:
+) -> BatchOutcome:
     """Decode ``msgs`` with ``decoder``, dead-letter what no sink can take, write the rest into every sink in
     order. A record is all-or-nothing across sinks (PROTOCOL.md, "The record path"):
 
@@ -196,7 +210,11 @@ def write_batch(
        left out -- dead-lettered already, counted as dead-lettered here;
     2. every sink but the first is asked :meth:`Sink.check` before any sink writes; the union
        of what they refuse is dead-lettered (naming the sink) and offered to no sink;
-    3. each sink writes the rest. A record the first sink refuses is dead-lettered and not
+    3. every sink that makes its targets is asked :meth:`Sink.open_targets`: what it refuses is
+       dead-lettered likewise; a record it holds (:class:`Held`) and every later record of its
+       partition are left for the next part -- written nowhere, dead-lettered nowhere, read
+       again (:attr:`BatchOutcome.held`);
+    4. each sink writes the rest. A record the first sink refuses is dead-lettered and not
        offered to the next ones. A record a *later* sink refuses at write time is already in
        the earlier sinks: it is dead-lettered, remembered in ``retractions``, and
        :class:`AbortTransactionError` makes the caller abort the part and re-read it.
@@ -214,12 +232,17 @@ def write_batch(
     msgs, retracted = retractions.split(msgs)
     routes = _Routes(sinks)
     msgs, untaken = routes.split(msgs)
-    raw_mode = reads_raw(sinks, decoder) and not routes.routed
+    targeting = [
+        s
+        for s in sinks
+        if getattr(type(s), "open_targets", Sink.open_targets) is not Sink.open_targets
+    ]
+    raw_mode = reads_raw(sinks, decoder) and not routes.routed and not targeting
     decoded = decoder.decode_batch(msgs, max_record_bytes, decode=not raw_mode)
-    dead: dict[tuple[str, int], int] = {}
+    letters = _Letters(dlq, txn)
     for m in untaken:
         tp = (m.topic() or "", m.partition() or 0)
-        _dead_letter(dlq, m, f"no sink takes topic {tp[0]} (sinks[].topics)", txn, dead)
+        letters.message(m, f"no sink takes topic {tp[0]} (sinks[].topics)")
         decoded.last[tp] = max(decoded.last.get(tp, -1), m.offset() or 0)
     for m in retracted:
         # Dead-lettered again on every try, not only when it was refused: that first letter may
@@ -227,17 +250,17 @@ def write_batch(
         # is the one whose flush the vote waits for. The DLQ is at-least-once by key.
         tp = (m.topic() or "", m.partition() or 0)
         offset = m.offset() or 0
-        _dead_letter(dlq, m, retractions.reason(tp[0], tp[1], offset) or "retracted", txn, dead)
+        letters.message(m, retractions.reason(tp[0], tp[1], offset) or "retracted")
         decoded.last[tp] = max(decoded.last.get(tp, -1), offset)
     for u in decoded.bad:
-        _dead_letter(dlq, u.msg, u.reason, txn, dead)
-    refused: dict[tuple[str, int], int] = {}
+        letters.message(u.msg, u.reason)
     values: dict[str, bytes | None] = {}
     checked = [s for s in sinks[1:] if getattr(type(s), "check", Sink.check) is not Sink.check]
 
     def retract(sink: Sink, rejected: Sequence[Rejected]) -> AbortTransactionError:
         """``sink`` refused at write time records that earlier sinks stored: rewind."""
         refuse(sink, rejected)
+        letters.send({})
         for r in rejected:
             rec = r.record
             retractions.add(
@@ -268,22 +291,13 @@ def write_batch(
             if rec.record_id in ids:
                 continue  # a sink that names a record twice: it is dead-lettered once
             ids.add(rec.record_id)
-            dlq.send(
-                topic=rec.topic,
-                partition=rec.partition,
-                offset=rec.offset,
-                key=rec.key,
-                value=values.get(rec.record_id),
-                reason=f"rejected by sink {sink.name}: {r.reason}",
-                txn=txn,
-                sink=sink.name,
-            )
-            tp = (rec.topic, rec.partition)
-            refused[tp] = refused.get(tp, 0) + 1
+            letters.refused(rec, values.get(rec.record_id), sink.name, r.reason)
             gone += rec.size
         return ids, gone
 
     size = decoded.size
+    held: dict[tuple[str, int], int] = {}
+    remaining: list[Record] = decoded.records
     if raw_mode:
         batch = decoded.raw_batch()
         if checked:
@@ -310,16 +324,45 @@ def write_batch(
             metrics.records.labels(part.pipeline, sink.name).inc(len(batch) - len(undecodable))
             metrics.bytes.labels(part.pipeline, sink.name).inc(size - lost)
         for at, reason in batch.undecodable().items():
-            m = decoded.kept[at]
-            _dead_letter(dlq, m, reason, txn, refused)
+            # Counted as decoded by the scan: out of the written count, like a refusal.
+            letters.message(decoded.kept[at], reason, counted=True)
     else:
-        remaining: list[Record] = decoded.records
         for sink in checked:
             rejected = sink.check(routes.of(sink, remaining))
             if rejected:
                 ids, gone = refuse(sink, rejected)
                 size -= gone
                 remaining = [r for r in remaining if r.record_id not in ids]
+        for sink in targeting:
+            answer = retry(
+                partial(sink.open_targets, part, routes.of(sink, remaining)),
+                f"txn={txn} open targets {sink.name}",
+            )
+            rejected = [a for a in answer if a.__class__ is Rejected]
+            for h in answer:
+                if h.__class__ is Held:
+                    rec = h.record
+                    tp = (rec.topic, rec.partition)
+                    if rec.offset < held.get(tp, rec.offset + 1):
+                        held[tp] = rec.offset
+                        log.info(
+                            "txn=%s %s[%d] ends before offset %d in this part: %s",
+                            txn,
+                            rec.topic,
+                            rec.partition,
+                            rec.offset,
+                            h.reason,
+                        )
+            if rejected:
+                ids, gone = refuse(sink, rejected)
+                size -= gone
+                remaining = [r for r in remaining if r.record_id not in ids]
+        if held:
+            kept = [
+                r for r in remaining if r.offset < held.get((r.topic, r.partition), r.offset + 1)
+            ]
+            size -= sum(r.size for r in remaining) - sum(r.size for r in kept)
+            remaining = kept
         for i, sink in enumerate(sinks):
             mine = routes.of(sink, remaining)
             rejected = retry(partial(sink.write, part, mine), f"txn={txn} write {sink.name}")
@@ -334,11 +377,80 @@ def write_batch(
             metrics.bytes.labels(part.pipeline, sink.name).inc(
                 size if mine is remaining else sum(r.size for r in mine)
             )
-    batch_result: BatchResult = {}
+    dead, refused = letters.send(held)
+    result: BatchResult = {}
     for tp, last in decoded.last.items():
         out = refused.get(tp, 0)
-        batch_result[tp] = (last, decoded.counts.get(tp, 0) - out, dead.get(tp, 0) + out)
-    return batch_result
+        stop = held.get(tp)
+        if stop is None:
+            result[tp] = (last, decoded.counts.get(tp, 0) - out, dead.get(tp, 0) + out)
+        else:
+            written = sum(1 for r in remaining if (r.topic, r.partition) == tp)
+            result[tp] = (stop - 1, written, dead.get(tp, 0) + out)
+    return BatchOutcome(result, held)
+
+
+class _Letters:
+    """The batch's dead letters, sent once it is known which records the batch keeps: one at
+    or after a held record of its partition is read again for the next part, so it is judged
+    (and dead-lettered, if it must be) then, not now."""
+
+    def __init__(self, dlq: DeadLetters, txn: int) -> None:
+        self.dlq = dlq
+        self.txn = txn
+        #: (counted as decoded -- refused by a sink, or raw and undecodable?, the letter)
+        self.items: list[tuple[bool, dict[str, Any]]] = []
+
+    def message(self, m: Message, reason: str, counted: bool = False) -> None:
+        """A message dead-lettered as it came; ``counted`` when the batch's scan counted it
+        as decoded (a raw value a sink found undecodable)."""
+        self.items.append(
+            (
+                counted,
+                {
+                    "topic": m.topic() or "",
+                    "partition": m.partition() or 0,
+                    "offset": m.offset() or 0,
+                    "key": message_key(m),
+                    "value": m.value(),
+                    "reason": reason,
+                },
+            )
+        )
+
+    def refused(self, rec: Record, value: bytes | None, sink: str, reason: str) -> None:
+        self.items.append(
+            (
+                True,
+                {
+                    "topic": rec.topic,
+                    "partition": rec.partition,
+                    "offset": rec.offset,
+                    "key": rec.key,
+                    "value": value,
+                    "reason": f"rejected by sink {sink}: {reason}",
+                    "sink": sink,
+                },
+            )
+        )
+
+    def send(
+        self, held: Mapping[tuple[str, int], int]
+    ) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]]:
+        """Send every letter before its partition's held offset; per partition, how many were
+        dead-lettered before being counted as decoded, and how many after (refused by a sink,
+        or found undecodable by one)."""
+        dead: dict[tuple[str, int], int] = {}
+        refused: dict[tuple[str, int], int] = {}
+        for counted, letter in self.items:
+            tp = (letter["topic"], letter["partition"])
+            if letter["offset"] >= held.get(tp, letter["offset"] + 1):
+                continue
+            self.dlq.send(txn=self.txn, **letter)
+            tally = refused if counted else dead
+            tally[tp] = tally.get(tp, 0) + 1
+        self.items.clear()
+        return dead, refused
 
 
 class _Routes:
@@ -371,19 +483,3 @@ class _Routes:
         if not sink.config.topics:
             return records
         return [r for r in records if self.takes(sink, r.topic)]
-
-
-def _dead_letter(
-    dlq: DeadLetters, m: Message, reason: str, txn: int, tally: dict[tuple[str, int], int]
-) -> None:
-    topic, partition = m.topic() or "", m.partition() or 0
-    dlq.send(
-        topic=topic,
-        partition=partition,
-        offset=m.offset() or 0,
-        key=message_key(m),
-        value=m.value(),
-        reason=reason,
-        txn=txn,
-    )
-    tally[(topic, partition)] = tally.get((topic, partition), 0) + 1

@@ -200,6 +200,10 @@ class ParticipantRuntime:
         #: out (data thread only). Bounded; not pruned here, as commits reach the control thread
         #: without positions -- forgetting one early costs one more rewind, never a wrong result.
         self.retractions = Retractions()
+        #: Partitions whose open part ended early: a sink held a record for a later part
+        #: (:class:`Held`). Each is sought back to that record and paused until the part is
+        #: cut, then read into the next part (data thread only).
+        self._held: dict[tuple[str, int], int] = {}
         self._next_lag = 0.0
         #: Fault injection (tests): read nothing, vote empty parts -- what the stall alarm sees.
         self._stall_reads = stalled("reads")
@@ -701,6 +705,9 @@ class ParticipantRuntime:
         if self._drain_queue():
             return  # a rewind happened: what was just fetched will be fetched again
         good = [m for m in msgs if m.error() is None]
+        if self._held and good:
+            # Fetched before the pause took: read again, from the held record, for the next part.
+            good = [m for m in good if (m.topic(), m.partition()) not in self._held]
         for m in msgs:
             err = m.error()
             if err is not None:
@@ -748,6 +755,7 @@ class ParticipantRuntime:
                 extra=self._txn_extra(action.txn, tps=action.positions),
             )
             self._run(self._feed(PrepareFailed(action.txn, reason)), Thread.DATA)
+            self._release_held()
             return
         try:
             with log_context(self._txn_extra(action.txn, tps=action.positions)):
@@ -768,12 +776,14 @@ class ParticipantRuntime:
                 extra=self._txn_extra(action.txn, tps=action.positions),
             )
             self._run(self._feed(PrepareFailed(action.txn, str(exc))), Thread.DATA)
+            self._release_held()
             return
         self.metrics.cycle_seconds.labels(self.cfg.pipeline, "prepare").observe(
             time.monotonic() - started
         )
         _crash_point("after_prepare")
         self._run(self._feed(PrepareDone(action.txn)), Thread.DATA)
+        self._release_held()
 
     def _write(self, msgs: list[Message]) -> None:
         # Open the part only when nothing is queued for this thread, checked under the lock the
@@ -832,7 +842,9 @@ class ParticipantRuntime:
             self._poisoned = True
             self._pause()
             return
-        self._run(self._feed(Written(part_txn, batch)), Thread.DATA)
+        self._run(self._feed(Written(part_txn, batch.result)), Thread.DATA)
+        if batch.held:
+            self._hold(batch.held)
 
     # -- consumer positions --------------------------------------------------------------------
 
@@ -843,8 +855,28 @@ class ParticipantRuntime:
 
     def _resume(self) -> None:
         if self._paused and self._assignment:
-            self.consumer.resume(self._assignment)
+            self.consumer.resume(
+                [tp for tp in self._assignment if (tp.topic, tp.partition) not in self._held]
+            )
         self._paused = False
+
+    def _hold(self, held: dict[tuple[str, int], int]) -> None:
+        """The open part ends at these offsets: read each partition again from there, once the
+        part is cut (:meth:`_release_held`)."""
+        for (topic, partition), offset in held.items():
+            tp = TopicPartition(topic, partition, offset)
+            self.consumer.pause([tp])
+            self.consumer.seek(tp)
+            self._held[(topic, partition)] = offset
+
+    def _release_held(self) -> None:
+        """The part is cut (prepared, or failed and rewound): held partitions feed the next."""
+        if not self._held:
+            return
+        held = [TopicPartition(t, p) for t, p in self._held]
+        self._held.clear()
+        if not self._paused:
+            self.consumer.resume(held)
 
     def _seek(self, offsets: dict[tuple[str, int], int] | Any) -> None:
         owned = {(tp.topic, tp.partition) for tp in self._assignment}
@@ -853,6 +885,7 @@ class ParticipantRuntime:
         ]
         self._poisoned = False
         self._failed_txn = None
+        self._held.clear()  # every partition goes back to the part's start
         self._resume()
         for tp in targets:
             try:
@@ -899,12 +932,14 @@ class ParticipantRuntime:
             # the rebalance would otherwise never be fetched again while _paused says False.
             consumer.resume(self._assignment)
         self._paused = self._poisoned = False
+        self._held.clear()
         self._run([a for a in actions if not isinstance(a, Seek)], Thread.DATA)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._run(self._feed(Revoked()), Thread.DATA)
         self._assignment = []
         self._paused = self._poisoned = False
+        self._held.clear()
         consumer.unassign()
 
     def _update_lag(self) -> None:

@@ -41,6 +41,7 @@ from twophase.participants.sdk.errors import (
 )
 from twophase.participants.sdk.records import (
     CommittedInfo,
+    Held,
     PartId,
     Positions,
     RawBatch,
@@ -77,6 +78,7 @@ __all__ = [
     "FatalSinkError",
     "Field",
     "FieldType",
+    "Held",
     "OpenSlot",
     "PartId",
     "PartMarker",

@@ -12,6 +12,7 @@ from twophase.participants.sdk.schema import RecordSchema
 
 __all__ = [
     "CommittedInfo",
+    "Held",
     "PartId",
     "Positions",
     "RawBatch",
@@ -106,6 +107,20 @@ class Rejected:
     record: Record
     reason: str
     extra: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A record whose target cannot take it in this part, but will in a later one: a table
+    another participant is changing, a lock that is not free now (:meth:`Sink.open_targets`).
+
+    The runtime writes it -- and every later record of its partition in the batch -- into no
+    sink now: the part ends before it on that partition, and the record is read again for the
+    next part. Per-partition order is kept; nothing is dead-lettered.
+    """
+
+    record: Record
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,6 +86,20 @@ against the real store; ``docs/write-a-sink.md`` walks through writing a sink th
   record left out before any sink writes (``control-topic/PROTOCOL.md``, "The record path").
   A sink needs nothing for this beyond the abort/rewind rules above.
 
+**Targets** (optional): a sink that makes or changes its targets from the records -- a table
+created from a record's schema, a column added by a newer one (``auto_create``,
+``auto_evolve``) -- overrides :meth:`open_targets`. The runtime asks every sink, with the part
+open, before any sink writes a batch; a sink makes what the records need inside the open part
+(so a change commits with the part's first rows that need it, and is undone if the part aborts)
+and returns
+
+* :class:`Rejected` for records its target can never take (an incompatible schema change): they
+  are dead-lettered before any sink writes them, as with :meth:`check`;
+* :class:`Held` for records whose target cannot take them *now* (another participant is
+  changing it, a lock is not free): they wait for a later part. A sink must never wait in
+  ``open_targets`` or ``write`` for something another participant's *open* part holds: that
+  part is decided only after this participant votes.
+
 **Raw values** (optional): a sink that can read JSON bytes faster than the runtime can decode
 them overrides :meth:`accepts_raw` and :meth:`write_raw`. When every sink of a pipeline accepts
 raw values, the runtime skips decoding and calls ``write_raw`` with a :class:`RawBatch`; all the
@@ -121,6 +135,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from twophase.participants.sdk.records import (
     CommittedInfo,
+    Held,
     PartId,
     Positions,
     RawBatch,
@@ -238,6 +253,13 @@ class Sink(abc.ABC):
 
         Use the same conversion code as :meth:`write`; refusals only the store can make (a
         constraint, a unique index) stay in :meth:`write`, where the runtime retracts them."""
+        return ()
+
+    def open_targets(self, part: PartId, records: Sequence[Record]) -> Sequence[Rejected | Held]:
+        """Make ready, inside the open ``part``, the targets ``records`` need (create, evolve);
+        return the records whose target never can take them (:class:`Rejected`) and those
+        that must wait for a later part (:class:`Held`). Asked before any sink writes the
+        batch. The default has nothing to make."""
         return ()
 
     def accepts_raw(self) -> bool:

@@ -18,6 +18,7 @@ from twophase.participants.runtime.batch import Retractions, write_batch
 from twophase.participants.runtime.deadletter import DeadLetters
 from twophase.participants.sdk import (
     AbortTransactionError,
+    Held,
     PartId,
     RawBatch,
     Record,
@@ -159,7 +160,7 @@ def test_write_batch_counts_written_and_dead_per_partition(raw: bool) -> None:
         max_record_bytes=64,
         retry=lambda fn, what: fn(),
     )
-    assert result == {
+    assert result.result == {
         # (highest offset read, written, dead-lettered)
         ("orders", 0): (13, 1, 3),  # 10 written; 12, 13 undecodable; 11 refused by files
         ("orders", 1): (8, 1, 3),  # 8 written; 6, 7 undecodable; 5 refused by pg
@@ -216,7 +217,7 @@ def test_a_later_sinks_write_refusal_is_retracted_by_a_rewind(raw: bool) -> None
     assert [s["reason"] for s in dlq.sent if s["offset"] == 11] == ["rejected by sink mongo: no"]
     result, first, second = run()  # the re-read of the part
     assert [r.offset for r in first.got] == [r.offset for r in second.got] == [10, 5, 8, 14]
-    assert result[("orders", 0)] == (13, 1, 3)  # 11 counted as dead-lettered
+    assert result.result[("orders", 0)] == (13, 1, 3)  # 11 counted as dead-lettered
     assert [s["reason"] for s in dlq.sent if s["offset"] == 11] == [
         "rejected by sink mongo: no"
     ] * 2  # sent again by the try whose flush the vote waits for
@@ -328,4 +329,79 @@ def test_each_sink_gets_only_the_topics_it_takes_and_a_topic_none_takes_is_dead_
     reasons = {(s["topic"], s["offset"]): s["reason"] for s in dlq.sent}
     assert reasons[("returns", 3)] == "no sink takes topic returns (sinks[].topics)"
     assert reasons[("refunds", 14)] == "rejected by sink mongo: no"
-    assert result[("returns", 0)] == (3, 0, 1)  # its position moves on: nothing is lost
+    assert result.result[("returns", 0)] == (3, 0, 1)  # its position moves on: nothing is lost
+
+
+class _Targeting(_Refusing):
+    """A sink that makes its targets: it holds records whose id is in ``hold`` for a later
+    part and refuses those in ``never`` (an incompatible schema change)."""
+
+    def __init__(self, name: str, hold: set[int], never: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        super().__init__(name, set())
+        self.hold, self.never = hold, never
+        self.asked: list[int] = []
+
+    def open_targets(self, part: PartId, records: Sequence[Record]) -> list[Rejected | Held]:
+        self.asked = [r.offset for r in records]
+        out: list[Rejected | Held] = [
+            Held(r, "busy") for r in records if r.value["id"] in self.hold
+        ]
+        return out + [Rejected(r, "incompatible") for r in records if r.value["id"] in self.never]
+
+
+def test_a_held_record_ends_its_partitions_part_there_and_nothing_after_it_is_judged() -> None:
+    """A record a sink holds for a later part is written by no sink, and neither is anything
+    after it on its partition -- not even what would be dead-lettered (it is read again, and
+    judged, for the next part); other partitions go on; what a sink refuses before the held
+    record is dead-lettered as usual."""
+    batch = [
+        msg(0, 10, {"id": 10}),
+        msg(1, 5, {"id": 5}),
+        msg(0, 11, {"id": 11}),  # refused by the targeting sink: dead-lettered
+        msg(0, 12, {"id": 12}),  # held: partition 0 ends before 12 in this part
+        msg(1, 6, {"id": 6}),
+        msg(0, 13, b"{not json"),  # after the held record: not dead-lettered now
+        msg(0, 14, {"id": 14}),  # after the held record: not written
+        msg(1, 7, {"id": 7}),
+        msg(0, 15, {"id": 15}),  # a second held record of the same partition: 12 stands
+    ]
+    first = _Refusing("pg", set())
+    second = _Targeting("files", hold={12, 15}, never={11})
+    dlq = _Dlq()
+    out = write_batch(
+        batch,
+        PartId("p", 3, "w1"),
+        cast(list[Sink], [first, second]),
+        dlq=cast(DeadLetters, dlq),
+        metrics=Metrics("p", "participant"),
+        decoder=JSON,
+        max_record_bytes=64,
+        retry=lambda fn, what: fn(),
+    )
+    assert out.held == {("orders", 0): 12}
+    assert [r.offset for r in first.got] == [r.offset for r in second.got] == [10, 5, 6, 7]
+    assert sorted(second.asked) == [5, 6, 7, 10, 11, 12, 14, 15]
+    assert [(s["offset"], s["reason"]) for s in dlq.sent] == [
+        (11, "rejected by sink files: incompatible")
+    ]
+    assert out.result == {
+        ("orders", 0): (11, 1, 1),  # the part ends before 12: 10 written, 11 dead-lettered
+        ("orders", 1): (7, 3, 0),
+    }
+
+
+def test_a_record_held_at_the_start_of_the_batch_moves_nothing() -> None:
+    second = _Targeting("files", hold={10})
+    out = write_batch(
+        [msg(0, 10, {"id": 10}), msg(0, 11, {"id": 11})],
+        PartId("p", 3, "w1"),
+        cast(list[Sink], [_Refusing("pg", set()), second]),
+        dlq=cast(DeadLetters, _Dlq()),
+        metrics=Metrics("p", "participant"),
+        decoder=JSON,
+        max_record_bytes=64,
+        retry=lambda fn, what: fn(),
+    )
+    assert out.held == {("orders", 0): 10}
+    assert out.result == {("orders", 0): (9, 0, 0)}  # the next part starts at 10
+    assert second.got == []
