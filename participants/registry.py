@@ -76,7 +76,8 @@ def check_config(cfg: PipelineConfig) -> PipelineConfig:
                 source=cfg.source_file,
             )
     for j, src in enumerate(cfg.sources):
-        if not decoder_for(src).deletes:
+        decoder = decoder_for(src, cfg.schema_registry)
+        if not decoder.deletes:
             continue
         for i, sink in enumerate(sinks):
             # A pattern's topics are not known yet: every sink may get its deletes.
@@ -87,7 +88,7 @@ def check_config(cfg: PipelineConfig) -> PipelineConfig:
                     f"sink {sink.name!r} ({sink.config.type}) cannot apply deletes as configured "
                     "(postgres, mongodb: in mode upsert; files: with op_column; docs/cdc.md), and "
                     f"sources[{j}] (topic {src.name!r}, format {src.format}, "
-                    f"tombstones {decoder_for(src).tombstones}) produces them",
+                    f"tombstones {decoder.tombstones}) produces them",
                     source=cfg.source_file,
                 )
     check_kafka_settings(cfg)

@@ -48,6 +48,9 @@ __all__ = [
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$"
 _REF = re.compile(r"\$\{(ENV|FILE):([^}]+)\}")
 _SECRET_KEYS = ("password", "secret", "key", "token", "uri", "dsn", "sasl.password")
+#: Keys that contain a secret-looking word and name no secret: a sink's upsert ``key`` (field
+#: names), a source's ``key_format`` and ``key_field``.
+_NOT_SECRET_KEYS = frozenset({"key", "key_format", "key_field"})
 
 
 class _Strict(BaseModel):
@@ -77,6 +80,30 @@ class ControlConfig(_Strict):
     replication_factor: int = Field(default=3, ge=1)
     #: Topic settings over those of ``control-topic/topics.yaml`` (e.g. ``min.insync.replicas``).
     topic_config: dict[str, str] = Field(default_factory=dict)
+
+
+class SchemaRegistryConfig(_Strict):
+    """A Confluent-compatible schema registry (Confluent Schema Registry, Apicurio Registry's
+    ``/apis/ccompat/v7``, Karapace), for sources whose ``value_format`` or ``key_format`` is
+    ``avro``, ``protobuf`` or ``json_schema``. Schemas are fetched by the id each message
+    carries and cached; a registry that does not answer is waited for like a store."""
+
+    #: The registry's base URL, e.g. ``http://registry:8081`` or
+    #: ``http://apicurio:8080/apis/ccompat/v7``.
+    url: str = Field(pattern=r"^https?://")
+    #: Basic authentication user (``basic.auth.user.info``'s user part).
+    username: str = ""
+    #: Basic authentication password (``${ENV:...}``, ``${FILE:...}``).
+    password: SecretStr | None = None
+    #: Other settings of confluent-kafka's ``SchemaRegistryClient`` (``ssl.ca.location``,
+    #: ``ssl.certificate.location``, ``ssl.key.location``, ``timeout``, ...), passed as they are.
+    config: dict[str, str | int | float | bool] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _password_needs_user(self) -> SchemaRegistryConfig:
+        if self.password is not None and not self.username:
+            raise ValueError("password needs username")
+        return self
 
 
 class KafkaFieldsConfig(_Strict):
@@ -110,6 +137,10 @@ class DebeziumConfig(_Strict):
     add_fields_prefix: str = "__"
 
 
+#: Formats read through the schema registry (the Confluent wire format).
+REGISTRY_FORMATS = frozenset({"avro", "protobuf", "json_schema"})
+
+
 class SourceConfig(_Strict):
     #: A source topic the participants consume (one consumer group for the whole pipeline).
     #: Set ``topic`` or ``topic_pattern``.
@@ -126,15 +157,27 @@ class SourceConfig(_Strict):
     #: envelope -- creates, reads and updates become rows, deletes become deletes
     #: (``docs/cdc.md``). What does not decode goes to the dead letters with the reason.
     format: Literal["json", "debezium"] = "json"
+    #: How a value's bytes decode, before ``format`` says what they mean. ``json``: JSON text
+    #: (with ``format: debezium``, a Kafka Connect envelope is recognised and unwrapped).
+    #: ``connect_json``: Kafka Connect's JSON converter with ``schemas.enable``: every value is a
+    #: ``{schema, payload}`` envelope, unwrapped, its schema kept for the sinks
+    #: (``auto_create``, ``auto_evolve``). ``avro``, ``protobuf``, ``json_schema``: the Confluent
+    #: wire format (a magic byte and the schema's id in the ``schema_registry``), decoded with
+    #: the registered schema, which the sinks get too (``docs/schemas.md``).
+    value_format: Literal["json", "connect_json", "avro", "protobuf", "json_schema"] = "json"
     #: Options of ``format: debezium``.
     debezium: DebeziumConfig | None = None
     #: How record keys are read. ``none``: ignored. ``json``: a JSON object (a Kafka Connect
     #: ``{schema, payload}`` envelope unwrapped) whose fields are added to the record, over the
     #: value's -- a sink keyed on them takes the key from the record key (Kafka Connect's
     #: ``pk.mode: record_key``); a record whose key does not decode is dead-lettered.
-    key_format: Literal["none", "json"] = "none"
-    #: With ``key_format: json``, the field a key that is a JSON scalar (``42``, ``"a-1"``)
-    #: becomes; empty: such a key is dead-lettered.
+    #: ``string``: the key's UTF-8 text, as the field ``key_field``. ``avro``, ``protobuf``,
+    #: ``json_schema``: the Confluent wire format, like ``value_format``; a record key gives its
+    #: fields, or the field ``key_field`` when it is a scalar. A key with a schema names the
+    #: target's primary key for ``auto_create``.
+    key_format: Literal["none", "json", "string", "avro", "protobuf", "json_schema"] = "none"
+    #: With ``key_format`` other than ``none``, the field a key that is a scalar (``42``,
+    #: ``"a-1"``) becomes; empty: such a key is dead-lettered. Required with ``string``.
     key_field: str = ""
     #: Fields from the record's Kafka coordinates (``pk.mode: kafka``).
     kafka_fields: KafkaFieldsConfig | None = None
@@ -163,6 +206,8 @@ class SourceConfig(_Strict):
     def _topic_or_pattern(self) -> SourceConfig:
         if bool(self.topic) == bool(self.topic_pattern):
             raise ValueError("set exactly one of topic and topic_pattern")
+        if self.key_format == "string" and not self.key_field:
+            raise ValueError("key_field is required with key_format: string (the key's field)")
         return self
 
     @property
@@ -181,17 +226,23 @@ class SourceConfig(_Strict):
 
     @field_validator("key_field")
     @classmethod
-    def _key_field_needs_json_keys(cls, value: str, info: ValidationInfo) -> str:
-        if value and info.data.get("key_format") != "json":
-            raise ValueError("used only with key_format: json")
+    def _key_field_needs_keys(cls, value: str, info: ValidationInfo) -> str:
+        key_format = info.data.get("key_format")
+        if value and key_format == "none":
+            raise ValueError("used only with a key_format")
         return value
+
+    @property
+    def registry_formats(self) -> bool:
+        """True when a key or value of this source needs the schema registry."""
+        return bool(REGISTRY_FORMATS & {self.value_format, self.key_format})
 
     @field_validator("tombstones")
     @classmethod
     def _tombstone_deletes_need_keys(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if value == "delete" and info.data.get("key_format") != "json":
+        if value == "delete" and info.data.get("key_format") in (None, "none"):
             raise ValueError(
-                "delete needs key_format: json (a tombstone names its row only by its key)"
+                "delete needs a key_format (a tombstone names its row only by its key)"
             )
         return value
 
@@ -273,6 +324,8 @@ class PipelineConfig(_Strict):
     participant: ParticipantConfig = ParticipantConfig()
     #: Metrics and health endpoints (section ``metrics``).
     metrics: MetricsConfig = MetricsConfig()
+    #: The schema registry of sources in a registry format (section ``schema_registry``).
+    schema_registry: SchemaRegistryConfig | None = None
     #: Each entry is validated by its sink's own model (see twophase.participants.registry).
     sinks: list[dict[str, Any]] = Field(min_length=1)
     source_file: str = ""
@@ -289,6 +342,17 @@ class PipelineConfig(_Strict):
         if len(set(names)) != len(names):
             raise ValueError("sink names must be unique")
         return sinks
+
+    @model_validator(mode="after")
+    def _registry_for_registry_formats(self) -> PipelineConfig:
+        if self.schema_registry is None:
+            for i, source in enumerate(self.sources):
+                if source.registry_formats:
+                    raise ValueError(
+                        f"sources[{i}] ({source.name}) reads {source.value_format} values or "
+                        f"{source.key_format} keys: set schema_registry.url"
+                    )
+        return self
 
     @property
     def control_topic(self) -> str:
@@ -421,11 +485,10 @@ def _secret_strings(value: Any, secret: bool) -> list[str]:
     if isinstance(value, str):
         return [value] if secret and value else []
     if isinstance(value, dict):
-        # A sink's ``key`` lists its upsert key fields: names, not secrets.
         return [
             s
             for k, v in value.items()
-            for s in _secret_strings(v, secret or (_is_secret(k) and k != "key"))
+            for s in _secret_strings(v, secret or (_is_secret(k) and k not in _NOT_SECRET_KEYS))
         ]
     if isinstance(value, (list, tuple)):
         return [s for v in value for s in _secret_strings(v, secret)]

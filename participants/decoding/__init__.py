@@ -17,7 +17,7 @@ from typing import Any
 
 from confluent_kafka import Message
 
-from twophase.config import PipelineConfig, SourceConfig
+from twophase.config import PipelineConfig, SchemaRegistryConfig, SourceConfig
 from twophase.participants.decoding.base import Decoded, Decoder, Headers, Row, Undecodable
 from twophase.participants.decoding.debezium import DebeziumDecoder
 from twophase.participants.decoding.json import JsonDecoder
@@ -43,10 +43,10 @@ DECODERS: dict[str, type[Decoder]] = {
 }
 
 
-def decoder_for(source: SourceConfig) -> Decoder:
+def decoder_for(source: SourceConfig, registry: SchemaRegistryConfig | None = None) -> Decoder:
     """The decoder of one source: its ``format``'s, with its options (the config model has
     already refused unknown formats and contradicting options)."""
-    return DECODERS[source.format](source)
+    return DECODERS[source.format](source, registry)
 
 
 def source_decoder(cfg: PipelineConfig) -> Decoder:
@@ -54,7 +54,7 @@ def source_decoder(cfg: PipelineConfig) -> Decoder:
     (the hot path), else one that hands each topic's messages to the decoder of the source the
     topic belongs to (``cfg.source_for``: named, or matched by a pattern)."""
     sources = cfg.sources
-    decoders = [decoder_for(s) for s in sources]
+    decoders = [decoder_for(s, cfg.schema_registry) for s in sources]
     first = decoders[0]
     if all(type(d) is type(first) and d.options == first.options for d in decoders):
         return first
@@ -69,9 +69,11 @@ def source_decoder(cfg: PipelineConfig) -> Decoder:
     return _ByTopic(functools.cache(pick), decoders)
 
 
-def can_delete(sources: Sequence[SourceConfig]) -> bool:
+def can_delete(
+    sources: Sequence[SourceConfig], registry: SchemaRegistryConfig | None = None
+) -> bool:
     """True when a record of these sources may be a delete (:attr:`Record.deleted`)."""
-    return any(decoder_for(s).deletes for s in sources)
+    return any(decoder_for(s, registry).deletes for s in sources)
 
 
 class _ByTopic(Decoder):
@@ -84,7 +86,7 @@ class _ByTopic(Decoder):
         self.raw_values = all(d.raw_values for d in decoders)
         self.deletes = any(d.deletes for d in decoders)
 
-    def decode_value(self, value: bytes, headers: Headers) -> dict[str, Any] | str:
+    def decode_value(self, value: bytes, headers: Headers, topic: str = "") -> dict[str, Any] | str:
         raise TypeError("a per-source decoder decodes messages, which name their topic")
 
     def decode_message(self, m: Message) -> Record | str:

@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import orjson
 from confluent_kafka import Message
 
-from twophase.config import SourceConfig
+from twophase.config import SchemaRegistryConfig, SourceConfig
 from twophase.participants.decoding.connect import ConnectError, unwrap
+from twophase.participants.decoding.formats import ValueFormat, value_format
 from twophase.participants.sdk import RawBatch, Record, RecordSchema
 
 __all__ = ["Decoded", "Decoder", "Row", "Undecodable", "record_of"]
@@ -122,9 +122,17 @@ class Decoder(ABC):
     #: of the options below: a sink reading the bytes would not see what they add.
     raw_values: bool = False
 
-    def __init__(self, source: SourceConfig | None = None) -> None:
+    def __init__(
+        self, source: SourceConfig | None = None, registry: SchemaRegistryConfig | None = None
+    ) -> None:
         source = source if source is not None else SourceConfig(topic="-")
-        self.key_json = source.key_format == "json"
+        #: How the values' bytes decode (``value_format``); the decoder says what they mean.
+        self.values: ValueFormat = value_format(source.value_format, registry)
+        self.key_format = source.key_format
+        self.keys = (
+            value_format(source.key_format, registry) if self.key_json_like(source) else None
+        )
+        self.key_json = self.keys is not None
         self.key_field = source.key_field
         self.tombstones = source.tombstones or self.default_tombstones
         coords = source.kafka_fields
@@ -135,25 +143,38 @@ class Decoder(ABC):
         )
         #: No option changes a record: the message's value is the whole record.
         self.plain = (
-            not self.key_json and not self.kafka_fields and self.tombstones == "dead_letter"
+            not self.key_json
+            and not self.kafka_fields
+            and self.tombstones == "dead_letter"
+            and source.value_format == "json"
         )
         #: Equal for two sources whose messages this decoder treats alike.
         self.options: tuple[Any, ...] = (
-            self.key_json,
+            source.value_format,
+            source.key_format,
             self.key_field,
             self.tombstones,
             tuple(self.kafka_fields),
         )
         #: A record of this source may be a delete (:attr:`Record.deleted`).
         self.deletes: bool = self.tombstones == "delete"
+        #: (value schema id, key field names) -> the value schema naming its key.
+        self._keyed: dict[tuple[str, tuple[str, ...]], RecordSchema] = {}
+
+    @staticmethod
+    def key_json_like(source: SourceConfig) -> bool:
+        """The source's keys decode to fields (every ``key_format`` but ``none``)."""
+        return source.key_format != "none"
 
     #: What a tombstone (a null value) means when ``sources[].tombstones`` does not say.
     default_tombstones: ClassVar[str] = "dead_letter"
 
     @abstractmethod
-    def decode_value(self, value: bytes, headers: Headers) -> dict[str, Any] | Row | str:
+    def decode_value(
+        self, value: bytes, headers: Headers, topic: str = ""
+    ) -> dict[str, Any] | Row | str:
         """The record's fields (or a :class:`Row`: a delete, a schema, a source), or why
-        ``value`` is not a record of this format."""
+        ``value`` is not a record of this format. Decode the bytes with :attr:`values`."""
 
     def decode_message(self, m: Message) -> Record | str:
         """One kept message decoded: its record, or why it is undecodable."""
@@ -171,7 +192,7 @@ class Decoder(ABC):
                 return "null value (tombstone): nothing to write"
             fields: dict[str, Any] = {}
         else:
-            obj = self.decode_value(value, m.headers())
+            obj = self.decode_value(value, m.headers(), topic)
             if obj.__class__ is str:
                 return obj
             if obj.__class__ is Row:
@@ -181,10 +202,12 @@ class Decoder(ABC):
             else:
                 fields = obj  # type: ignore[assignment]
         if self.key_json:
-            key = self.key_fields(m.key())
+            key = self.key_fields(m.key(), topic)
             if key.__class__ is str:
                 return key
             fields = {**fields, **key}  # type: ignore[dict-item]
+            if schema is not None:
+                schema = self._with_key(schema, tuple(key))
         elif deleted and not fields:
             return "tombstone: a delete needs the record key (sources[].key_format: json)"
         for coordinate, name in self.kafka_fields:
@@ -193,22 +216,39 @@ class Decoder(ABC):
             m, topic, partition, offset, fields, len(value or b""), deleted, schema, source
         )
 
-    def key_fields(self, key: bytes | str | None) -> dict[str, Any] | str:
-        """The record key's fields (``key_format: json``): a JSON object (a Kafka Connect
-        ``{schema, payload}`` envelope unwrapped), or a scalar named by ``key_field``."""
+    def key_fields(self, key: bytes | str | None, topic: str = "") -> dict[str, Any] | str:
+        """The record key's fields (``key_format``): an object's fields, or a scalar as the
+        field ``key_field``. ``json`` keys in a Kafka Connect ``{schema, payload}`` envelope
+        are unwrapped."""
         if key is None:
-            return "key: missing (sources[].key_format is json)"
-        try:
-            obj = unwrap(orjson.loads(key))
-        except orjson.JSONDecodeError as exc:
-            return f"key: not JSON ({exc})"
-        except ConnectError as exc:
-            return f"key: {exc}"
+            return f"key: missing (sources[].key_format is {self.key_format})"
+        assert self.keys is not None
+        got = self.keys.decode(key.encode() if isinstance(key, str) else key, topic, True)
+        if isinstance(got, str):
+            return f"key: {got.removeprefix('undecodable: ')}"
+        obj = got[0]
+        if self.key_format == "json":
+            try:
+                obj = unwrap(obj)
+            except ConnectError as exc:
+                return f"key: {exc}"
         if obj.__class__ is dict:
             return obj
         if self.key_field and (obj is None or obj.__class__ in (str, int, float, bool)):
             return {self.key_field: obj}
-        return f"key: JSON {type(obj).__name__}, expected an object (or set sources[].key_field)"
+        return f"key: {type(obj).__name__}, expected an object (or set sources[].key_field)"
+
+    def _with_key(self, schema: RecordSchema, names: tuple[str, ...]) -> RecordSchema:
+        """``schema`` naming the record key's fields as its key (for a target's primary key)."""
+        if schema.key == names:
+            return schema
+        known = self._keyed.get((schema.id, names))
+        if known is None:
+            known = RecordSchema(schema.fields, id=schema.id, name=schema.name, key=names)
+            if len(self._keyed) >= 1024:
+                self._keyed.clear()
+            self._keyed[(schema.id, names)] = known
+        return known
 
     def decode_batch(
         self, msgs: Sequence[Message], max_record_bytes: int, decode: bool = True

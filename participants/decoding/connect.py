@@ -8,18 +8,25 @@ schema's parameters) becomes its exact decimal string, dates, times and timestam
 Connect's and Debezium's ``io.debezium.time.*`` -- become ISO-8601 strings (timestamps in UTC).
 A value that is not an envelope is returned as it is, so schemaless JSON passes unchanged.
 
-No schema registry is involved: the schema travels in every message.
+No schema registry is involved: the schema travels in every message. :func:`record_schema` turns
+it into the record's :class:`~twophase.participants.sdk.RecordSchema` (cached: a producer sends
+the same schema with every message), for sinks that create or evolve their targets from it.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-__all__ = ["ConnectError", "is_envelope", "unwrap"]
+import orjson
+
+from twophase.participants.sdk import Field, FieldType, RecordSchema
+
+__all__ = ["ConnectError", "field_schema", "is_envelope", "record_schema", "unwrap"]
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _EPOCH_DAY = date(1970, 1, 1)
@@ -153,3 +160,122 @@ _LOGICAL: dict[str, Any] = {
     "io.debezium.time.ZonedTimestamp": _as_is,
     "io.debezium.time.ZonedTime": _as_is,
 }
+
+
+# -- the schema as a RecordSchema ------------------------------------------------------------
+
+_PRIMITIVE_KINDS = {
+    "int8": "int32",
+    "int16": "int32",
+    "int32": "int32",
+    "int64": "int64",
+    "float32": "float32",
+    "float64": "float64",
+    "boolean": "boolean",
+    "string": "string",
+    "bytes": "bytes",
+}
+
+
+def _logical_type(name: str, schema: dict[str, Any], nullable: bool) -> FieldType | None:
+    """The field type of a Connect or Debezium logical type, by the same names as
+    :data:`_LOGICAL` (values arrive converted by it)."""
+    params = schema.get("parameters") or {}
+    if name == "org.apache.kafka.connect.data.Decimal":
+        precision = params.get("connect.decimal.precision")
+        return FieldType(
+            "decimal",
+            nullable,
+            precision=int(precision) if precision else None,
+            scale=_scale(schema),
+        )
+    if name == "io.debezium.data.VariableScaleDecimal":
+        return FieldType("decimal", nullable)  # any precision and scale: unconstrained numeric
+    if name in ("org.apache.kafka.connect.data.Date", "io.debezium.time.Date"):
+        return FieldType("date", nullable)
+    if name in ("org.apache.kafka.connect.data.Time", "io.debezium.time.Time"):
+        return FieldType("time", nullable, unit="ms")
+    if name in ("io.debezium.time.MicroTime", "io.debezium.time.NanoTime"):
+        return FieldType("time", nullable, unit="us")  # nanoseconds arrive cut to micros
+    if name in ("org.apache.kafka.connect.data.Timestamp", "io.debezium.time.Timestamp"):
+        return FieldType("timestamp", nullable, unit="ms")
+    if name in (
+        "io.debezium.time.MicroTimestamp",
+        "io.debezium.time.NanoTimestamp",
+        "io.debezium.time.ZonedTimestamp",
+    ):
+        return FieldType("timestamp", nullable, unit="us")
+    if name == "io.debezium.data.Uuid":
+        return FieldType("uuid", nullable)
+    if name == "io.debezium.data.Json":
+        return FieldType("json", nullable)
+    if name == "io.debezium.data.Enum":
+        allowed = str(params.get("allowed", ""))
+        return FieldType("enum", nullable, symbols=tuple(a for a in allowed.split(",") if a))
+    return None
+
+
+def field_schema(schema: dict[str, Any]) -> FieldType:
+    """The field type of one Connect schema (``{type, optional, name, parameters, ...}``);
+    a type it cannot name more closely is ``json``."""
+    nullable = bool(schema.get("optional"))
+    name = schema.get("name")
+    if name.__class__ is str and (logical := _logical_type(name, schema, nullable)) is not None:
+        return logical
+    kind = schema.get("type")
+    if kind in _PRIMITIVE_KINDS:
+        return FieldType(_PRIMITIVE_KINDS[kind], nullable)
+    if kind == "array" and schema.get("items").__class__ is dict:
+        return FieldType("array", nullable, items=field_schema(schema["items"]))
+    if kind == "map" and schema.get("values").__class__ is dict:
+        keys = schema.get("keys")
+        if keys.__class__ is dict and keys.get("type") == "string":
+            return FieldType("map", nullable, values=field_schema(schema["values"]))
+    if kind == "struct":
+        return FieldType("record", nullable, fields=_fields(schema))
+    return FieldType("json", nullable)
+
+
+def _fields(schema: dict[str, Any]) -> tuple[Field, ...]:
+    return tuple(
+        Field(str(f["field"]), field_schema(f), has_default="default" in f)
+        for f in schema.get("fields") or ()
+        if f.__class__ is dict and f.get("field").__class__ is str
+    )
+
+
+#: Schemas seen, by their JSON text: a producer sends the same one with every message.
+_SCHEMAS: dict[bytes, RecordSchema | None] = {}
+#: Distinct schemas kept; past it the cache starts again (a topic has a handful of versions).
+_SCHEMAS_KEPT = 1024
+
+
+def record_schema(schema: dict[str, Any] | None, field: str = "") -> RecordSchema | None:
+    """The record schema of a Connect ``struct`` schema -- or of its struct field ``field``
+    (``after`` of a Debezium envelope) -- None when it is not one."""
+    if schema is None:
+        return None
+    text = orjson.dumps(schema)
+    key = text + field.encode()
+    if (known := _SCHEMAS.get(key, False)) is not False:
+        return known  # type: ignore[return-value]
+    struct: Any = schema
+    if field:
+        struct = next(
+            (
+                f
+                for f in schema.get("fields") or ()
+                if f.__class__ is dict and f.get("field") == field
+            ),
+            None,
+        )
+    out = None
+    if struct.__class__ is dict and struct.get("type") == "struct":
+        digest = hashlib.sha1(key, usedforsecurity=False).hexdigest()[:16]
+        out = RecordSchema(
+            _fields(struct), id=f"connect:{digest}", name=str(struct.get("name") or "")
+        )
+    if len(_SCHEMAS) >= _SCHEMAS_KEPT:
+        _SCHEMAS.clear()
+    _SCHEMAS[key] = out
+    return out

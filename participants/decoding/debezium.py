@@ -20,9 +20,10 @@ from typing import Any, ClassVar
 
 import orjson
 
-from twophase.config import DebeziumConfig, SourceConfig
+from twophase.config import DebeziumConfig, SchemaRegistryConfig, SourceConfig
 from twophase.participants.decoding.base import Decoder, Headers, Row
-from twophase.participants.decoding.connect import ConnectError, unwrap
+from twophase.participants.decoding.connect import ConnectError, record_schema, unwrap
+from twophase.participants.sdk import RecordSchema
 
 __all__ = ["DebeziumDecoder"]
 
@@ -35,8 +36,11 @@ class DebeziumDecoder(Decoder):
     #: event already deleted the row.
     default_tombstones: ClassVar[str] = "skip"
 
-    def __init__(self, source: SourceConfig | None = None) -> None:
-        super().__init__(source)
+    def __init__(
+        self, source: SourceConfig | None = None, registry: SchemaRegistryConfig | None = None
+    ) -> None:
+        super().__init__(source, registry)
+        self._json = self.values.name == "json"
         opts = (source.debezium if source is not None else None) or DebeziumConfig()
         self.unwrap = opts.unwrap
         self.added = [
@@ -45,31 +49,56 @@ class DebeziumDecoder(Decoder):
         self.options += (self.unwrap, tuple(self.added))
         self.deletes = self.deletes or self.unwrap
 
-    def decode_value(self, value: bytes, headers: Headers) -> dict[str, Any] | Row | str:
-        try:
-            event = unwrap(orjson.loads(value))
-        except orjson.JSONDecodeError as exc:
-            return f"undecodable: not JSON ({exc})"
-        except ConnectError as exc:
-            return f"undecodable: {exc}"
+    def decode_value(
+        self, value: bytes, headers: Headers, topic: str = ""
+    ) -> dict[str, Any] | Row | str:
+        schema: RecordSchema | None = None
+        if self._json:
+            # JSON, with or without the Connect envelope (recognised by its shape).
+            try:
+                obj = orjson.loads(value)
+                event = unwrap(obj)
+            except orjson.JSONDecodeError as exc:
+                return f"undecodable: not JSON ({exc})"
+            except ConnectError as exc:
+                return f"undecodable: {exc}"
+            envelope = obj["schema"] if event is not obj else None
+        else:
+            got = self.values.decode(value, topic)
+            if isinstance(got, str):
+                return got
+            event, schema = got
+            envelope = None
         if event.__class__ is not dict or "op" not in event:
             return "undecodable: not a Debezium change event (no op)"
         if not self.unwrap:
-            return event
+            return event if schema is None else Row(event, schema=schema)
         op = event["op"]
         source = event.get("source")
         if source.__class__ is not dict:
             source = None
+        # The row's schema: the envelope's ``after`` field (``before`` has the same one).
+        if envelope is not None:
+            row_schema = record_schema(envelope, "after")
+        elif schema is not None:
+            row_schema = schema.sub("after")
+        else:
+            row_schema = None
         if op in _ROW_OPS:
             row = event.get("after")
             if row.__class__ is not dict:
                 return f"undecodable: Debezium op {op!r} without an after row"
-            return Row(self._with_added(row, event, source), source=source)
+            return Row(self._with_added(row, event, source), schema=row_schema, source=source)
         if op == "d":
             before = event.get("before")
             if before is not None and before.__class__ is not dict:
                 return "undecodable: Debezium delete whose before is not a row"
-            return Row(self._with_added(before or {}, event, source), deleted=True, source=source)
+            return Row(
+                self._with_added(before or {}, event, source),
+                deleted=True,
+                schema=row_schema,
+                source=source,
+            )
         return f"not a row change: Debezium op {op!r} (truncate and messages are not applied)"
 
     def _with_added(

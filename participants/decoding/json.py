@@ -1,4 +1,5 @@
-"""``source.format: json`` -- one JSON object per record value, decoded with orjson.
+"""``source.format: json`` -- one record per value: a JSON object (decoded with orjson), or
+a record in the source's ``value_format`` (a Kafka Connect envelope, a registry format).
 
 The default format, and the one the compiled raw path reads: a sink that parses JSON itself
 (:meth:`Sink.write_raw`, the PostgreSQL sink's Rust COPY encoder) gets the values scanned, not
@@ -7,81 +8,61 @@ decoded (:attr:`JsonDecoder.raw_values`). Integers of any width decode exactly.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
 import orjson
 from confluent_kafka import Message
 
-from twophase.config import SourceConfig
-from twophase.participants.decoding.base import Decoded, Decoder, Headers, Undecodable, record_of
+from twophase.config import SchemaRegistryConfig, SourceConfig
+from twophase.participants.decoding.base import (
+    Decoded,
+    Decoder,
+    Headers,
+    Row,
+    Undecodable,
+    record_of,
+)
+from twophase.participants.decoding.formats import exact, loads_exact, maybe_wide
 from twophase.participants.sdk import Record
 
 __all__ = ["JsonDecoder"]
 
 
-#: orjson decodes an integer outside -2**63 .. 2**64-1 as the nearest double:
-#: 18446744073709551617 would become 1.8446744073709552e+19. Any such double is at least this
-#: large; a decoded value holding one is decoded again by the standard library, which keeps
-#: every integer exact (a float literal this large is decoded again too, to the same value).
-#: Looking costs ~0.3 us for a flat ~200-byte record (a regex over the bytes cost ~1.5 us).
-_WIDE = 9.2e18
-
-
-def _maybe_wide(obj: dict[str, Any]) -> bool:
-    """True when ``obj`` (orjson's decoding) holds a double that may be a rounded integer."""
-    stack: list[Any] = [obj]
-    while stack:
-        item = stack.pop()
-        for v in item.values() if item.__class__ is dict else item:
-            kind = v.__class__
-            if kind is float:
-                if v >= _WIDE or v <= -_WIDE:
-                    return True
-            elif kind is dict or kind is list:
-                stack.append(v)
-    return False
-
-
-def _exact(value: bytes, obj: Any) -> Any:
-    """``obj`` (orjson's decoding of ``value``, so strict JSON) with integers of any size kept
-    exact, or a str saying why it cannot be."""
-    if not _maybe_wide(obj):
-        return obj
-    try:
-        return json.loads(value)
-    except RecursionError:
-        return "undecodable: nested too deeply"
-    except ValueError as exc:  # an integer past the interpreter's digit limit
-        return f"undecodable: {exc}"
-
-
 def _not_an_object(value: bytes) -> tuple[dict[str, Any] | None, str]:
     """The decoded object, or None and why the value is not one."""
-    try:
-        obj = orjson.loads(value)
-    except orjson.JSONDecodeError as exc:
-        return None, f"undecodable: not JSON ({exc})"
+    obj, reason = loads_exact(value)
+    if reason:
+        return None, reason
     if obj.__class__ is not dict:
         return None, f"undecodable: JSON {type(obj).__name__}, expected an object"
-    obj = _exact(value, obj)
-    if obj.__class__ is str:
-        return None, obj
     return obj, ""
 
 
 class JsonDecoder(Decoder):
     format = "json"
 
-    def __init__(self, source: SourceConfig | None = None) -> None:
-        super().__init__(source)
+    def __init__(
+        self, source: SourceConfig | None = None, registry: SchemaRegistryConfig | None = None
+    ) -> None:
+        super().__init__(source, registry)
         # A sink may read the bytes itself only when they are the whole record.
         self.raw_values = self.plain
+        self._json = self.values.name == "json"
 
-    def decode_value(self, value: bytes, headers: Headers) -> dict[str, Any] | str:
-        obj, reason = _not_an_object(value)
-        return reason if obj is None else obj
+    def decode_value(
+        self, value: bytes, headers: Headers, topic: str = ""
+    ) -> dict[str, Any] | Row | str:
+        if self._json:
+            obj, reason = _not_an_object(value)
+            return reason if obj is None else obj
+        got = self.values.decode(value, topic)
+        if isinstance(got, str):
+            return got
+        fields, schema = got
+        if fields.__class__ is not dict:
+            return f"undecodable: {self.values.name} {type(fields).__name__}, expected a record"
+        return fields if schema is None else Row(fields, schema=schema)
 
     def decode_message(self, m: Message) -> Record | str:
         if not self.plain:
@@ -118,7 +99,7 @@ def _decode_batch(
     counts: dict[tuple[str, int], int] = {}
     size = 0
     loads = orjson.loads
-    wide = _maybe_wide
+    wide = maybe_wide
     append = good.append
     # Messages come in runs of one partition: the summary is updated once per run.
     run_topic = ""
@@ -154,7 +135,7 @@ def _decode_batch(
         except orjson.JSONDecodeError:
             obj = None
         if obj.__class__ is dict and wide(obj):
-            obj = _exact(value, obj)
+            obj = exact(value, obj)
         if obj.__class__ is not dict:
             bad.append(Undecodable(m, _not_an_object(value)[1]))
             continue

@@ -132,6 +132,7 @@ class RecordSchema:
     name: str = ""
     key: tuple[str, ...] = ()
     _by_name: dict[str, Field] = field(default_factory=dict, compare=False, repr=False)
+    _subs: dict[str, RecordSchema | None] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self._by_name.update((f.name, f) for f in self.fields)
@@ -145,6 +146,17 @@ class RecordSchema:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.fields)
+
+    def sub(self, name: str) -> RecordSchema | None:
+        """The schema of record field ``name`` (a Debezium envelope's ``after``), or None."""
+        if name not in self._subs:
+            f = self._by_name.get(name)
+            self._subs[name] = (
+                RecordSchema(f.type.fields, id=f"{self.id}/{name}", name=f"{self.name}.{name}")
+                if f is not None and f.type.kind == "record"
+                else None
+            )
+        return self._subs[name]
 
 
 def widens(old: FieldType, new: FieldType) -> bool:

@@ -57,8 +57,8 @@ class _JsonThroughTheBase(Decoder):
 
     format = "json-slow"
 
-    def decode_value(self, value: bytes, headers: Headers) -> dict[str, Any] | str:
-        return JsonDecoder().decode_value(value, headers)
+    def decode_value(self, value: bytes, headers: Headers, topic: str = "") -> dict[str, Any] | str:
+        return JsonDecoder().decode_value(value, headers)  # type: ignore[return-value]
 
 
 def _summary(decoder: Decoder, decode: bool) -> tuple[Any, ...]:
@@ -113,7 +113,9 @@ def test_sources_of_different_formats_decode_each_topic_with_its_own() -> None:
     class _Tagged(Decoder):
         format = "tagged"
 
-        def decode_value(self, value: bytes, headers: Headers) -> dict[str, Any] | str:
+        def decode_value(
+            self, value: bytes, headers: Headers, topic: str = ""
+        ) -> dict[str, Any] | str:
             return {"raw": value.decode(errors="replace"), "headers": len(headers or [])}
 
     decoders = {"orders": JsonDecoder(), "refunds": _Tagged()}
