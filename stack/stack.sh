@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The local stack twophase's tests run against: Kafka (KRaft), PostgreSQL and SecantusDB
-# (a MongoDB-protocol server) on 127.0.0.1, plus the Spark Kafka connector jars. Everything
+# The local stack twophase's tests run against: Kafka (KRaft), PostgreSQL, SecantusDB
+# (a MongoDB-protocol server) and Apicurio Registry (a schema registry with the Confluent API)
+# on 127.0.0.1, plus the Spark Kafka connector jars. Everything
 # is installed by this script from package registries, so a fresh machine needs only
 # Java 17, Maven and Python 3.
 #
@@ -14,6 +15,7 @@
 #   TWOPHASE_CACHE_DIR   maven repo, jars, SecantusDB venv  (default <repo>/.cache)
 #   TWOPHASE_KAFKA_PORT (9092)  TWOPHASE_KAFKA_CONTROLLER_PORT (9093)
 #   TWOPHASE_PG_PORT (55432)    TWOPHASE_MONGO_PORT (27018)
+#   TWOPHASE_REGISTRY_PORT (8081)   TWOPHASE_REGISTRY_HEAP (256m)
 #   TWOPHASE_KAFKA_HEAP (1g)    TWOPHASE_PYTHON (python3, for the SecantusDB venv)
 #   TWOPHASE_MONGO_TXN_LIFETIME_S (60)   idle MongoDB transactions are aborted after this
 #   TWOPHASE_MONGO_REAP_INTERVAL_S (5)   how often the reaper makes SecantusDB check
@@ -25,6 +27,8 @@ REPO=$(dirname "$HERE")
 # Pinned versions. pyspark's pin lives in pyproject.toml and the connector must match it.
 KAFKA_VERSION=4.1.2
 SECANTUS_VERSION=0.7.0b3
+# The version lives in registry/pom.xml (why this one: see the comment there).
+REGISTRY_VERSION=$(sed -n 's|^ *<apicurio.version>\([^<]*\)</apicurio.version>.*|\1|p' "$HERE/registry/pom.xml" | head -n1)
 SPARK_VERSION=$(sed -n 's/^[^#]*"pyspark==\([^"]*\)".*/\1/p' "$REPO/pyproject.toml" | head -n1)
 
 STACK_DIR=$(realpath -m "${TWOPHASE_STACK_DIR:-$REPO/.stack}")
@@ -34,6 +38,9 @@ CONTROLLER_PORT=${TWOPHASE_KAFKA_CONTROLLER_PORT:-9093}
 PG_PORT=${TWOPHASE_PG_PORT:-55432}
 MONGO_PORT=${TWOPHASE_MONGO_PORT:-27018}
 KAFKA_HEAP=${TWOPHASE_KAFKA_HEAP:-1g}
+REGISTRY_PORT=${TWOPHASE_REGISTRY_PORT:-8081}
+# Idle at ~230 MB RSS with this heap; the stack's schemas are tiny.
+REGISTRY_HEAP=${TWOPHASE_REGISTRY_HEAP:-256m}
 PYTHON=${TWOPHASE_PYTHON:-python3}
 # mongod's transactionLifetimeLimitSeconds default: the tests see the recovery time a real
 # deployment has, not a shorter one the product could come to depend on.
@@ -48,12 +55,14 @@ MONGO_DIR=$STACK_DIR/mongo
 KAFKA_JARS=$CACHE_DIR/jars/kafka
 SPARK_JARS_DIR=$CACHE_DIR/jars/spark-kafka
 SECANTUS_VENV=$CACHE_DIR/secantus-venv
+REGISTRY_BUILD=$CACHE_DIR/registry/apicurio-$REGISTRY_VERSION
 M2=$CACHE_DIR/m2
 
 KAFKA_LOG=$LOG_DIR/kafka.log
 PG_LOG=$LOG_DIR/postgres.log
 MONGO_LOG=$LOG_DIR/mongo.log
 REAPER_LOG=$LOG_DIR/mongo-reaper.log
+REGISTRY_LOG=$LOG_DIR/registry.log
 
 PG_USER=twophase
 PG_PASSWORD=twophase
@@ -77,6 +86,7 @@ case "$STACK_DIR$CACHE_DIR" in
   *[[:space:]\'\"\\]*) die "TWOPHASE_STACK_DIR/TWOPHASE_CACHE_DIR must not contain spaces or quotes" ;;
 esac
 [[ -n $SPARK_VERSION ]] || die "could not read the pyspark==X pin from $REPO/pyproject.toml"
+[[ -n $REGISTRY_VERSION ]] || die "could not read <apicurio.version> from $HERE/registry/pom.xml"
 
 # ---------------------------------------------------------------------------- helpers
 
@@ -498,6 +508,91 @@ reaper_stop() {
   stop_pid "$REAPER_PID" "$HERE/mongo_reaper.py $MONGO_URI" mongo-reaper TERM
 }
 
+# ---------------------------------------------------------------------------- schema registry
+
+# Apicurio Registry, built once by Quarkus from Apicurio's Maven Central jars
+# (registry/pom.xml): a runner jar plus lib/ in $REGISTRY_BUILD. In-memory storage (H2), so
+# every start is empty; the Confluent-compatible API is under /apis/ccompat/v7.
+REGISTRY_PID=$RUN_DIR/registry.pid
+REGISTRY_JAR=$REGISTRY_BUILD/apicurio-registry-0-runner.jar
+REGISTRY_CCOMPAT=/apis/ccompat/v7
+
+# The stack dir in the command line tells this stack's registry from another stack's, which
+# runs the same jar from the shared cache.
+registry_pid() { live_pid "$REGISTRY_PID" "-Dtwophase.stack.dir=$STACK_DIR -jar $REGISTRY_JAR"; }
+
+# Builds the registry unless $REGISTRY_BUILD holds this pom's build (stamp = pom's hash).
+registry_build() {
+  local stamp
+  stamp="$REGISTRY_BUILD/.complete-$(sha "$HERE/registry/pom.xml")"
+  [[ -f $stamp && -f $REGISTRY_JAR ]] && return 0
+  need_mvn
+  log "registry: building Apicurio Registry $REGISTRY_VERSION with Maven and Quarkus into $REGISTRY_BUILD (first run only)"
+  local tmp="$REGISTRY_BUILD.tmp.$$"
+  rm -rf "$tmp"
+  local mvn_log=$LOG_DIR/maven-registry.log
+  mkdir -p "$LOG_DIR" "$(dirname "$REGISTRY_BUILD")"
+  if ! mvn -B -Dstyle.color=never -f "$HERE/registry/pom.xml" -Dmaven.repo.local="$M2" \
+      -Dtwophase.registry.build.dir="$tmp/target" package >"$mvn_log" 2>&1; then
+    rm -rf "$tmp"
+    grep -E '^\[ERROR\]' "$mvn_log" | head -n 5 >&2 || true
+    die "Maven could not build the registry from $HERE/registry/pom.xml (full output: $mvn_log)"
+  fi
+  # Keep what runs (the legacy-jar layout: runner + lib/), not Maven's work files.
+  mv "$tmp/target/apicurio-registry-0-runner.jar" "$tmp/target/lib" "$tmp/" ||
+    die "registry: the build left no runner jar in $tmp/target (log: $mvn_log)"
+  rm -rf "$tmp/target" "$REGISTRY_BUILD"
+  mv "$tmp" "$REGISTRY_BUILD"
+  touch "$stamp"
+}
+
+# HTTP status of GET $1 on the registry, with bash alone (no curl on a bare machine).
+registry_http_status() {
+  # A subshell: a failed redirection of exec must not end the script.
+  (
+    exec 4<>"/dev/tcp/127.0.0.1/$REGISTRY_PORT" || exit 1
+    printf 'GET %s HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' "$1" >&4
+    IFS=' ' read -r -t 5 _ status _ <&4 || exit 1
+    printf '%s\n' "$status"
+  )
+}
+
+registry_start() {
+  local pid
+  if pid=$(registry_pid); then
+    log "registry: already running (pid $pid)"
+    return 0
+  fi
+  need_java
+  registry_build
+  require_port_free "$REGISTRY_PORT" "the schema registry (TWOPHASE_REGISTRY_PORT)"
+  touch "$REGISTRY_LOG"
+  # quarkus.http.* are runtime settings, so the one build serves every port. The H2 URL is
+  # the build's default, spelled out: in memory, gone when the process ends.
+  spawn "$REGISTRY_LOG" "$REGISTRY_PID" java -Xms64m -Xmx"$REGISTRY_HEAP" \
+    -XX:+ExitOnOutOfMemoryError -Djava.awt.headless=true \
+    -Dquarkus.http.host=127.0.0.1 -Dquarkus.http.port="$REGISTRY_PORT" \
+    -Dquarkus.datasource.jdbc.url=jdbc:h2:mem:registry_db \
+    -Dtwophase.stack.dir="$STACK_DIR" -jar "$REGISTRY_JAR"
+  pid=$(head -n1 "$REGISTRY_PID")
+  local i
+  for ((i = 0; i < START_TIMEOUT * 5; i++)); do
+    kill -0 "$pid" 2>/dev/null || { show_log_tail "$REGISTRY_LOG"; die "registry: exited during start-up (log: $REGISTRY_LOG)"; }
+    # Ready when the Confluent-compatible API itself answers, not just the port.
+    if [[ $(registry_http_status "$REGISTRY_CCOMPAT/subjects" 2>/dev/null) == 200 ]]; then
+      log "registry: up on 127.0.0.1:$REGISTRY_PORT (pid $pid, log $REGISTRY_LOG)"
+      return 0
+    fi
+    sleep 0.2
+  done
+  show_log_tail "$REGISTRY_LOG"
+  die "registry: $REGISTRY_CCOMPAT not answering on 127.0.0.1:$REGISTRY_PORT after ${START_TIMEOUT}s (log: $REGISTRY_LOG)"
+}
+
+registry_stop() { # [KILL]
+  stop_pid "$REGISTRY_PID" "-Dtwophase.stack.dir=$STACK_DIR -jar $REGISTRY_JAR" registry "${1:-TERM}"
+}
+
 # ---------------------------------------------------------------------------- Spark
 
 spark_jars() {
@@ -530,6 +625,9 @@ TWOPHASE_MONGO_TXN_LIFETIME_S='$MONGO_TXN_LIFETIME_S'
 TWOPHASE_SECANTUS_VERSION='$SECANTUS_VERSION'
 TWOPHASE_SPARK_VERSION='$SPARK_VERSION'
 TWOPHASE_SPARK_JARS='$(spark_jar_list)'
+TWOPHASE_SCHEMA_REGISTRY_URL='http://127.0.0.1:$REGISTRY_PORT$REGISTRY_CCOMPAT'
+TWOPHASE_REGISTRY_VERSION='$REGISTRY_VERSION'
+TWOPHASE_REGISTRY_LOG='$REGISTRY_LOG'
 EOF
 }
 
@@ -568,14 +666,17 @@ cmd_up() {
   }
   pg_pid >/dev/null || require_port_free "$PG_PORT" "PostgreSQL (TWOPHASE_PG_PORT)"
   mongo_pid >/dev/null || require_port_free "$MONGO_PORT" "SecantusDB (TWOPHASE_MONGO_PORT)"
+  registry_pid >/dev/null || require_port_free "$REGISTRY_PORT" "the schema registry (TWOPHASE_REGISTRY_PORT)"
   kafka_jars
   spark_jars
+  registry_build
   secantus_install
   pg_install
   kafka_start
   pg_start
   mongo_start
   reaper_start
+  registry_start
   write_env
   # Optional services (stack/README.md): off by default so plain `make stack-up` stays fast.
   if [[ ${TWOPHASE_STACK_CONNECT:-0} == 1 ]]; then
@@ -589,6 +690,7 @@ cmd_down() {
   lock
   # Before Kafka: a worker that loses its broker retries noisily until it is stopped.
   bash "$HERE/connect.sh" down
+  registry_stop TERM
   reaper_stop
   mongo_stop TERM
   kafka_stop TERM
@@ -609,6 +711,7 @@ cmd_status() {
   status_line kafka "$(kafka_pid || true)" "$KAFKA_PORT" "$KAFKA_LOG"
   status_line postgres "$(pg_pid || true)" "$PG_PORT" "$PG_LOG"
   status_line mongo "$(mongo_pid || true)" "$MONGO_PORT" "$MONGO_LOG"
+  status_line registry "$(registry_pid || true)" "$REGISTRY_PORT" "$REGISTRY_LOG"
   bash "$HERE/connect.sh" status
   local rp
   if rp=$(reaper_pid); then

@@ -117,6 +117,16 @@ def _require_mongo_reaper(env: dict[str, str]) -> None:
 
 
 @pytest.fixture(scope="session")
+def schema_registry_url(stack_env: dict[str, str]) -> str:
+    """Apicurio Registry's Confluent-compatible API (``.../apis/ccompat/v7``): the URL for
+    ``confluent_kafka.schema_registry.SchemaRegistryClient``."""
+    url = _setting(stack_env, "TWOPHASE_SCHEMA_REGISTRY_URL")
+    parts = urlsplit(url)
+    _require_listening(f"{parts.hostname}:{parts.port or 80}", "the schema registry")
+    return url
+
+
+@pytest.fixture(scope="session")
 def spark_jars(stack_env: dict[str, str]) -> list[str]:
     """The Spark Kafka connector and what it needs beyond pyspark, for ``spark.jars``."""
     jars = _setting(stack_env, "TWOPHASE_SPARK_JARS").split(",")
