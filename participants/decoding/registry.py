@@ -38,7 +38,7 @@ from twophase.config import SchemaRegistryConfig
 from twophase.errors import RetriableError
 from twophase.participants.decoding.formats import FormatResult, ValueFormat, loads_exact
 from twophase.participants.sdk import Field, FieldType, RecordSchema
-from twophase.retry import STORE
+from twophase.retry import SINK_RETRY_S, STORE
 
 __all__ = ["RegistryFormat", "RegistryUnavailable", "registry_client"]
 
@@ -89,8 +89,17 @@ class RegistryFormat(ValueFormat):
 
     name: ClassVar[str] = "registry"
 
-    def __init__(self, kind: str, registry: SchemaRegistryConfig, client: Any = None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        registry: SchemaRegistryConfig,
+        client: Any = None,
+        retry_s: float = SINK_RETRY_S,
+    ) -> None:
         self.kind = kind
+        #: How long a schema fetch is retried while the registry does not answer: as long as
+        #: a sink call (the participant then fails the part, which is read again).
+        self.retry_s = retry_s
         self.schema_type = _SCHEMA_TYPES[kind]
         self.registry = registry
         self._client = client
@@ -142,7 +151,10 @@ class RegistryFormat(ValueFormat):
                 return known
             try:
                 schema = STORE.call(
-                    lambda: self._fetch(ref), f"fetching schema {ref[0]} {ref[1]}", logger=log
+                    lambda: self._fetch(ref),
+                    f"fetching schema {ref[0]} {ref[1]}",
+                    budget_s=self.retry_s,
+                    logger=log,
                 )
                 reader: _Reader | str = _READERS[self.kind](
                     schema, self.client, f"registry:{ref[0]}:{ref[1]}"
