@@ -28,7 +28,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 from typing import Any, ClassVar
@@ -600,7 +600,8 @@ def _proto_field(fd: Any, depth: int) -> _ProtoField:
     if repeated:
         return _ProtoField(
             name,
-            FieldType("array", False, items=element[0]),
+            # An element is never null (protobuf has no null in a repeated field).
+            FieldType("array", False, items=replace(element[0], nullable=False)),
             lambda m: [element[1](v) for v in getattr(m, name)],
         )
     has_presence = fd.has_presence
@@ -699,18 +700,73 @@ def _proto_message_type(desc: Any, depth: int) -> tuple[FieldType, Convert]:
     return FieldType("record", True, fields=tuple(Field(f.name, f.type) for f in fields)), read
 
 
+def _proto_files(name: str, schema_str: str, refs: dict[str, str]) -> list[Any]:
+    """The ``FileDescriptorProto`` of a registered Protobuf schema and of what it imports, in
+    the order a pool takes them. The registry gives a schema back as it was registered: the
+    base64 of a descriptor (confluent-kafka's Python serializer) or ``.proto`` text (Java's),
+    which protoc (grpcio-tools) compiles -- no hand-written parser."""
+    from google.protobuf import descriptor_pb2
+
+    try:
+        fd = descriptor_pb2.FileDescriptorProto()
+        fd.ParseFromString(base64.b64decode(schema_str, validate=True))
+        if fd.name or fd.message_type:
+            fd.name = fd.name or name
+            return [fd]
+    except Exception:  # noqa: BLE001, S110 - not a descriptor: .proto text
+        pass
+    import tempfile
+    from pathlib import Path
+
+    import grpc_tools
+    from grpc_tools import protoc
+
+    with tempfile.TemporaryDirectory(prefix="twophase-proto-") as tmp:
+        root = Path(tmp)
+        for ref_name, text in {**refs, name: schema_str}.items():
+            path = root / ref_name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        out = root / "set.pb"
+        include = Path(grpc_tools.__file__).parent / "_proto"
+        code = protoc.main(
+            [
+                "protoc",
+                f"-I{root}",
+                f"-I{include}",
+                "--include_imports",
+                f"--descriptor_set_out={out}",
+                name,
+            ]
+        )
+        if code != 0 or not out.exists():
+            raise _Unknown(f"Protobuf schema {name} does not compile (protoc exit {code})")
+        files = descriptor_pb2.FileDescriptorSet()
+        files.ParseFromString(out.read_bytes())
+        return list(files.file)
+
+
 def _proto_reader(schema: Any, client: Any, sid: str) -> _Reader:
-    from confluent_kafka.schema_registry.common.protobuf import _init_pool, _str_to_proto
+    from confluent_kafka.schema_registry.common.protobuf import _init_pool
     from google.protobuf.descriptor_pool import DescriptorPool
     from google.protobuf.message_factory import GetMessageClass
 
     pool = DescriptorPool()
     _init_pool(pool)
-    for ref in schema.references or ():
-        ref_schema = client.get_version(ref.subject, ref.version, fmt="serialized").schema
-        pool.Add(_str_to_proto(ref.name, ref_schema.schema_str))
-    fd_proto = _str_to_proto("main.proto", schema.schema_str)
-    pool.Add(fd_proto)
+    refs = {
+        ref.name: client.get_version(ref.subject, ref.version, fmt="serialized").schema.schema_str
+        for ref in schema.references or ()
+    }
+    files = _proto_files("main.proto", schema.schema_str, refs)
+    for ref_name, text in refs.items():
+        if not text.lstrip().startswith(("syntax", "package", "import", "message", "//")):
+            files = [*_proto_files(ref_name, text, {}), *files]
+    for fd in files:
+        try:
+            pool.FindFileByName(fd.name)
+        except KeyError:
+            pool.Add(fd)
+    fd_proto = files[-1]
     file_desc = pool.FindFileByName(fd_proto.name)
     by_index: dict[tuple[int, ...], tuple[Any, RecordSchema, Callable[[Any], dict[str, Any]]]] = {}
 
