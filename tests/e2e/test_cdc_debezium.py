@@ -6,8 +6,9 @@ while random inserts, updates, deletes, primary-key changes and delete-then-rein
 source, and a participant is killed with SIGKILL after it prepared a part and again at random.
 
 At the end the replica equals the source row for row (decimals, dates and timestamps exact),
-the collection equals it document for document, the files replayed in order equal it too, nothing is left prepared and nothing was
-dead-lettered.
+the collection equals it document for document, the files replayed in order equal it too
+(compared by ``harness/cdc_check.py``, as ``make demo-cdc`` compares), nothing is left prepared
+or staged and nothing was dead-lettered.
 """
 
 from __future__ import annotations
@@ -21,12 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-import pyarrow.parquet as pq
 import pytest
 import yaml
-from pymongo import MongoClient
 
-from harness import Cluster, debezium, wait_until
+from harness import Cluster, cdc_check, debezium, wait_until
 from tests.e2e.e2e_support import read_topic, scenario, start
 from twophase.config import load_config
 from twophase.kafka import create_topics
@@ -133,46 +132,6 @@ class Driver:
             self.conn.execute("DELETE FROM orders WHERE id = %s", (i,))
             self.insert(i)
 
-    def rows(self) -> list[tuple[Any, ...]]:
-        return self.conn.execute(f"SELECT {COLUMNS} FROM orders ORDER BY id").fetchall()
-
-
-def replica_rows(pg_dsn: str, table: str) -> list[tuple[Any, ...]]:
-    with psycopg.connect(pg_dsn) as conn:
-        return conn.execute(f'SELECT {COLUMNS} FROM "{table}" ORDER BY id').fetchall()
-
-
-def as_row(i: Any, r: dict[str, Any]) -> tuple[Any, ...]:
-    """A row of the source's shape from the JSON values the pipeline wrote (exact strings)."""
-    return (
-        i,
-        r["customer"],
-        Decimal(r["amount"]) if r.get("amount") is not None else None,
-        date.fromisoformat(r["day"]) if r.get("day") is not None else None,
-        datetime.fromisoformat(r["at"]) if r.get("at") is not None else None,
-        r.get("note"),
-    )
-
-
-def collection_rows(mongo_uri: str, database: str) -> list[tuple[Any, ...]]:
-    with MongoClient(mongo_uri) as client:
-        return [as_row(d["_id"], d) for d in client[database].orders.find().sort("_id", 1)]
-
-
-def replayed_files(path: Path) -> list[tuple[Any, ...]]:
-    """What a reader of the change rows gets: every row applied in (partition, offset) order."""
-    rows: list[dict[str, Any]] = []
-    for f in sorted(path.rglob("*.parquet")):
-        if not any(p.startswith(("_", ".")) for p in f.relative_to(path).parts):
-            rows.extend(pq.read_table(f).to_pylist())
-    state: dict[int, dict[str, Any]] = {}
-    for row in sorted(rows, key=lambda r: (r["_partition"], r["_offset"])):
-        if row["_op"] == "d":
-            state.pop(row["id"], None)
-        else:
-            state.setdefault(row["id"], {}).update(row)
-    return [as_row(i, r) for i, r in sorted(state.items())]
-
 
 def test_a_debezium_change_stream_replicates_exactly_through_kills(
     tmp_path: Path,
@@ -260,9 +219,22 @@ def test_a_debezium_change_stream_replicates_exactly_through_kills(
                 killed_at_random = True
             if killed_at_random and n == CHANGES // 2 + 40:
                 start(c, "participant", "p-1")
-        expected = driver.rows()
-        wait_until(lambda: replica_rows(pg_dsn, replica) == expected, CATCH_UP_S, "the replica")
-        assert replica_rows(pg_dsn, replica) == expected
+        table = cdc_check.source_table(source.dsn, "orders")
+        expected = cdc_check.pg_rows(source.dsn, table)
+
+        def replica_rows() -> list[cdc_check.Row]:
+            return cdc_check.pg_rows(pg_dsn, table, replica)
+
+        def collection_rows() -> list[cdc_check.Row]:
+            return cdc_check.mongo_rows(mongo_uri, s.table, "orders", table)
+
+        def replayed_files() -> list[cdc_check.Row]:
+            return cdc_check.replayed_rows(files / topic, table)
+
+        wait_until(lambda: cdc_check.same(replica_rows(), expected), CATCH_UP_S, "the replica")
+        assert cdc_check.same(replica_rows(), expected), cdc_check.differences(
+            table, replica_rows(), expected
+        )
         assert "crash point after_prepare reached" in (c.logs / "p-0.log").read_text()
         assert driver.kinds.keys() == {
             "insert",
@@ -271,15 +243,18 @@ def test_a_debezium_change_stream_replicates_exactly_through_kills(
             "key change",
             "delete+reinsert",
         }
-        wait_until(lambda: collection_rows(mongo_uri, s.table) == expected, 120, "the collection")
-        assert collection_rows(mongo_uri, s.table) == expected
-        wait_until(lambda: replayed_files(files) == expected, 60, "the change files")
-        assert replayed_files(files) == expected
-        with psycopg.connect(pg_dsn) as conn:
-            left = conn.execute(
-                "SELECT gid FROM pg_prepared_xacts WHERE gid LIKE %s", (f"%:{s.name}~%",)
-            ).fetchall()
-        assert left == []
+        wait_until(lambda: cdc_check.same(collection_rows(), expected), 120, "the collection")
+        assert cdc_check.same(collection_rows(), expected), cdc_check.differences(
+            table, collection_rows(), expected
+        )
+        wait_until(lambda: cdc_check.same(replayed_files(), expected), 60, "the change files")
+        assert cdc_check.same(replayed_files(), expected), cdc_check.differences(
+            table, replayed_files(), expected
+        )
         assert read_topic(kafka_bootstrap, f"{s.name}.dlq") == []
+        c.stop_all()  # what a stopped pipeline leaves behind: nothing prepared, nothing staged
+        assert cdc_check.pg_prepared(pg_dsn, s.name) == 0
+        assert cdc_check.mongo_staged(mongo_uri, s.table, s.name) == 0
+        assert cdc_check.staged_files(files, s.name) == 0
     finally:
         c.stop_all()

@@ -105,23 +105,36 @@ def test_spark_demo_with_its_driver_kill(tmp_path: Path) -> None:
     print(f"harness.spark_demo --events {SPARK_EVENTS}: {elapsed:.0f}s")
 
 
+# make demo-cdc runs 3,000 changes at 20/s; 800 at 60/s still span the new table and the kill.
 CDC_CHANGES = 800
+CDC_RATE = 60
 CDC_TIMEOUT_S = 360
+#: A row of the demo's comparison: table, source rows, then each sink's rows, then equal.
+CDC_ROW = re.compile(r"^(\w+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(yes|NO.*)$", re.MULTILINE)
 
 
 @pytest.mark.connect
 @pytest.mark.timeout(CDC_TIMEOUT_S + 60)
 def test_cdc_demo_replicates_every_table_through_its_kill(tmp_path: Path) -> None:
     """`make demo-cdc` at a smaller size: Debezium, four tables (one created while running, one
-    keyed on two columns), a participant killed after its prepare, every table compared."""
+    keyed on two columns), a participant killed after its prepare halfway through, every table
+    compared in each sink -- PostgreSQL, MongoDB, the replayed change files."""
     out, elapsed = _run(
-        ["harness.cdc_demo", "--changes", str(CDC_CHANGES)], CDC_TIMEOUT_S, tmp_path
+        ["harness.cdc_demo", "--changes", str(CDC_CHANGES), "--rate", str(CDC_RATE)],
+        CDC_TIMEOUT_S,
+        tmp_path,
     )
-    assert "worker-0 killed with a prepared, undecided part" in out, out
+    assert "worker-0 killed with a prepared, undecided part; restarting it" in out, out
     assert "created table refunds on the source while the pipeline runs" in out, out
-    equal = re.findall(r"^(\w+)\s+(\d+)\s+(\d+)\s+(yes|NO)$", out, re.MULTILINE)
-    assert {t for t, *_ in equal} == {"customers", "orders", "order_lines", "refunds"}, out
-    assert all(same == "yes" and src == got for _t, src, got, same in equal), out
-    assert "prepared transactions left: 0; dead letters: 0" in out, out
-    assert "VERIFIED: every replica table equals its source table" in out, out
-    print(f"harness.cdc_demo --changes {CDC_CHANGES}: {elapsed:.0f}s")
+    rows = {t: rest for t, *rest in CDC_ROW.findall(out)}
+    assert set(rows) == {"customers", "orders", "order_lines", "refunds"}, out
+    for table, (src, pg, mongo, files, equal) in rows.items():
+        assert equal == "yes" and src == pg == mongo == files and int(src) > 0, f"{table}: {out}"
+    for kind in ("insert", "update", "delete", "key change", "delete+reinsert"):
+        assert f"'{kind}': " in out, out
+    assert (
+        "left behind: prepared in PostgreSQL 0, staged in MongoDB 0, staged files 0; "
+        "dead letters: 0" in out
+    ), out
+    assert "VERIFIED: every sink of every table equals its source table" in out, out
+    print(f"harness.cdc_demo --changes {CDC_CHANGES} --rate {CDC_RATE}: {elapsed:.0f}s")
