@@ -6,9 +6,10 @@ created, while the producer moves to newer schemas.
 * The first records create the table (``auto_create``).
 * Newer records reach both participants in the same cycle: one of them changes the table
   inside its part, the other keeps off it, and no cycle fails.
-* A participant is killed (SIGKILL) after it voted for the part that holds an ALTER TABLE and
-  before its commit: the column is invisible while the part is prepared; the restarted
-  participant commits it, and the table has the column and every row exactly once.
+* A participant is killed (SIGKILL) with the part that holds an ALTER TABLE prepared: after
+  its vote (the restarted participant commits the part) and before it (the cycle aborts, the
+  ALTER is rolled back and made again): the column is invisible while the part is prepared,
+  and in the end the table has it and every row exactly once.
 * A record whose schema the table cannot follow is dead-lettered with the reason; the records
   after it are written; with ``auto_evolve: false`` every change is dead-lettered that way.
 
@@ -51,8 +52,9 @@ V2 = [
     fld("name", "string"),
     fld("note", "string", True),
 ]
-#: One more optional field.
+#: One more optional field, and then another.
 V3 = [*V2, fld("tag", "string", True)]
+V4 = [*V3, fld("tag2", "string", True)]
 #: qty became a string: not a widening.
 BAD = [fld("id", "int64"), fld("qty", "string"), fld("price", "float64"), fld("name", "string")]
 
@@ -75,8 +77,9 @@ def row(i: int, fields: list[dict[str, Any]]) -> dict[str, Any]:
     }
     if "note" in names:
         out["note"] = f"note {i}"
-    if "tag" in names:
-        out["tag"] = f"t{i}"
+    for tag in ("tag", "tag2"):
+        if tag in names:
+            out[tag] = f"{tag} {i}"
     if any(f["field"] == "qty" and f["type"] == "string" for f in fields):
         out["qty"] = "many"
     return out
@@ -209,6 +212,39 @@ class ReadLatency(threading.Thread):
                 time.sleep(0.02)
 
 
+def crash_during_change(
+    s: Scenario, workdir: Path, point: str, column: str, expected: set[int]
+) -> int:
+    """With records that need ``column`` waiting in the source: run p-0 alone with no
+    coordinator (so no PREPARE cuts its part) until it has changed the table in its open part,
+    arm the crash ``point``, start the coordinator, and see p-0 killed there with the part
+    prepared and the column invisible; restart everyone and wait for every row. Returns the
+    killed part's transaction."""
+    workdir.mkdir()
+    crash_file = workdir / "crash"
+    c = Cluster(s)
+    try:
+        before = alters(c, "p-0")
+        start(c, "participant", "p-0", {"TWOPHASE_CRASH_FILE": str(crash_file)})
+        wait_until(lambda: alters(c, "p-0") > before, 120, "p-0 to change the table in its part")
+        assert prepared(s) == []  # the part with the ALTER is still open: the next vote is its
+        crash_file.write_text(f"{point}:1:a")
+        start(c, "coordinator", "coord-0")
+        wait_until(lambda: not c.alive("p-0"), 120, f"p-0 to die at {point}")
+        assert f"crash point {point} reached" in c.log_tail("p-0", 50)
+        crashed = prepared(s)
+        assert len(crashed) == 1  # the part with the ALTER, prepared
+        assert column not in columns(s)  # invisible until COMMIT PREPARED
+        crash_file.unlink()
+        start(c, "participant", "p-0")
+        start(c, "participant", "p-1")
+        wait_until(lambda: holds(s, expected), 120, "recovery, and every row")
+        assert prepared(s) == []
+    finally:
+        c.stop_all()
+    return int(crashed[0].split("~")[1])
+
+
 def test_tables_made_and_changed_from_schemas_while_the_pipeline_runs(tmp_path: Path) -> None:
     s = pipeline(tmp_path, "evolve", auto_evolve=True)
     c = Cluster(s)
@@ -261,49 +297,34 @@ def test_tables_made_and_changed_from_schemas_while_the_pipeline_runs(tmp_path: 
         f"readers blocked up to {reader.worst:.2f}s"
     )
 
-    # 3. A participant killed between the ALTER's vote and its commit.
-    produce(s, range(800, 1000), V3)
-    expected |= set(range(800, 1000))
-    crash_file = tmp_path / "crash"
+    # 3. A participant killed between the ALTER's prepare and its commit: after its vote
+    # (the decision commits; recovery applies it), and before it (no vote: the cycle aborts,
+    # the prepared ALTER is rolled back, and the change is made again when the records are
+    # read again).
+    for point, ids, fields, column, decided in [
+        ("after_vote", range(800, 1000), V3, "tag", "commit"),
+        ("after_prepare", range(1000, 1200), V4, "tag2", "abort"),
+    ]:
+        produce(s, ids, fields)
+        expected |= set(ids)
+        txn = crash_during_change(s, tmp_path / point, point, column, expected)
+        assert {d[1]: d[2] for d in control_decisions(s)}[txn] == decided
+        assert columns(s)[column] == "text"
+        with psycopg.connect(s.pg_dsn, autocommit=True) as conn:
+            filled = conn.execute(
+                f"SELECT count(*) FROM {s.table} WHERE {column} IS NOT NULL"
+            ).fetchone()
+        assert filled == (len(ids),)
+
     c = Cluster(s)
     try:
-        before = alters(c, "p-0")
-        start(c, "participant", "p-0", {"TWOPHASE_CRASH_FILE": str(crash_file)})
-        # No coordinator yet, so no PREPARE: the part holding the ALTER stays open until the
-        # crash point is armed -- the next vote is that part's.
-        wait_until(lambda: alters(c, "p-0") > before, 120, "p-0 to change the table in its part")
-        assert prepared(s) == []
-        crash_file.write_text("after_vote:1:a")
         start(c, "coordinator", "coord-0")
-        wait_until(lambda: not c.alive("p-0"), 120, "p-0 to die after its vote")
-        assert "crash point after_vote reached" in c.log_tail("p-0", 50)
-        crashed = prepared(s)
-        assert len(crashed) == 1  # the part with the ALTER, prepared
-        assert "tag" not in columns(s)  # invisible until COMMIT PREPARED
-        crash_file.unlink()
         start(c, "participant", "p-0")
         start(c, "participant", "p-1")
-        wait_until(lambda: holds(s, expected), 120, "recovery to commit the ALTER and its rows")
-        gid = crashed[0]
-        recovered = c.log_tail("p-0", 400) + c.log_tail("p-1", 400)
-        outcome = (
-            "committed by gid"
-            if f"{gid.split(':')[-1]} committed by gid" in recovered
-            else "rolled back, the change redone"
-            if f"{gid.split(':')[-1]} rolled back" in recovered
-            else "applied"
-        )
-        print(f"recovery of the prepared ALTER ({gid}): {outcome}")
-        assert columns(s)["tag"] == "text"
-        assert prepared(s) == []
-        with psycopg.connect(s.pg_dsn, autocommit=True) as conn:
-            tags = conn.execute(f"SELECT count(*) FROM {s.table} WHERE tag IS NOT NULL").fetchone()
-        assert tags == (200,)
-
         # 4. A change the table cannot follow: dead-lettered with the reason; the pipeline goes on.
         produce(s, [5000], BAD)
-        produce(s, range(1000, 1100), V3)
-        expected |= set(range(1000, 1100))
+        produce(s, range(2000, 2100), V4)
+        expected |= set(range(2000, 2100))
         wait_until(lambda: holds(s, expected), 120, "the records after the refused one")
         letters = dead_letters(s)
         assert len(letters) == 1
