@@ -631,3 +631,20 @@ def test_a_stale_request_is_taken_over_and_a_fresh_one_is_respected(
     _, held = write_part(sink, pid, [v1(4, 0)])
     assert "is being changed by participant alive" in held[0].reason
     sink.abort(pid)
+
+
+def test_a_table_the_sink_cannot_use_rejects_its_records_with_the_reason(
+    genv: PgEnv, make_sink: MakeSink
+) -> None:
+    """An existing table that does not suit the configuration (upsert without a key) is no
+    error of open_targets: write() rejects its records, saying why."""
+    table = genv.table("nokey", "id bigint, qty integer")
+    sink = make_sink(f"{genv.base}_${{value.kind}}", mode="upsert", auto_evolve=True)
+    record = rec(0, {"id": 1, "qty": 1, "kind": "nokey"}, V1)
+    rejected, held = write_part(sink, part(genv, 1), [record])
+    assert held == []
+    assert len(rejected) == 1
+    assert rejected[0].reason.endswith(
+        f"key: table {table} has no primary key; name the key columns"
+    )
+    sink.abort(part(genv, 1))

@@ -327,6 +327,8 @@ class _SchemaTargets(_WritePath):
         made = self._have_table(table, records)
         if made is not None:
             return made
+        if self._loaded(table) is None:
+            return []  # a table the sink cannot use: write() rejects its records, saying why
         if self.cfg.auto_evolve and table not in pt.locked:
             why = self._lock_for_part(op, pt, table, deadline)
             if why is not None:
@@ -335,7 +337,7 @@ class _SchemaTargets(_WritePath):
                 return [Held(r, why) for r in records]
         state = self._loaded(table)
         if state is None:
-            return []  # write() rejects them with the reason
+            return []  # its reload failed: write() rejects them with the reason
         out: list[Rejected | Held] = []
         schemas: dict[object, RecordSchema] = {}
         changing: list[Record] = []
