@@ -648,3 +648,18 @@ def test_a_table_the_sink_cannot_use_rejects_its_records_with_the_reason(
         f"key: table {table} has no primary key; name the key columns"
     )
     sink.abort(part(genv, 1))
+
+
+def test_a_table_changed_by_someone_else_into_one_the_sink_cannot_use_stops_nothing(
+    genv: PgEnv, make_sink: MakeSink
+) -> None:
+    table, sink = evolving(genv, make_sink)
+    genv.reader.execute(f'DROP TABLE "{table}"')  # made again, without its key
+    genv.reader.execute(f'CREATE TABLE "{table}" (id bigint, qty integer, price real, name text)')
+    pid = part(genv, 2)
+    rejected, held = write_part(sink, pid, [v1(3, 0)])
+    assert held == [] and len(rejected) == 1
+    assert rejected[0].reason.endswith(
+        f"key: table {table} has no primary key; name the key columns"
+    )
+    sink.abort(pid)

@@ -501,7 +501,12 @@ class _SchemaTargets(_WritePath):
             or oid is None
             or self._catalog_columns(conn, oid) != state["_table_columns"]
         ):
-            self._reload(conn, table)
+            try:
+                self._reload(conn, table)
+            except FatalSinkError as exc:
+                # Changed by someone into a table the configuration cannot use: its records
+                # are rejected by write(), saying why; no record stops the pipeline.
+                self.log.warning("postgres sink %s: table %s: %s", self.name, table, exc)
         return None
 
     def _lock_table(self, conn: Connection, table: str, mode: str, deadline: float) -> bool:
