@@ -28,6 +28,7 @@ from twophase.retry import KAFKA
 __all__ = [
     "Cluster",
     "Scenario",
+    "control_decisions",
     "control_summary",
     "end_offsets",
     "group_offsets",
@@ -421,6 +422,45 @@ def control_summary(s: Scenario) -> dict[str, Any]:
         "commit_latency_ms": {"p50": pct(0.5), "p99": pct(0.99)},
         "steady_records_per_s": steady,
     }
+
+
+def control_decisions(s: Scenario) -> list[tuple[int, int, str, str]]:
+    """Every decision on the control topic: (time in ms, txn, outcome, reason), in log order.
+    Read once the pipeline is stopped (a running one never lets the control topic end)."""
+    from twophase.protocol.codec import DecodeError, decode
+    from twophase.protocol.messages import Decision
+
+    c = Consumer(
+        {
+            "bootstrap.servers": s.bootstrap,
+            "group.id": "twophase-harness-decisions",
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+            "auto.offset.reset": "earliest",
+        }
+    )
+    c.assign([TopicPartition(f"twophase.control.{s.name}", 0, 0)])
+    out: list[tuple[int, int, str, str]] = []
+    while True:
+        m = c.poll(5)
+        if m is None:
+            break
+        err = m.error()
+        if err is not None:
+            if err.code() == KafkaError._PARTITION_EOF:
+                break
+            continue
+        raw = m.headers()
+        headers = [(k, v) for k, v in raw if isinstance(v, bytes)] if isinstance(raw, list) else []
+        try:
+            env = decode(m.value(), headers, key=s.hmac_key.encode())
+        except DecodeError:
+            continue
+        p = env.payload
+        if isinstance(p, Decision):
+            out.append((env.ts_ms, p.txn, p.outcome.value, p.reason))
+    c.close()
+    return out
 
 
 def summary_json(reports: dict[str, SinkReport]) -> str:

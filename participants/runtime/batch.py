@@ -232,11 +232,7 @@ def write_batch(
     msgs, retracted = retractions.split(msgs)
     routes = _Routes(sinks)
     msgs, untaken = routes.split(msgs)
-    targeting = [
-        s
-        for s in sinks
-        if getattr(type(s), "open_targets", Sink.open_targets) is not Sink.open_targets
-    ]
+    targeting = [s for s in sinks if _makes_targets(s)]
     raw_mode = reads_raw(sinks, decoder) and not routes.routed and not targeting
     decoded = decoder.decode_batch(msgs, max_record_bytes, decode=not raw_mode)
     letters = _Letters(dlq, txn)
@@ -388,6 +384,15 @@ def write_batch(
             written = sum(1 for r in remaining if (r.topic, r.partition) == tp)
             result[tp] = (stop - 1, written, dead.get(tp, 0) + out)
     return BatchOutcome(result, held)
+
+
+def _makes_targets(sink: Sink) -> bool:
+    """:attr:`Sink.makes_targets`; for a sink that does not derive from :class:`Sink`, whether
+    its class has an ``open_targets`` of its own."""
+    says = getattr(sink, "makes_targets", None)
+    if says is not None:
+        return bool(says)
+    return getattr(type(sink), "open_targets", Sink.open_targets) is not Sink.open_targets
 
 
 class _Letters:

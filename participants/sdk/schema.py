@@ -16,6 +16,7 @@ requires, a type narrowed), with the reason.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
@@ -170,12 +171,12 @@ def widens(old: FieldType, new: FieldType) -> bool:
         if new.kind == "decimal":
             # An integer fits decimal(p, s) when p - s covers its digits.
             need = 10 if old.kind == "int32" else 19
-            return (new.precision or 0) - (new.scale or 0) >= need
+            return _decimal_digits(new)[0] >= need
         return True
     if old.kind == "decimal":
-        old_int = (old.precision or 0) - (old.scale or 0)
-        new_int = (new.precision or 0) - (new.scale or 0)
-        return (new.scale or 0) >= (old.scale or 0) and new_int >= old_int
+        old_int, old_frac = _decimal_digits(old)
+        new_int, new_frac = _decimal_digits(new)
+        return new_frac >= old_frac and new_int >= old_int
     if old.kind in ("time", "timestamp", "timestamp_local"):
         return old.unit == new.unit or (old.unit, new.unit) == ("ms", "us")
     if old.kind == "enum":
@@ -190,6 +191,16 @@ def widens(old: FieldType, new: FieldType) -> bool:
             for f in old.fields
         ) and all(_field(old.fields, f.name) is not None or f.optional for f in new.fields)
     return True
+
+
+def _decimal_digits(t: FieldType) -> tuple[float, float]:
+    """Digits a decimal type holds before and after the point; unbounded (``inf``) where it
+    sets no limit: no precision (an Avro ``bytes`` decimal without one, Debezium's
+    ``VariableScaleDecimal``, a PostgreSQL ``numeric`` without a typmod) means any number of
+    integer digits, and with no scale either, any number of fraction digits."""
+    if t.precision is None:
+        return math.inf, (math.inf if t.scale is None else t.scale)
+    return t.precision - (t.scale or 0), (t.scale or 0)
 
 
 def _required(t: FieldType) -> FieldType:

@@ -100,6 +100,9 @@ and returns
   ``open_targets`` or ``write`` for something another participant's *open* part holds: that
   part is decided only after this participant votes.
 
+A sink that makes targets only under some options says so in :attr:`makes_targets`; the
+runtime asks only sinks for which it is true.
+
 **Raw values** (optional): a sink that can read JSON bytes faster than the runtime can decode
 them overrides :meth:`accepts_raw` and :meth:`write_raw`. When every sink of a pipeline accepts
 raw values, the runtime skips decoding and calls ``write_raw`` with a :class:`RawBatch`; all the
@@ -261,6 +264,15 @@ class Sink(abc.ABC):
         that must wait for a later part (:class:`Held`). Asked before any sink writes the
         batch. The default has nothing to make."""
         return ()
+
+    @property
+    def makes_targets(self) -> bool:
+        """True when :meth:`open_targets` has something to do as the sink is configured (asked
+        after setup). The runtime asks only such sinks, and decodes every batch for them (no
+        :meth:`write_raw`). Default: whether the class overrides :meth:`open_targets`; a sink
+        that makes targets only under some options (``auto_create``) says so here, so that
+        without them it keeps its raw path."""
+        return type(self).open_targets is not Sink.open_targets
 
     def accepts_raw(self) -> bool:
         """True when :meth:`write_raw` is faster than decoding first (asked after setup)."""

@@ -405,3 +405,25 @@ def test_a_record_held_at_the_start_of_the_batch_moves_nothing() -> None:
     assert out.held == {("orders", 0): 10}
     assert out.result == {("orders", 0): (9, 0, 0)}  # the next part starts at 10
     assert second.got == []
+
+
+def test_a_sink_that_makes_no_targets_as_configured_is_not_asked() -> None:
+    """Sink.makes_targets: a sink with an open_targets of its own that says it has nothing to
+    make (postgres without auto_create/auto_evolve) is not asked, and keeps its raw path."""
+
+    class _Idle(_Targeting):
+        makes_targets = False
+
+    idle = _Idle("pg", hold={10})
+    out = write_batch(
+        [msg(0, 10, {"id": 10})],
+        PartId("p", 3, "w1"),
+        cast(list[Sink], [idle]),
+        dlq=cast(DeadLetters, _Dlq()),
+        metrics=Metrics("p", "participant"),
+        decoder=JSON,
+        max_record_bytes=64,
+        retry=lambda fn, what: fn(),
+    )
+    assert out.held == {} and idle.asked == []
+    assert [r.offset for r in idle.got] == [10]

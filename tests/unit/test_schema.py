@@ -33,6 +33,10 @@ BASE = schema(("id", t("int64")), ("name", t("string")), ("amount", t("float32",
         (t("enum", symbols=("a",)), t("string")),
         (t("array", items=t("int32")), t("array", items=t("int64"))),
         (t("int32"), t("int32", True)),
+        # No precision and no scale: any decimal (a numeric without typmod, VariableScale).
+        (t("decimal", precision=38, scale=10), t("decimal")),
+        (t("int64"), t("decimal")),
+        (t("decimal", precision=10, scale=2), t("decimal", scale=2)),
     ],
 )
 def test_widenings_keep_every_value(old: FieldType, new: FieldType) -> None:
@@ -52,6 +56,9 @@ def test_widenings_keep_every_value(old: FieldType, new: FieldType) -> None:
         (t("enum", symbols=("a", "b")), t("enum", symbols=("a",))),
         (t("int32", True), t("int32")),
         (t("timestamp", unit="ms"), t("timestamp_local", unit="ms")),
+        (t("decimal"), t("decimal", precision=38, scale=10)),
+        (t("decimal", scale=2), t("decimal", precision=38, scale=2)),
+        (t("decimal", precision=10, scale=3), t("decimal", scale=2)),
     ],
 )
 def test_narrowings_and_other_changes_do_not_widen(old: FieldType, new: FieldType) -> None:
@@ -101,3 +108,11 @@ def test_a_field_the_record_may_leave_null_relaxes_a_required_target_field() -> 
     assert [(c.kind, c.name, c.refused) for c in changes] == [("relax", "name", None)]
     defaulted = compare(BASE, schema(("id", t("int64")), ("name", t("string"), True)))
     assert [(c.kind, c.name) for c in defaulted] == [("relax", "name")]
+
+
+def test_a_constrained_decimal_fits_an_unconstrained_target_and_needs_no_change() -> None:
+    # Not the widening numeric -> numeric(10,2) a missing precision read as 0 made of it.
+    target = schema(("amount", t("decimal")))
+    assert compare(target, schema(("amount", t("decimal", precision=10, scale=2)))) == []
+    changes = compare(schema(("amount", t("decimal", precision=10, scale=2))), target)
+    assert [(c.kind, c.refused) for c in changes] == [("widen", None)]

@@ -36,6 +36,7 @@ from twophase.participants.sinks.postgres.config import (
     SINK_NAME_MAX,
     PostgresSinkConfig,
 )
+from twophase.participants.sinks.postgres.types import Column
 
 __all__ = [
     "_Connections",
@@ -134,6 +135,9 @@ class _Connections(Sink):
         self._stage: sql.Composable | None = None
         self._stage_name: str | None = None
         self._statements: dict[int, tuple[sql.Composed, sql.Composed | None]] = {}
+        #: The table's oid and every column of it (generated ones too), as loaded.
+        self._table_oid = 0
+        self._table_columns: dict[str, tuple[Column, bool]] = {}
         #: The table the fields above describe; with a ``table`` template, every table's
         #: fields by name (``_Target._use_table``).
         self._current = ""

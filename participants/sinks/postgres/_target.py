@@ -54,6 +54,8 @@ _TABLE_STATE = (
     "_statements",
     "_current",
     "_key",
+    "_table_oid",
+    "_table_columns",
 )
 
 
@@ -65,7 +67,10 @@ class _Target(_Connections):
             try:
                 self._check_server(conn)
                 self._ensure_marker_table(conn)
-                if not self.cfg.templated:
+                if not self.cfg.templated and not (
+                    # Made from the first record's schema instead (open_targets).
+                    self.cfg.auto_create and self._regclass(conn, self._target) is None
+                ):
                     self._load_target(conn, self.cfg.table)
             except psycopg.Error as exc:
                 if _is_lost(conn, exc):
@@ -154,7 +159,10 @@ class _Target(_Connections):
         row = conn.execute("SELECT to_regclass(%s)::oid", (target.as_string(conn),)).fetchone()
         return None if row is None or row[0] is None else int(row[0])
 
-    def _load_target(self, conn: Connection, table: str) -> None:
+    def _load_target(self, conn: Connection, table: str, admin: Connection | None = None) -> None:
+        """Make ``table`` the write path's, as ``conn`` sees it (the admin connection, or an
+        open part's that may have changed it); DDL of the sink's own (the upsert staging
+        table) runs on ``admin``, in autocommit, when given."""
         cfg = self.cfg
         target = _qualified(table)
         oid = self._regclass(conn, target)
@@ -163,40 +171,11 @@ class _Target(_Connections):
             oid = self._regclass(conn, target)
         if oid is None:
             raise FatalSinkError(
-                f"target table {table} does not exist (create it, or set create_table)",
+                f"target table {table} does not exist (create it, or set create_table or "
+                "auto_create)",
                 sink=self.name,
             )
-        rows = conn.execute(
-            """
-            SELECT a.attname,
-                   CASE WHEN t.typtype = 'd' THEN bt.typname ELSE t.typname END,
-                   CASE WHEN t.typtype = 'e' OR bt.typtype = 'e' THEN 'enum'
-                        WHEN t.typcategory = 'A' THEN 'array' ELSE '' END,
-                   format_type(a.atttypid, a.atttypmod),
-                   a.attnotnull OR coalesce(t.typnotnull, false),
-                   a.atthasdef OR a.attidentity <> '',
-                   a.attgenerated <> '',
-                   CASE WHEN coalesce(bt.typname, t.typname) IN ('varchar', 'bpchar')
-                             AND a.atttypmod > 4 THEN a.atttypmod - 4 END
-              FROM pg_attribute a
-              JOIN pg_type t ON t.oid = a.atttypid
-              LEFT JOIN pg_type bt ON t.typtype = 'd' AND bt.oid = t.typbasetype
-             WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped
-             ORDER BY a.attnum
-            """,
-            (oid,),
-        ).fetchall()
-        table_columns: dict[str, tuple[Column, bool]] = {}
-        for name, base, special, sql_type, not_null, has_default, generated, max_len in rows:
-            column = Column(
-                name=name,
-                base_type=special or base,
-                sql_type=sql_type,
-                not_null=bool(not_null),
-                has_default=bool(has_default),
-                max_length=max_len,
-            )
-            table_columns[name] = (column, bool(generated))
+        table_columns = self._catalog_columns(conn, oid)
         key = list(cfg.key)
         if not key and cfg.mode != "insert":
             key = self._primary_key(conn, oid, table)
@@ -245,11 +224,52 @@ class _Target(_Connections):
         # ourselves; one column the server must parse from text (enum, array, ...) makes it text.
         self._binary_types = None if None in binary else [b for b in binary if b is not None]
         self._encoder = self._compiled_encoder(conn, mapped)
-        self._stage = self._ensure_stage(conn, mapped, table) if cfg.mode != "insert" else None
+        self._stage = (
+            self._ensure_stage(admin or conn, mapped, table) if cfg.mode != "insert" else None
+        )
         self._stage_name = None if self._stage is None else self._stage.as_string(conn)
         self._statements = {}
         self._delete_sql = None
+        self._table_oid = oid
+        self._table_columns = table_columns
         self._current = table
+
+    def _catalog_columns(self, conn: Connection, oid: int) -> dict[str, tuple[Column, bool]]:
+        """The columns of table ``oid`` as ``conn`` sees them: each one, and whether it is
+        generated. Equal results mean an unchanged table (what a part checks, once it holds
+        the table's lock, before it trusts what it knows of it)."""
+        rows = conn.execute(
+            """
+            SELECT a.attname,
+                   CASE WHEN t.typtype = 'd' THEN bt.typname ELSE t.typname END,
+                   CASE WHEN t.typtype = 'e' OR bt.typtype = 'e' THEN 'enum'
+                        WHEN t.typcategory = 'A' THEN 'array' ELSE '' END,
+                   format_type(a.atttypid, a.atttypmod),
+                   a.attnotnull OR coalesce(t.typnotnull, false),
+                   a.atthasdef OR a.attidentity <> '',
+                   a.attgenerated <> '',
+                   CASE WHEN coalesce(bt.typname, t.typname) IN ('varchar', 'bpchar')
+                             AND a.atttypmod > 4 THEN a.atttypmod - 4 END
+              FROM pg_attribute a
+              JOIN pg_type t ON t.oid = a.atttypid
+              LEFT JOIN pg_type bt ON t.typtype = 'd' AND bt.oid = t.typbasetype
+             WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped
+             ORDER BY a.attnum
+            """,
+            (oid,),
+        ).fetchall()
+        table_columns: dict[str, tuple[Column, bool]] = {}
+        for name, base, special, sql_type, not_null, has_default, generated, max_len in rows:
+            column = Column(
+                name=name,
+                base_type=special or base,
+                sql_type=sql_type,
+                not_null=bool(not_null),
+                has_default=bool(has_default),
+                max_length=max_len,
+            )
+            table_columns[name] = (column, bool(generated))
+        return table_columns
 
     def _compiled_encoder(
         self, conn: Connection, mapped: list[_Mapped]
@@ -296,20 +316,24 @@ class _Target(_Connections):
         """The UNLOGGED staging table of upsert mode (a TEMP table would forbid PREPARE).
 
         Named after the target and the mapped columns' types, so a changed target gets a new
-        one instead of DDL on a table that prepared transactions may hold locks on.
+        one instead of DDL on a table that prepared transactions may hold locks on. Made from
+        the types, not from the target: in autocommit, it must neither wait for a lock an open
+        part holds on the target (its own, which is changing it) nor miss a column that part
+        added and has not committed yet.
         """
         signature = "|".join([table, *(f"{m.column.name}:{m.column.sql_type}" for m in mapped)])
         name = f"twophase_stage_{hashlib.sha1(signature.encode()).hexdigest()[:16]}"
         schema = self.cfg.marker_table.split(".")[0] if "." in self.cfg.marker_table else None
         stage = sql.Identifier(schema, name) if schema else sql.Identifier(name)
-        columns = sql.SQL(", ").join(sql.Identifier(m.column.name) for m in mapped)
-        # CREATE TABLE AS copies names and types, no constraints: NOT NULL and CHECK are
+        # Names and types (format_type's text), no constraints: NOT NULL and CHECK are
         # checked when the rows reach the target.
+        columns = sql.SQL(", ").join(
+            sql.SQL("{} {}").format(sql.Identifier(m.column.name), sql.SQL(m.column.sql_type))
+            for m in mapped
+        )
         with suppress(*_CREATED_CONCURRENTLY):
             conn.execute(
-                sql.SQL(
-                    "CREATE UNLOGGED TABLE IF NOT EXISTS {} AS SELECT {} FROM {} WITH NO DATA"
-                ).format(stage, columns, _qualified(table))
+                sql.SQL("CREATE UNLOGGED TABLE IF NOT EXISTS {} ({})").format(stage, columns)
             )
             conn.execute(
                 sql.SQL("COMMENT ON TABLE {} IS {}").format(

@@ -78,7 +78,29 @@ class PostgresSinkConfig(SinkConfig):
     #: Column -> SQL type: create the target table with these columns when it does not exist
     #: (with the upsert key as primary key). Without it the table must exist.
     create_table: dict[str, str] | None = None
-    #: Table of per-part markers, optionally ``schema.table``; created when missing.
+    #: Create a missing table -- the fixed ``table``, or one a template names -- from the
+    #: first record's schema (``docs/schema-changes.md``): a column per field, typed by the
+    #: table in ``docs/types.md``, NOT NULL for a required field; in ``upsert`` and ``update``
+    #: mode the schema's key (the record key's fields), else ``key``, is its primary key. Needs
+    #: records that carry a schema (``value_format: connect_json``, a Debezium envelope with
+    #: schemas): a record that must create its table and has none is dead-lettered with the
+    #: reason. The table is created outside the part. Not with ``create_table`` or ``columns``.
+    auto_create: bool = False
+    #: Change a table when a record's schema needs a change the schema rule allows: a field
+    #: added (a nullable column), a type widened (``integer`` to ``bigint``, ``real`` to
+    #: ``double precision``, a ``numeric(p, s)`` grown), a required field made optional (DROP
+    #: NOT NULL) -- inside the part's prepared transaction, so the change commits with the
+    #: first rows that need it and is undone if the part aborts. Every record is compared with
+    #: its table (once per table and schema): one without a schema, or whose schema needs a
+    #: refused change (a required field dropped, a type narrowed or changed), is dead-lettered
+    #: with the reason, as is any change while this is off but ``auto_create`` is on. The change
+    #: holds ACCESS EXCLUSIVE on the table until the part is decided; the lock order that keeps
+    #: participants from waiting on each other and its costs: ``docs/schema-changes.md``. Not
+    #: with ``columns``.
+    auto_evolve: bool = False
+    #: Table of per-part markers, optionally ``schema.table``; created when missing. With
+    #: ``auto_evolve``, the table of schema change requests, ``twophase_schema_changes``, is
+    #: created beside it (in the same schema).
     marker_table: str = Field(default="twophase_parts", min_length=1)
     #: libpq's connect_timeout (whole seconds).
     connect_timeout_s: int = Field(default=10, ge=1, le=600)
@@ -88,6 +110,17 @@ class PostgresSinkConfig(SinkConfig):
     #: and the table allows it (insert mode, top-level fields, types it models). Same results
     #: either way; off only to compare or to rule it out.
     compiled_copy: bool = True
+
+    @field_validator("auto_create", "auto_evolve")
+    @classmethod
+    def _schemas_map_fields_to_columns(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("columns") is not None:
+            # A schema's fields become same-named columns; a mapping would leave a new field
+            # without a column (ignored: a value dropped silently).
+            raise ValueError("maps each field to its same-named column: remove columns")
+        if value and info.field_name == "auto_create" and info.data.get("create_table"):
+            raise ValueError("creates tables from record schemas: remove create_table")
+        return value
 
     @field_validator("dsn")
     @classmethod

@@ -82,7 +82,7 @@ from twophase.participants.sdk import (
 )
 from twophase.participants.sinks.postgres._connections import _MAX_HELD_PREPARED
 from twophase.participants.sinks.postgres._errors import _MAX_PREPARED_ZERO, _is_lost
-from twophase.participants.sinks.postgres._write import _WritePath
+from twophase.participants.sinks.postgres._evolve import _SchemaTargets
 from twophase.participants.sinks.postgres.config import PostgresSinkConfig
 
 __all__ = ["PostgresSink"]
@@ -95,7 +95,7 @@ def _positions_json(positions: Positions) -> str:
     return orjson.dumps(by_topic).decode()
 
 
-class PostgresSink(_WritePath):
+class PostgresSink(_SchemaTargets):
     """Exactly-once delivery into one PostgreSQL table with real two-phase commit."""
 
     config_model = PostgresSinkConfig
@@ -167,6 +167,7 @@ class PostgresSink(_WritePath):
 
     def commit(self, part: PartId) -> None:
         self._require_ready()
+        self._targets_decided(part, committed=True)
         with self._lock:
             conn = self._prepared.pop(part, None)
         if conn is not None:
@@ -192,6 +193,7 @@ class PostgresSink(_WritePath):
 
     def abort(self, part: PartId) -> None:
         self._require_ready()
+        self._targets_decided(part, committed=False)  # before the rollback releases the table
         with self._lock:
             op = self._open if self._open is not None and self._open.part == part else None
         if op is not None:
