@@ -67,7 +67,8 @@ records wait as Arrow arrays, typed per write; a field whose writes disagree is 
 all of its values when the file is written.
 """
 
+from twophase.participants.sinks.files._datasets import read_dataset
 from twophase.participants.sinks.files.config import FieldType, FileSinkConfig
 from twophase.participants.sinks.files.sink import FileSink
 
-__all__ = ["FieldType", "FileSink", "FileSinkConfig"]
+__all__ = ["FieldType", "FileSink", "FileSinkConfig", "read_dataset"]
