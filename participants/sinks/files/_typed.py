@@ -212,6 +212,12 @@ def converter(t: FieldType) -> Convert:
 
             return decimal_text
         precision, scale = fixed
+        if (precision, scale) == (t.precision, t.scale):  # the common case: one fit
+
+            def same_decimal(value: Any) -> Any:
+                return values.fit_decimal(values.to_decimal(value), precision, scale)
+
+            return same_decimal
 
         def decimal(value: Any) -> Any:
             number = values.fit_decimal(values.to_decimal(value), t.precision, t.scale)
@@ -408,6 +414,8 @@ class Typing:
         self.source_columns = config.source_columns
         self._config = config
         self._stored: dict[Hashable, RecordSchema | Mismatch] = {}
+        #: The names a schema gives (and op_column): a value's other fields are its extras.
+        self._names: dict[Hashable, frozenset[str]] = {}
         self._compiled: dict[RecordSchema, TypedRows | Refused] = {}
 
     def stored(self, record: Record) -> tuple[Hashable, RecordSchema]:
@@ -417,13 +425,16 @@ class Typing:
         columns. :class:`Mismatch` when the schema names a field the sink adds."""
         schema = record.schema
         assert schema is not None
-        op = self.op_column
+        ident: Hashable = schema.id or schema
+        names = self._names.get(ident)
+        if names is None:
+            if len(self._names) >= _KEPT:
+                self._names.clear()
+            names = self._names[ident] = frozenset(schema.names) | {self.op_column}
         extras = tuple(
-            (k, _json_kind(v))
-            for k, v in record.value.items()
-            if v is not None and k != op and schema.get(k) is None
+            (k, _json_kind(v)) for k, v in record.value.items() if k not in names and v is not None
         )
-        key = (schema.id or schema, extras)
+        key = (ident, extras)
         got = self._stored.get(key)
         if got is None:
             got = self._build(schema, extras)
