@@ -12,8 +12,14 @@ Values come from the runtime's JSON decoding, which keeps integers of any size e
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import math
 import re
+import uuid
+from datetime import date, datetime, time, timedelta
+from decimal import Decimal
 from typing import Any
 
 import orjson
@@ -21,13 +27,21 @@ import orjson
 __all__ = [
     "INT64_MAX",
     "INT64_MIN",
+    "MAX_DECIMAL_DIGITS",
     "BadValue",
     "describe",
-    "wrong",
+    "fit_decimal",
+    "from_base64",
     "json_text",
     "to_bool",
+    "to_date",
+    "to_decimal",
     "to_float",
+    "to_instant",
     "to_integer",
+    "to_time",
+    "to_uuid",
+    "wrong",
 ]
 
 INT64_MIN = -(2**63)
@@ -143,3 +157,172 @@ def to_bool(value: Any) -> bool:
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
     raise wrong(value, "a boolean")
+
+
+# -- values a record's schema types (``docs/types.md``, "From a record's schema") ----------------
+#
+# A source with a schema sends its logical types as exact JSON values: a decimal as its exact
+# decimal string, dates, times and timestamps as ISO-8601, bytes as base64, a UUID as its text.
+# These read them back exactly -- a value that does not spell one, or whose digits the reader
+# would drop, is refused -- for every sink that stores them typed.
+
+#: What ``Decimal`` reads, less NaN, the infinities, spaces and underscores (no store's decimal
+#: type holds the first three, and the others are not JSON's spellings of a number).
+_DECIMAL_TEXT = re.compile(r"\A[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\Z")
+#: The fraction of a second in an ISO-8601 time (after ``HH:MM:SS``).
+_FRACTION = re.compile(r"(?<=[0-9]{2}:[0-9]{2}:[0-9]{2})[.,]([0-9]+)")
+_EPOCH = datetime(1970, 1, 1)
+_MICRO = timedelta(microseconds=1)
+
+
+def to_decimal(value: Any) -> Decimal:
+    """An exact decimal: a decimal string (``"12.50"``, ``"-1.2E+3"``), an integer, or a float
+    by its shortest spelling (``0.1`` -> 0.1, as PostgreSQL's ``numeric`` takes it). NaN, the
+    infinities, booleans and other strings are refused."""
+    if value.__class__ is str:
+        if _DECIMAL_TEXT.match(value):
+            return Decimal(value)
+    elif isinstance(value, bool):
+        pass
+    elif isinstance(value, int):
+        return Decimal(value)
+    elif isinstance(value, float) and math.isfinite(value):
+        return Decimal(repr(value))
+    raise wrong(value, "a decimal number")
+
+
+def fit_decimal(number: Decimal, precision: int | None, scale: int | None) -> Decimal:
+    """``number`` with exactly ``scale`` fractional digits (``1.5`` -> ``1.50`` for scale 2;
+    a negative scale counts zeros before the point) and at most ``precision`` digits in all.
+    A digit that would be dropped, or one too many, refuses it: never rounded. None leaves
+    that bound open (up to :data:`MAX_DECIMAL_DIGITS`)."""
+    sign, digits, exponent = number.as_tuple()
+    if not isinstance(exponent, int):  # NaN or an infinity: to_decimal never makes one
+        raise BadValue(f"{number} is not a finite number")
+    limit = MAX_DECIMAL_DIGITS if precision is None else precision
+    if scale is not None:
+        if exponent > -scale:
+            # Zeros appended; counted before they are made (1E+999999999 must not allocate).
+            if _significant(digits) + exponent + scale > limit:
+                raise _too_many(number, precision, scale)
+            digits += (0,) * (exponent + scale)
+        elif exponent < -scale:
+            cut = -scale - exponent
+            if any(digits[-cut:]):
+                shown = _shown_decimal(number)
+                raise BadValue(
+                    f"{shown} has more than {scale} digits after the point"
+                    if scale >= 0
+                    else f"{shown} is not a multiple of 1E+{-scale}"
+                )
+            digits = digits[:-cut]
+        exponent = -scale
+    if _significant(digits) > limit:
+        raise _too_many(number, precision, scale)
+    return Decimal((sign, digits or (0,), exponent))
+
+
+#: Digits a decimal may have when no precision bounds it: far beyond any store's decimal type
+#: (PostgreSQL's ``numeric`` stops at 131,072 before the point), and small enough to handle.
+MAX_DECIMAL_DIGITS = 1_000
+
+
+def _significant(digits: tuple[int, ...]) -> int:
+    """Digits of a coefficient without its leading zeros (at least one)."""
+    for i, d in enumerate(digits):
+        if d:
+            return len(digits) - i
+    return 1
+
+
+def _shown_decimal(number: Decimal) -> str:
+    """A decimal for a reason: whole when short."""
+    text = str(number)
+    return text if len(text) <= 60 else f"a number of {len(number.as_tuple().digits)} digits"
+
+
+def _too_many(number: Decimal, precision: int | None, scale: int | None) -> BadValue:
+    shown = _shown_decimal(number)
+    if precision is None:
+        return BadValue(f"{shown} has more than {MAX_DECIMAL_DIGITS} digits")
+    return BadValue(f"{shown} has more than {precision} digits (decimal({precision},{scale}))")
+
+
+def _to_micros(value: str, what: str) -> str:
+    """``value`` with its fraction of a second cut to microseconds, when every digit cut is
+    a zero; refused otherwise (``datetime.fromisoformat`` would drop them silently)."""
+    m = _FRACTION.search(value)
+    if m is None or len(m.group(1)) <= 6:
+        return value
+    if m.group(1)[6:].strip("0"):
+        raise BadValue(f"{what} {value!r} has digits below the microsecond")
+    return value[: m.start(1) + 6] + value[m.end(1) :]
+
+
+def to_instant(value: Any, *, local: bool = False) -> int:
+    """Microseconds since 1970-01-01T00:00:00 of an ISO-8601 date-time string. An instant
+    (``local`` false) is taken in UTC: its offset is applied, and one without an offset is
+    UTC. A local (wall-clock) date-time (``local``) is counted as if it were UTC, and one with
+    an offset is refused. Digits below the microsecond are refused unless they are zeros."""
+    if value.__class__ is not str:
+        raise wrong(value, "an ISO-8601 date-time")
+    what = "local date-time" if local else "timestamp"
+    text = _to_micros(value, what)
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise wrong(value, f"an ISO-8601 {what}") from None
+    offset = moment.utcoffset()
+    if offset is not None and local:
+        raise BadValue(f"local date-time {value!r} has an offset (a wall-clock time has none)")
+    micros = (moment.replace(tzinfo=None) - _EPOCH) // _MICRO
+    return micros - (offset // _MICRO if offset is not None else 0)
+
+
+def to_date(value: Any) -> date:
+    """A calendar date from its ISO-8601 text (``2024-05-01``)."""
+    if value.__class__ is str:
+        try:
+            return date.fromisoformat(value)
+        except ValueError:
+            pass
+    raise wrong(value, "an ISO-8601 date")
+
+
+def to_time(value: Any) -> int:
+    """Microseconds since midnight of an ISO-8601 time of day (``13:45:00.000001``); one with
+    an offset, or digits below the microsecond that are not zeros, is refused."""
+    if value.__class__ is str:
+        text = _to_micros(value, "time")
+        try:
+            moment = time.fromisoformat(text)
+        except ValueError:
+            pass
+        else:
+            if moment.tzinfo is not None:
+                raise BadValue(f"time {value!r} has an offset (a time of day has none)")
+            return ((moment.hour * 60 + moment.minute) * 60 + moment.second) * 1_000_000 + (
+                moment.microsecond
+            )
+    raise wrong(value, "an ISO-8601 time of day")
+
+
+def from_base64(value: Any) -> bytes:
+    """The bytes a standard base64 string (with its padding) spells."""
+    if value.__class__ is str:
+        try:
+            return base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            pass
+    raise wrong(value, "base64")
+
+
+def to_uuid(value: Any) -> uuid.UUID:
+    """The UUID a string spells (``a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11``, any case, with or
+    without hyphens or braces)."""
+    if value.__class__ is str:
+        try:
+            return uuid.UUID(value)
+        except ValueError:
+            pass
+    raise wrong(value, "a UUID")

@@ -840,7 +840,7 @@ def test_config_errors_name_the_field_and_hide_the_uri() -> None:
         "collection": "c",
     }
     with pytest.raises(ValidationError) as err:
-        MongoSinkConfig.model_validate({**base, "mode": "upsert"})
+        MongoSinkConfig.model_validate({**base, "key": ["id"]})  # insert mode keys by record id
     assert err.value.errors()[0]["loc"] == ("key",)
     with pytest.raises(ValidationError) as err:
         MongoSinkConfig.model_validate({**base, "database": "a.b"})

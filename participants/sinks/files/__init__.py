@@ -4,8 +4,12 @@ A :class:`~twophase.participants.sdk.BatchingSink`: the part's directories are i
 its store operations are the steps below. The package, by concern:
 
 * :mod:`.config` -- the ``sinks[]`` entry (:class:`FileSinkConfig`);
-* :mod:`._schema`, :mod:`._arrow`, :mod:`._encoders` -- type mapping: a configured schema,
-  inferred Parquet columns, and the JSON Lines and Parquet encoders that judge each record;
+* :mod:`._schema`, :mod:`._arrow`, :mod:`._typed`, :mod:`._encoders` -- type mapping: a
+  configured schema, inferred Parquet columns, Parquet typed by a record's own schema, and the
+  encoders that judge each record;
+* :mod:`._datasets` -- each dataset's schema (``_common_metadata``), its changes
+  (``auto_evolve``) reserved by the open part and merged at its commit, and
+  :func:`read_dataset`;
 * :mod:`._layout` -- the directories and the ``flock`` that tells a live writer from a dead one;
 * :mod:`._staging` -- the write path: buffers, data files, ``PREPARED.json``;
 * :mod:`._publish` -- the commit path: staged files to their targets, never overwriting;
@@ -16,10 +20,12 @@ Layout under the configured ``path`` (bookkeeping sits under ``_twophase/``, whi
 and ``pyarrow.dataset`` skip by default, like every name that starts with ``_`` or ``.``)::
 
     {path}/{topic}/date=YYYY-MM-DD/part-{txn:012d}-{participant}-{seq:04d}.parquet   committed data
+    {path}/{topic}/_common_metadata                    the dataset's schema (typed records)
     {path}/_twophase/{pipeline}/open/{token}/          the part being written (+ LOCK, held by flock)
     {path}/_twophase/{pipeline}/prepared/{token}/      staged: fsynced data files + PREPARED.json
     {path}/_twophase/{pipeline}/manifests/{txn:012d}-{participant}.json   commit marker + file list
     {path}/_twophase/{pipeline}/trash/                 directories being deleted
+    {path}/_twophase/_schemas/topic={topic}.lock       the dataset's lock (its schema's changes)
 
 Life of a part:
 
@@ -65,9 +71,18 @@ differ between files, so configure ``schema`` for datasets that readers scan as 
 Parquet cannot store an empty group, so ``{}`` nested in a record is stored as null. Buffered
 records wait as Arrow arrays, typed per write; a field whose writes disagree is re-typed from
 all of its values when the file is written.
+
+A record that carries a schema (:attr:`Record.schema`) is typed by it instead (Parquet, no
+configured ``schema``; :mod:`._typed`), and its dataset keeps one schema, changed only by
+committed parts (:mod:`._datasets`): a compatible change with ``auto_evolve`` is reserved by the
+open part (``SCHEMAS.json`` in its directory), recorded in its manifest and merged into
+``_common_metadata`` at its commit; other changes are refused by :meth:`FileSink.open_targets`,
+and a change while another undecided part changes the dataset is held for a later part.
+``docs/types.md``, "From a record's schema".
 """
 
+from twophase.participants.sinks.files._datasets import read_dataset
 from twophase.participants.sinks.files.config import FieldType, FileSinkConfig
 from twophase.participants.sinks.files.sink import FileSink
 
-__all__ = ["FieldType", "FileSink", "FileSinkConfig"]
+__all__ = ["FieldType", "FileSink", "FileSinkConfig", "read_dataset"]

@@ -26,6 +26,7 @@ __all__ = [
     "MAX_NESTING",
     "Columns",
     "deeper_than",
+    "parquet_levels",
     "source_arrays",
     "without_empty_structs",
 ]
@@ -195,6 +196,19 @@ def _levels(kind: Any) -> int:
 
 def _parquet_ok(kind: Any) -> bool:
     return bool(_levels(kind) < _PARQUET_MAX_LEVELS)
+
+
+def parquet_levels(kind: Any) -> int:
+    """Parquet schema levels of an Arrow type (a struct adds one, a list or a map two)."""
+    if pa.types.is_map(kind):
+        return 2 + max(_levels(kind.key_type), parquet_levels(kind.item_type))
+    if pa.types.is_struct(kind):
+        return 1 + max(
+            (parquet_levels(kind.field(i).type) for i in range(kind.num_fields)), default=0
+        )
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return 2 + parquet_levels(kind.value_type)
+    return 1
 
 
 def _has_empty_struct(kind: Any) -> bool:

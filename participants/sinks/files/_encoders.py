@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
 import pyarrow as pa
@@ -27,6 +27,9 @@ from twophase.participants.sinks.files._arrow import (
 from twophase.participants.sinks.files._schema import ARROW_TYPES, Mismatch, SchemaCheck
 from twophase.participants.sinks.files.config import SOURCE_COLUMNS, FileSinkConfig
 
+if TYPE_CHECKING:
+    from twophase.participants.sinks.files._typed import Typing
+
 __all__ = ["Encoder", "Refused", "encoder_for", "refusal"]
 
 
@@ -35,9 +38,12 @@ def refusal(record: Record, reason: str, field_name: str | None) -> Rejected:
     return Rejected(record, reason, {"field": field_name} if field_name else {})
 
 
-def encoder_for(config: FileSinkConfig) -> Encoder:
-    """The encoder of the configured ``format``."""
-    return ParquetEncoder(config) if config.format == "parquet" else JsonLinesEncoder(config)
+def encoder_for(config: FileSinkConfig, typing: Typing | None = None) -> Encoder:
+    """The encoder of the configured ``format``; ``typing``: records with a schema are judged
+    by it (Parquet without a configured ``schema``; their files are :mod:`._typed`'s)."""
+    if config.format == "parquet":
+        return ParquetEncoder(config, typing)
+    return JsonLinesEncoder(config)
 
 
 class Refused(ValueError):
@@ -133,14 +139,20 @@ class JsonLinesEncoder(Encoder):
 class ParquetEncoder(Encoder):
     extension = "parquet"
 
-    def __init__(self, config: FileSinkConfig) -> None:
+    def __init__(self, config: FileSinkConfig, typing: Typing | None = None) -> None:
         super().__init__(config)
         schema = config.schema_ or {}
         self.arrow_schema = pa.schema([(name, ARROW_TYPES[kind]) for name, kind in schema.items()])
+        #: Records with a schema are stored typed by it (never inferred) unless ``schema`` is
+        #: configured, which then decides every record's types.
+        self.typing = typing if self.check is None else None
 
     def row(self, record: Record) -> Any:
         value = record.value
         source = self.config.source_columns
+        if self.typing is not None and record.schema is not None:
+            # Judged by its own schema: its part writes it by the dataset's (:mod:`._typed`).
+            return self.typing.check(record)
         if self.check is not None:
             row = self.check.convert(value)
             if source:

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import date, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twophase.participants.sdk import (
     FatalSinkError,
@@ -31,6 +31,9 @@ from twophase.participants.sdk import (
 from twophase.participants.sdk.staging import read_json, write_durable
 from twophase.participants.sinks.files._encoders import Encoder, refusal
 from twophase.participants.sinks.files._layout import PREPARED_FILE, STATE_DIR, now
+
+if TYPE_CHECKING:
+    from twophase.participants.sinks.files._datasets import PartSchemas
 
 __all__ = ["Buffer", "FileEntry", "Key", "OpenFiles", "OutputGroups", "read_prepared"]
 
@@ -80,8 +83,11 @@ class FileEntry:
         )
 
 
-#: Output file group: (topic or None, date or None).
-Key = tuple[str | None, str | None]
+#: Output group of a record: (topic or None, date or None).
+Group = tuple[str | None, str | None]
+#: Output file group: its output group, and the part's schema generation of its dataset for a
+#: record stored typed (-1 otherwise): a file holds one schema.
+Key = tuple[str | None, str | None, int]
 
 
 class OutputGroups:
@@ -91,7 +97,7 @@ class OutputGroups:
         self.mode = partition_by
         self._dates: dict[int, str] = {}
 
-    def key(self, record: Record) -> Key | str:
+    def key(self, record: Record) -> Group | str:
         """The output group of ``record``, or why it has none."""
         mode = self.mode
         if mode == "none":
@@ -118,10 +124,12 @@ class OutputGroups:
 class Buffer:
     """Records of one output file not yet written: encoded JSON lines, or for Parquet the
     records (converted rows with a configured schema), turned into one table when the file is
-    written -- so an inferred column type is decided from the whole file, not its first rows."""
+    written -- so an inferred column type is decided from the whole file, not its first rows.
+    ``encoder``: the typed encoder of its dataset's schema, for records stored typed."""
 
     chunks: list[Any] = field(default_factory=list)
     rows: int = 0
+    encoder: Encoder | None = None
 
 
 @dataclass(slots=True)
@@ -142,20 +150,32 @@ class OpenFiles:
     rejected: int = 0
     buffered: int = 0
     started: float = field(default_factory=time.monotonic)
+    #: The part's dataset schemas (Parquet without a configured ``schema``): records with a
+    #: schema are written by their dataset's (:mod:`._datasets`).
+    schemas: PartSchemas | None = None
 
     def write(self, records: Sequence[Record], groups: OutputGroups) -> list[Rejected]:
-        """Buffer ``records`` per output file; the refused ones."""
+        """Buffer ``records`` per output file; the refused ones. A record with a schema must
+        have been taken by :meth:`PartSchemas.open` first."""
         rejected: list[Rejected] = []
         by_key: dict[Key, list[Record]] = {}
+        encoders: dict[Key, Encoder] = {}
+        schemas = self.schemas
         for record in records:
-            key = groups.key(record)
-            if isinstance(key, str):
-                rejected.append(refusal(record, key, None))
-            else:
+            group = groups.key(record)
+            if isinstance(group, str):
+                rejected.append(refusal(record, group, None))
+            elif schemas is not None and record.schema is not None:
+                target = schemas.target(group[0] or "")
+                key = (group[0], group[1], target.gen)
+                encoders[key] = target.encoder
                 by_key.setdefault(key, []).append(record)
-        for key, group in by_key.items():
-            buf = self.buffers.setdefault(key, Buffer())
-            chunk, refused = self.encoder.encode(group)
+            else:
+                by_key.setdefault((group[0], group[1], -1), []).append(record)
+        for key, group_records in by_key.items():
+            typed = encoders.get(key)
+            buf = self.buffers.setdefault(key, Buffer(encoder=typed))
+            chunk, refused = (typed or self.encoder).encode(group_records)
             rejected.extend(refused)
             if chunk is not None:
                 self._append(key, buf, chunk)
@@ -172,10 +192,11 @@ class OpenFiles:
                 self._flush(key, buf)
 
     def _append(self, key: Key, buf: Buffer, chunk: Any) -> None:
-        total, start, limit = self.encoder.rows(chunk), 0, self.max_file_records
+        encoder = buf.encoder or self.encoder
+        total, start, limit = encoder.rows(chunk), 0, self.max_file_records
         while start < total:
             take = min(limit - buf.rows, total - start)
-            piece = chunk if take == total else self.encoder.cut(chunk, start, take)
+            piece = chunk if take == total else encoder.cut(chunk, start, take)
             buf.chunks.append(piece)
             buf.rows += take
             self.buffered += take
@@ -186,11 +207,12 @@ class OpenFiles:
 
     def _flush(self, key: Key, buf: Buffer) -> None:
         """Write the buffered rows of ``key`` as one complete, fsynced file in the open dir."""
-        data = self.encoder.serialize(buf.chunks, self.part)
-        seq, ext = self.seq, self.encoder.extension
+        encoder = buf.encoder or self.encoder
+        data = encoder.serialize(buf.chunks, self.part)
+        seq, ext = self.seq, encoder.extension
         name = f"{seq:04d}.{ext}"
         write_durable(self.directory / name, data)
-        topic, day = key
+        topic, day, _gen = key
         filename = f"part-{self.part.txn:012d}-{self.part.participant}-{seq:04d}.{ext}"
         target = "/".join(
             p for p in (topic, None if day is None else f"date={day}", filename) if p is not None
@@ -203,8 +225,9 @@ class OpenFiles:
         buf.chunks, buf.rows = [], 0
 
     def document(self, sink: str, fmt: str, positions: Positions) -> dict[str, Any]:
-        """``PREPARED.json``: what a committer needs, from any process."""
-        return {
+        """``PREPARED.json``: what a committer needs, from any process (``schemas``: the
+        dataset schema changes the part reserved, merged at its commit)."""
+        document = {
             "version": DOCUMENT_VERSION,
             "token": self.part.token,
             "pipeline": self.part.pipeline,
@@ -219,6 +242,9 @@ class OpenFiles:
             "prepared_at": now(),
             "prepared_by": {"host": socket.gethostname(), "pid": os.getpid()},
         }
+        if self.schemas is not None and (reserved := self.schemas.reservations()):
+            document["schemas"] = reserved
+        return document
 
 
 def read_prepared(

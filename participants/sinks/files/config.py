@@ -36,7 +36,8 @@ class FileSinkConfig(SinkConfig):
     max_file_records: int = Field(default=250_000, ge=1)
     #: Records held in memory across all files of the open part; default 2 x max_file_records.
     max_buffered_records: int | None = Field(default=None, ge=1)
-    #: ``{field: type}``. Records are checked against it; without it Parquet infers per file.
+    #: ``{field: type}``. Records are checked against it; without it, Parquet types a record
+    #: that has a schema by that schema, and infers the others' types per file.
     schema_: dict[str, FieldType] | None = Field(default=None, alias="schema")
     #: With ``schema``: reject records that carry fields it does not name, or drop those fields.
     unknown_fields: Literal["reject", "drop"] = "reject"
@@ -48,6 +49,15 @@ class FileSinkConfig(SinkConfig):
     #: state (``docs/cdc.md``), so it needs ``source_columns``. Empty: no column, and a
     #: pipeline that can delete refuses the sink at start-up.
     op_column: str = ""
+    #: Parquet, records with a schema (``value_format: connect_json``, Debezium's envelope, the
+    #: registry formats): a record whose schema is a compatible change of its dataset's (a
+    #: field added, a type widened, a field made optional) changes it, in the part that brings
+    #: it -- recorded in the part's manifest and merged into ``{dataset}/_common_metadata`` when
+    #: the part commits. False: such records are refused (dead-lettered) with the change named.
+    #: Incompatible changes are refused either way. A dataset's first schema is made from its
+    #: first record (a directory needs no permission: ``auto_create`` is always on for files).
+    #: ``docs/types.md``, "From a record's schema".
+    auto_evolve: bool = False
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -60,6 +70,15 @@ class FileSinkConfig(SinkConfig):
                 raise ValueError(f"schema: {sorted(clash)} collide with source_columns")
             if self.op_column and self.schema_.get(self.op_column) != "string":
                 raise ValueError(f"schema: must name op_column {self.op_column!r} as string")
+        if self.auto_evolve and self.format != "parquet":
+            raise ValueError(
+                "auto_evolve: JSON Lines files carry no schema (each value is its exact JSON text)"
+            )
+        if self.auto_evolve and self.schema_ is not None:
+            raise ValueError(
+                "auto_evolve: a configured schema decides every record's types; leave it out "
+                "to type records by their own schemas"
+            )
         if self.op_column and not self.source_columns:
             raise ValueError("op_column: needs source_columns: true (the order to replay rows in)")
         if self.source_columns and self.op_column in SOURCE_COLUMNS:

@@ -21,7 +21,13 @@ from twophase.participants.sdk.staging import (
     rename_durable,
     write_json_atomic,
 )
-from twophase.participants.sinks.files._encoders import Refused, encoder_for, refusal
+from twophase.participants.sinks.files._datasets import DatasetSchemas, PartSchemas
+from twophase.participants.sinks.files._encoders import (
+    ParquetEncoder,
+    Refused,
+    encoder_for,
+    refusal,
+)
 from twophase.participants.sinks.files._layout import (
     LOCK_FILE,
     PREPARED_FILE,
@@ -34,6 +40,7 @@ from twophase.participants.sinks.files._manifests import Manifests, manifest_pos
 from twophase.participants.sinks.files._publish import Publisher
 from twophase.participants.sinks.files._schema import Mismatch
 from twophase.participants.sinks.files._staging import OpenFiles, OutputGroups, read_prepared
+from twophase.participants.sinks.files._typed import Typing, schema_from_json
 from twophase.participants.sinks.files.config import FileSinkConfig
 from twophase.retry import DISK_FULL_RETRY_S
 
@@ -60,8 +67,11 @@ class FileSink(sdk.BatchingSink):
         self.base = config.path.absolute()
         self._layout = Layout(self.base, context.pipeline)
         self.state = self._layout.state
-        self._encoder = encoder_for(config)
+        self._encoder = encoder_for(config, Typing(config))
+        #: Records with a schema are stored typed by it (Parquet without a configured schema).
+        self._typing = self._encoder.typing if isinstance(self._encoder, ParquetEncoder) else None
         self._groups = OutputGroups(config.partition_by)
+        self._datasets = DatasetSchemas(self.base, self.name, self.log)
         # The open part's buffers, files and lock: put by its open marker, taken by its prepare
         # or discard.
         self._open_files: sdk.OpenSlot[OpenFiles] = sdk.OpenSlot()
@@ -105,6 +115,7 @@ class FileSink(sdk.BatchingSink):
         with self._fs("setup", None, sdk.RetriableSinkError):
             for kind in ("open", "prepared", "manifests", "trash"):
                 makedirs_durable(layout.dir(kind))
+            makedirs_durable(self._datasets.locks)
             for leftover in layout.dir("trash").iterdir():
                 remove_tree(leftover)
             for entry in layout.dir("open").iterdir():
@@ -188,6 +199,16 @@ class FileSink(sdk.BatchingSink):
                     self.config.max_file_records,
                     self.config.buffered_limit,
                 )
+                if self._typing is not None:
+                    opened.schemas = PartSchemas(
+                        part,
+                        target,
+                        self._datasets,
+                        self._typing,
+                        self._groups,
+                        self.config.auto_evolve,
+                        self.log,
+                    )
             self._open_files.put(part, opened)
             self.log.debug("part %s: begun in %s", part.token, target)
             return True
@@ -308,6 +329,21 @@ class FileSink(sdk.BatchingSink):
                 rejected.append(refusal(record, str(exc), exc.field_name))
         return rejected
 
+    def open_targets(
+        self, part: sdk.PartId, records: Sequence[sdk.Record]
+    ) -> Sequence[sdk.Rejected | sdk.Held]:
+        """The datasets ``records`` go to, ready to take them: each record with a schema is
+        compared with its dataset's (:mod:`._datasets`); a compatible change is reserved by this
+        part with ``auto_evolve``, refused without it, and held while another undecided part
+        changes the same dataset; an incompatible one is refused."""
+        if self._typing is None:
+            return ()
+        op = self._open_files.get(part)
+        if op is None or op.schemas is None:
+            raise sdk.AbortTransactionError(f"part {part.token} is not open here", sink=self.name)
+        with self._fs("open targets", part, sdk.RetriableSinkError):
+            return op.schemas.open(records)
+
     def stage(self, part: sdk.PartId, records: Sequence[sdk.Record]) -> Sequence[sdk.Rejected]:
         """Buffer ``records`` per output file; a full buffer becomes a file in the open dir."""
         op = self._open_files.get(part)
@@ -316,7 +352,35 @@ class FileSink(sdk.BatchingSink):
         refused: list[sdk.Rejected] = []
         records = self._change_rows(records, refused)
         with self._fs("write", part, sdk.AbortTransactionError):
+            if op.schemas is not None:
+                records = self._targets_taken(op.schemas, records, refused)
             return refused + op.write(records, self._groups)
+
+    def _targets_taken(
+        self, schemas: PartSchemas, records: Sequence[sdk.Record], refused: list[sdk.Rejected]
+    ) -> Sequence[sdk.Record]:
+        """``records`` less those the part's datasets refuse. The runtime asked
+        :meth:`open_targets` first, so this is a lookup per record; a caller that did not (a
+        test, the kit) gets the same decisions here, and a record that must wait aborts the
+        part, which a later try writes."""
+        pending = [
+            r
+            for r in records
+            if r.schema is not None
+            and not isinstance(group := self._groups.key(r), str)
+            and not schemas.taken(group[0] or "", r)
+        ]
+        if not pending:
+            return records
+        out = schemas.open(pending)
+        for answer in out:
+            if isinstance(answer, sdk.Held):
+                raise sdk.AbortTransactionError(
+                    f"write: {answer.reason} (open_targets was not asked first)", sink=self.name
+                )
+        gone = {a.record.record_id for a in out}
+        refused.extend(a for a in out if isinstance(a, sdk.Rejected))
+        return [r for r in records if r.record_id not in gone]
 
     # -- the commit and recovery path --
 
@@ -343,6 +407,10 @@ class FileSink(sdk.BatchingSink):
             document, files = staged
             if not self._publisher.publish(part, prepared, files, manifest):
                 return  # another process completed the commit meanwhile
+            # The dataset schemas the part changed, before its commit point: repeated after a
+            # crash, the merge changes nothing more.
+            for dataset, raw in (document.get("schemas") or {}).items():
+                self._datasets.publish(dataset, schema_from_json(raw), part.token)
             document.pop("prepared_by", None)
             document["files"] = [
                 {k: v for k, v in f.to_json().items() if k != "name"} for f in files

@@ -6,6 +6,7 @@ store operations of a :class:`~twophase.participants.sdk.BatchingSink`. The pack
 * :mod:`.config` -- the ``sinks[]`` entry (:class:`MongoSinkConfig`);
 * :mod:`._store` -- the client, the collections, and pymongo's errors mapped to the SDK's;
 * :mod:`._documents` -- type mapping: a record becomes a document with a deterministic ``_id``;
+* :mod:`._typed` -- a record with a schema: each field as the BSON type of its kind;
 * :mod:`._staging` -- the write path: staged documents, tried on a target that can refuse them;
 * :mod:`._commit` -- the commit and recovery path: chunked transactions under a commit lease;
 * :mod:`._retention` -- committed positions, the last committed part, forgetting old markers;
@@ -67,7 +68,8 @@ Deterministic ``_id`` s:
   own ``_id`` is rejected (it would be silently overwritten); use ``mode: upsert, key: [_id]``.
 * ``mode: upsert`` -- ``_id`` is the key: the value of the single key field itself, or for a
   composite key a sub-document ``{k1: v1, k2: v2}`` in the configured key order (type-preserving
-  and queryable, unlike a joined string). Within one part the last record per key wins -- the one
+  and queryable, unlike a joined string). Without a configured ``key``, each record's schema
+  names it (:attr:`RecordSchema.key`); a record without one is rejected. Within one part the last record per key wins -- the one
   written last, which for one source partition is the highest offset. Across parts the later
   transaction wins even when decisions are applied out of order (a recovered part of an earlier
   transaction applied after a later one): each document carries ``version_field`` =

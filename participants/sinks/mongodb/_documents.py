@@ -22,6 +22,7 @@ from bson.raw_bson import RawBSONDocument
 
 from twophase.participants.sdk import PartId, Record
 from twophase.participants.sinks.mongodb._store import Doc, Store
+from twophase.participants.sinks.mongodb._typed import TypedDocuments
 
 __all__ = ["Documents", "Reject", "id_key"]
 
@@ -41,6 +42,7 @@ class Documents:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.cfg = store.cfg
+        self.typed = TypedDocuments()
 
     def staged(
         self, part: PartId, pk: str, record: Record, seq: int, coll: str | None = None
@@ -53,13 +55,20 @@ class Documents:
         if not isinstance(value, Mapping):
             raise Reject(f"value is a {type(value).__name__}, not a JSON object")
         _check_fields(value, "", 1)
+        if record.schema is not None:
+            # Typed by the record's schema (``docs/types.md``), the key too.
+            try:
+                value = self.typed.convert(value, record.schema)
+            except ValueError as exc:
+                raise Reject(str(exc)) from None
+        key = self.cfg.key or (record.schema.key if record.schema is not None else ())
         body: Doc
         if record.deleted:
             # A delete stages the key only; the commit deletes the document of that _id.
             if self.cfg.mode == "insert":
                 raise Reject("a delete needs mode: upsert or update (a key to delete by)")
             try:
-                doc_id = self.key_of(value)
+                doc_id = self.key_of(value, key)
             except Reject as exc:
                 raise Reject(f"a delete needs its key: {exc}") from None
             return RawBSONDocument(
@@ -82,7 +91,7 @@ class Documents:
                 )
             body = {"_id": record.record_id, **value}
         else:
-            doc_id = self.key_of(value)
+            doc_id = self.key_of(value, key)
             body = {**value, "_id": doc_id}
             if self.cfg.version_field:
                 body[self.cfg.version_field] = {"pipeline": part.pipeline, "txn": part.txn}
@@ -102,10 +111,16 @@ class Documents:
             )
         return RawBSONDocument(raw)
 
-    def key_of(self, value: Mapping[str, Any]) -> Any:
-        """The ``_id`` of an upserted document: the key field's value, or ``{k1: v1, ...}``."""
+    def key_of(self, value: Mapping[str, Any], key: Sequence[str]) -> Any:
+        """The ``_id`` of an upserted document: the key field's value, or ``{k1: v1, ...}``:
+        ``key`` is the configured one, or without one the record schema's (``auto_create``)."""
+        if not key:
+            raise Reject(
+                "no key: the sink's key is empty and the record has no schema naming its key "
+                "(set key, or read keys with a schema: sources[].key_format)"
+            )
         parts: Doc = {}
-        for name in self.cfg.key:
+        for name in key:
             v = value.get(name)
             if v is None:
                 raise Reject(f"key field {name!r} is {'null' if name in value else 'missing'}")

@@ -39,6 +39,9 @@ class MongoSinkConfig(SinkConfig):
     #: fields it carries (``$set``) and leaves the document's other fields as they are.
     partial: bool = False
     #: Top-level value fields that form the document key (``upsert`` and ``update`` only).
+    #: Empty in ``upsert``/``update``: each record's schema names its key (a record key read
+    #: with a schema, ``sources[].key_format``; Kafka Connect's ``pk.mode: record_key``), and a
+    #: record without one is refused (dead-lettered) with the reason.
     key: list[str] = Field(default_factory=list, validate_default=True)
     #: Where parts wait for their decision; default ``<collection>__twophase_staging``
     #: (``twophase_staging_<sink name>`` with a ``collection`` template).
@@ -115,8 +118,6 @@ class MongoSinkConfig(SinkConfig):
     @classmethod
     def _check_key(cls, value: list[str], info: ValidationInfo) -> list[str]:
         mode = info.data.get("mode", "insert")
-        if mode in ("upsert", "update") and not value:
-            raise ValueError(f"required when mode is {mode!r}: the fields that identify a document")
         if mode == "insert" and value:
             raise ValueError(
                 "only used when mode is 'upsert' or 'update' (insert mode keys by record id)"
