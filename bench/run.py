@@ -14,6 +14,8 @@ Sections (``--only`` picks some):
   participants.
 * ``spark``      -- the coordinated ``foreachBatch`` writer vs plain ``foreachPartition`` +
   psycopg COPY of the same rows (:mod:`bench.spark_writer`, in its own process).
+* ``avro``       -- the same records in Avro through the schema registry vs as JSON, each read
+  by a PostgreSQL-only exactly-once pipeline (:mod:`bench.avro`).
 * ``cdc``        -- Debezium change events of three tables (40% creates, 50% updates, 10%
   deletes) through one topic_pattern into PostgreSQL replica tables (table template, upsert)
   vs as many plain JSON inserts into one table (:mod:`bench.cdc`).
@@ -36,18 +38,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import avro as avro_bench
 from bench import cdc as cdc_bench
 from bench import latency as lat
 from bench import throughput as tp
 from harness import load_stack_env
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("throughput", "ceiling", "mongo", "latency", "spark", "cdc")
+SECTIONS = ("throughput", "ceiling", "mongo", "latency", "spark", "avro", "cdc")
 TARGETS = {
     "eo_over_alo": (">=", 0.9),
     "pg_pipeline_over_copy": (">=", 0.5),
     "commit_latency_p99_ms_at_8": ("<=", 250),
     "spark_ratio": (">=", 0.8),
+    "avro_over_json": (">=", 0.8),
     "cdc_over_plain": (">=", 0.5),
 }
 MONGO_NOTE = (
@@ -214,6 +218,35 @@ def spark(args: argparse.Namespace, _env: dict[str, str], work: Path) -> dict[st
     }
 
 
+def avro(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[str, Any]:
+    bootstrap = env["TWOPHASE_KAFKA_BOOTSTRAP"]
+    say(f"avro: producing {args.records:,} records as JSON and as Avro")
+    plain = tp.Source.create(bootstrap, args.records, "avrojson")
+    framed = avro_bench.avro_source(bootstrap, env["TWOPHASE_SCHEMA_REGISTRY_URL"], args.records)
+    details: dict[str, list[dict[str, Any]]] = {"avro": [], "json": []}
+
+    def side(name: str, source: tp.Source) -> Callable[[], float]:
+        def run() -> float:
+            r = tp.pipeline_run(source, work, mode="exactly_once", sinks={"pg"})
+            details[name].append(r.asdict())
+            return r.records_per_s
+
+        return run
+
+    try:
+        got = alternate(args.runs, {"avro": side("avro", framed), "json": side("json", plain)})
+    finally:
+        plain.delete()
+        framed.delete()
+    a, j = median(got["avro"]), median(got["json"])
+    return {
+        "avro_records_per_s": round(a),
+        "avro_json_records_per_s": round(j),
+        "avro_over_json": round(a / j, 3),
+        "_runs": details,
+    }
+
+
 def cdc(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[str, Any]:
     bootstrap = env["TWOPHASE_KAFKA_BOOTSTRAP"]
     say(f"cdc: producing {args.cdc_events:,} change events and as many plain records")
@@ -251,6 +284,7 @@ def targets(res: dict[str, Any]) -> dict[str, Any]:
         "pg_pipeline_over_copy": res.get("pg_pipeline_over_copy"),
         "commit_latency_p99_ms_at_8": res.get("commit_latency_ms", {}).get("8", {}).get("p99"),
         "spark_ratio": res.get("spark_ratio"),
+        "avro_over_json": res.get("avro_over_json"),
         "cdc_over_plain": res.get("cdc_over_plain"),
     }
     out = {}
@@ -374,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         "mongo": mongo,
         "latency": latency,
         "spark": spark,
+        "avro": avro,
         "cdc": cdc,
     }
     with tempfile.TemporaryDirectory(prefix="twophase-bench-") as tmp:

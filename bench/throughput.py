@@ -56,6 +56,10 @@ class Source:
     topic: str
     records: int
     partitions: int = PARTITIONS
+    #: Options of the pipeline's ``sources[]`` entry (``value_format``, ...).
+    options: dict[str, Any] = field(default_factory=dict)
+    #: The pipeline's ``schema_registry.url``, for a source in a registry format.
+    registry_url: str = ""
 
     @classmethod
     def create(cls, bootstrap: str, records: int, tag: str, partitions: int = PARTITIONS) -> Source:
@@ -122,9 +126,15 @@ def scenario(name: str, workdir: Path, source: Source, *, sinks: set[str], mode:
         files="files" in sinks,
         extra={
             "sources": [
-                {"topic": source.topic, "partitions": source.partitions, "replication_factor": 1}
+                {
+                    "topic": source.topic,
+                    "partitions": source.partitions,
+                    "replication_factor": 1,
+                    **source.options,
+                }
             ],
             "participant": {"mode": mode},
+            **({"schema_registry": {"url": source.registry_url}} if source.registry_url else {}),
         },
     )
     if "pg" not in sinks:

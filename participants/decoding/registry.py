@@ -115,22 +115,30 @@ class RegistryFormat(ValueFormat):
     def decode(self, data: bytes, topic: str, is_key: bool = False) -> FormatResult:
         from confluent_kafka.schema_registry.common.serde import SchemaId
 
-        sid = SchemaId(self.schema_type)
-        payload = io.BytesIO(data)
         if len(data) < 5 or data[0] not in (0, 1):
             return "undecodable: no schema registry framing (magic byte 0x00 and a schema id)"
-        try:
-            sid.from_bytes(payload)
-        except Exception as exc:  # noqa: BLE001 - the framing's errors: struct, EOF, its own
-            return f"undecodable: bad schema registry framing ({exc})"
-        ref = ("id", sid.id) if sid.id is not None else ("guid", str(sid.guid))
+        indexes: list[int] | None = None
+        if data[0] == 0 and self.schema_type != "PROTOBUF":
+            # The common framing, read here: confluent-kafka's reader costs ~2 us a record.
+            ref: tuple[str, Any] = ("id", int.from_bytes(data[1:5], "big"))
+            payload = io.BytesIO(data)
+            payload.seek(5)
+        else:
+            sid = SchemaId(self.schema_type)
+            payload = io.BytesIO(data)
+            try:
+                sid.from_bytes(payload)
+            except Exception as exc:  # noqa: BLE001 - the framing's errors: struct, EOF, its own
+                return f"undecodable: bad schema registry framing ({exc})"
+            ref = ("id", sid.id) if sid.id is not None else ("guid", str(sid.guid))
+            indexes = sid.message_indexes
         reader = self._readers.get(ref)
         if reader is None:
             reader = self._load(ref)
         if isinstance(reader, str):
             return reader
         try:
-            value = reader.read(payload, sid.message_indexes)
+            value = reader.read(payload, indexes)
         except _Mismatch as exc:
             return f"undecodable: payload does not match its schema ({ref[0]} {ref[1]}): {exc}"
         except Exception as exc:  # noqa: BLE001 - a codec's errors are many and unnamed
