@@ -885,7 +885,10 @@ class ParticipantRuntime:
         ]
         self._poisoned = False
         self._failed_txn = None
-        self._held.clear()  # every partition goes back to the part's start
+        # Every partition goes back to the part's start: a held one too, and it is paused on
+        # its own -- released here, or nothing would ever resume it (a part aborted while a
+        # sink held a record stalled its partitions for good).
+        self._release_held()
         self._resume()
         for tp in targets:
             try:
