@@ -1,4 +1,4 @@
-//! JSON source values -> PostgreSQL binary COPY, the PostgreSQL sink's optional fast path.
+//! JSON and Avro source values -> PostgreSQL binary COPY, the PostgreSQL sink's optional fast path.
 //!
 //! The contract that keeps this exact: [`CopyEncoder::encode`] takes a record only when it is
 //! certain that the Python path -- `orjson.loads`, the sink's converters
@@ -12,7 +12,10 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
+use apache_avro::types::Value as AvroValue;
+use std::collections::HashMap;
 use std::fmt::Write as _;
+use std::sync::{Arc, RwLock};
 
 /// Binary COPY header: signature, flags (0), header extension length (0).
 const HEADER: &[u8] = b"PGCOPY\n\xff\r\n\0\0\0\0\0\0\0\0\0";
@@ -521,6 +524,42 @@ fn put_numeric(out: &mut Vec<u8>, neg: bool, digits: &[u8], exp10: i32, dscale: 
     }
 }
 
+/// `Decimal(text)` as numeric, for the plain spelling only: `-?DIGITS(.DIGITS)?` (what Debezium's
+/// `decimal.handling.mode: string` and the registry decoder's decimals write), at most 40
+/// significant digits and 100 after the point; anything else (exponents, spaces, `NaN`, a
+/// negative zero) is handed back to `Decimal` itself.
+fn put_text_numeric(out: &mut Vec<u8>, raw: &[u8]) -> Option<()> {
+    let (neg, body) = match raw.first()? {
+        b'-' => (true, &raw[1..]),
+        _ => (false, raw),
+    };
+    let (int, frac) = match body.iter().position(|&b| b == b'.') {
+        Some(dot) => (&body[..dot], &body[dot + 1..]),
+        None => (body, &body[..0]),
+    };
+    if int.is_empty()
+        || (frac.is_empty() && body.len() != int.len())
+        || !int.iter().chain(frac).all(u8::is_ascii_digit)
+        || frac.len() > 100
+    {
+        return None;
+    }
+    let mut digits = [0u8; 140];
+    let all = int.len() + frac.len();
+    let lead = int.iter().take_while(|&&d| d == b'0').count();
+    if all - lead > 40 || all > digits.len() {
+        return None;
+    }
+    digits[..int.len()].copy_from_slice(int);
+    digits[int.len()..all].copy_from_slice(frac);
+    if neg && digits[..all].iter().all(|&d| d == b'0') {
+        return None; // Decimal("-0.0") keeps its sign: Python decides
+    }
+    let scale = frac.len() as i32;
+    put_numeric(out, neg, &digits[lead.min(all - 1)..all], -scale, scale);
+    Some(())
+}
+
 /// `Decimal(repr(x))` as numeric: Python's repr gives the shortest round-trip digits, in fixed
 /// notation with a trailing ".0" when -4 < decpt <= 16 (decpt: value = 0.DIGITS x 10^decpt),
 /// in exponent notation otherwise. Rust's `{:e}` gives the same shortest digits, except for
@@ -611,6 +650,7 @@ fn put_value(out: &mut Vec<u8>, kind: Kind, tok: Tok, scratch: &mut Scratch) -> 
             put_numeric(out, v < 0, decimal_digits(v.unsigned_abs(), &mut buf), 0, 0);
         }
         (Kind::Numeric, Tok::Float(x)) => put_float_numeric(out, x, &mut scratch.fmt)?,
+        (Kind::Numeric, Tok::Str(raw, false)) => put_text_numeric(out, raw)?,
         (Kind::Bool, Tok::True | Tok::False) => {
             put_len(out, 1);
             out.push(matches!(tok, Tok::True) as u8);
@@ -673,47 +713,87 @@ fn put_value(out: &mut Vec<u8>, kind: Kind, tok: Tok, scratch: &mut Scratch) -> 
     Some(())
 }
 
+/// The members of an object whose opening brace was consumed: `f` gets each member's name
+/// (escapes resolved) with the parser at its value, and must consume the value. None: not a
+/// well-formed object (or `f` said no).
+fn members<'a>(
+    p: &mut Parser<'a>,
+    mut f: impl FnMut(&[u8], &mut Parser<'a>) -> Option<()>,
+) -> Option<()> {
+    p.ws();
+    if p.s.get(p.i) == Some(&b'}') {
+        p.i += 1;
+        return Some(());
+    }
+    let mut unescaped = Vec::new();
+    loop {
+        p.ws();
+        if p.s.get(p.i) != Some(&b'"') {
+            return None;
+        }
+        p.i += 1;
+        let (key, escaped) = p.string()?;
+        let key: &[u8] = if escaped {
+            unescape(key, &mut unescaped)?;
+            &unescaped
+        } else {
+            key
+        };
+        p.ws();
+        if p.s.get(p.i) != Some(&b':') {
+            return None;
+        }
+        p.i += 1;
+        p.ws();
+        f(key, p)?;
+        p.ws();
+        match p.s.get(p.i)? {
+            b',' => p.i += 1,
+            b'}' => {
+                p.i += 1;
+                return Some(());
+            }
+            _ => return None,
+        }
+    }
+}
+
+/// Two captured values that decode to the same Python value (a record key's field against
+/// the row's: the Python path lets the key's win, so they must not differ).
+fn same(a: Tok, b: Tok) -> bool {
+    match (a, b) {
+        (Tok::Str(x, ex), Tok::Str(y, ey)) => x == y && ex == ey,
+        (Tok::Int(x), Tok::Int(y)) => x == y,
+        (Tok::Float(x), Tok::Float(y)) => x.to_bits() == y.to_bits(),
+        (Tok::True, Tok::True) | (Tok::False, Tok::False) => true,
+        _ => false,
+    }
+}
+
+/// A change event around the row (Debezium's `{before, after, op, source, ...}`): the row is
+/// the object in member `row_in`, taken only when member `op` is one of `ops`.
+struct Envelope {
+    row_in: Vec<u8>,
+    ops: Vec<Vec<u8>>,
+}
+
 /// Encodes JSON objects into binary COPY rows of one table's mapped columns.
 #[pyclass(frozen, module = "twophase_native")]
 struct CopyEncoder {
     fields: Vec<Vec<u8>>,
     kinds: Vec<Kind>,
+    envelope: Option<Envelope>,
+    /// Each row starts with two more columns: its value's index (int8) and `false` (bool,
+    /// "not a delete"), for a staging table whose rows are applied in order.
+    seq: bool,
 }
 
+type Caps<'a> = [Tok<'a>; MAX_COLUMNS];
+
 impl CopyEncoder {
-    /// One record's row appended to `out`, or None (and `out` as it was).
-    fn row(&self, doc: &[u8], out: &mut Vec<u8>, scratch: &mut Scratch) -> Option<()> {
-        std::str::from_utf8(doc).ok()?; // orjson refuses invalid UTF-8; so do we
-        let mut p = Parser { s: doc, i: 0 };
-        let mut caps = [Tok::Absent; MAX_COLUMNS];
-        p.ws();
-        if p.s.get(p.i) != Some(&b'{') {
-            return None;
-        }
-        p.i += 1;
-        p.ws();
-        if p.s.get(p.i) == Some(&b'}') {
-            return None; // an empty object: none of the fields is present
-        }
-        loop {
-            p.ws();
-            if p.s.get(p.i) != Some(&b'"') {
-                return None;
-            }
-            p.i += 1;
-            let (key, key_escaped) = p.string()?;
-            let key: &[u8] = if key_escaped {
-                unescape(key, &mut scratch.text)?;
-                &scratch.text
-            } else {
-                key
-            };
-            p.ws();
-            if p.s.get(p.i) != Some(&b':') {
-                return None;
-            }
-            p.i += 1;
-            p.ws();
+    /// The mapped fields of an object whose opening brace was consumed, into `caps`.
+    fn capture<'a>(&self, p: &mut Parser<'a>, caps: &mut Caps<'a>) -> Option<()> {
+        members(p, |key, p| {
             let tok = p.value(1)?;
             // One field may feed several columns.
             for j in (0..self.fields.len()).filter(|&j| self.fields[j] == key) {
@@ -722,22 +802,109 @@ impl CopyEncoder {
                 }
                 caps[j] = tok;
             }
-            p.ws();
-            match p.s.get(p.i)? {
-                b',' => p.i += 1,
-                b'}' => {
-                    p.i += 1;
-                    break;
+            Some(())
+        })
+    }
+
+    /// The row of a change event (`op` one of the envelope's, its row an object) into `caps`.
+    fn capture_event<'a>(&self, env: &Envelope, p: &mut Parser<'a>, caps: &mut Caps<'a>) -> Option<()> {
+        let mut op: Option<Tok<'a>> = None;
+        let mut row_seen = false;
+        let mut row_taken = false;
+        members(p, |key, p| {
+            if key == env.row_in.as_slice() {
+                if row_seen {
+                    return None; // duplicated: the Python path keeps the last one
                 }
-                _ => return None,
+                row_seen = true;
+                if p.s.get(p.i) == Some(&b'{') {
+                    p.i += 1;
+                    self.capture(p, caps)?;
+                    row_taken = true;
+                } else {
+                    p.value(1)?; // null (a delete) or not a row: the Python path says which
+                }
+            } else if key == b"op" {
+                if op.is_some() {
+                    return None;
+                }
+                op = Some(p.value(1)?);
+            } else {
+                p.value(1)?;
             }
+            Some(())
+        })?;
+        match op? {
+            Tok::Str(raw, false) if row_taken && env.ops.iter().any(|o| o.as_slice() == raw) => {
+                Some(())
+            }
+            _ => None,
+        }
+    }
+
+    /// Every member of the record key `key` (a JSON object of scalars) that feeds a column
+    /// holds the same value in the row.
+    fn key_agrees(&self, key: &[u8], caps: &Caps) -> Option<()> {
+        std::str::from_utf8(key).ok()?;
+        let mut p = Parser { s: key, i: 0 };
+        p.ws();
+        if p.s.get(p.i) != Some(&b'{') {
+            return None;
+        }
+        p.i += 1;
+        let mut count = 0;
+        let mut envelope_names = 0;
+        members(&mut p, |name, p| {
+            count += 1;
+            if name == b"schema" || name == b"payload" {
+                envelope_names += 1;
+            }
+            let tok = p.value(1)?;
+            if matches!(tok, Tok::Null | Tok::Composite) {
+                return None;
+            }
+            for j in (0..self.fields.len()).filter(|&j| self.fields[j] == name) {
+                if !same(caps[j], tok) {
+                    return None;
+                }
+            }
+            Some(())
+        })?;
+        p.ws();
+        // A Kafka Connect envelope ({schema, payload}) is unwrapped by the Python path.
+        (p.i == key.len() && !(count == 2 && envelope_names == 2)).then_some(())
+    }
+
+    /// One record's row appended to `out`, or None (and `out` as it was).
+    fn row(&self, index: usize, doc: &[u8], key: Option<&[u8]>, out: &mut Vec<u8>, scratch: &mut Scratch) -> Option<()> {
+        std::str::from_utf8(doc).ok()?; // orjson refuses invalid UTF-8; so do we
+        let mut p = Parser { s: doc, i: 0 };
+        let mut caps: Caps = [Tok::Absent; MAX_COLUMNS];
+        p.ws();
+        if p.s.get(p.i) != Some(&b'{') {
+            return None;
+        }
+        p.i += 1;
+        match &self.envelope {
+            None => self.capture(&mut p, &mut caps)?,
+            Some(env) => self.capture_event(env, &mut p, &mut caps)?,
         }
         p.ws();
         if p.i != doc.len() {
             return None;
         }
+        if let Some(key) = key {
+            self.key_agrees(key, &caps)?;
+        }
         let start = out.len();
-        out.extend_from_slice(&(self.kinds.len() as i16).to_be_bytes());
+        let extra = if self.seq { 2 } else { 0 };
+        out.extend_from_slice(&((self.kinds.len() + extra) as i16).to_be_bytes());
+        if self.seq {
+            put_len(out, 8);
+            out.extend_from_slice(&(index as i64).to_be_bytes());
+            put_len(out, 1);
+            out.push(0);
+        }
         for (j, &kind) in self.kinds.iter().enumerate() {
             let tok = caps[j];
             if matches!(tok, Tok::Absent | Tok::Null | Tok::Composite) || put_value(out, kind, tok, scratch).is_none() {
@@ -748,13 +915,18 @@ impl CopyEncoder {
         Some(())
     }
 
-    fn encode_all(&self, docs: &[&[u8]]) -> (Vec<u8>, Vec<usize>) {
+    fn encode_all(&self, docs: &[&[u8]], keys: Option<&[Option<&[u8]>]>) -> (Vec<u8>, Vec<usize>) {
         let mut out = Vec::with_capacity(docs.iter().map(|d| d.len()).sum::<usize>() + 64);
         out.extend_from_slice(HEADER);
         let mut handed_back = Vec::new();
         let mut scratch = Scratch { text: Vec::new(), fmt: String::new() };
         for (i, doc) in docs.iter().enumerate() {
-            if self.row(doc, &mut out, &mut scratch).is_none() {
+            let taken = match keys {
+                // A record without a key: the Python path says why it cannot be one.
+                Some(keys) => keys[i].and_then(|k| self.row(i, doc, Some(k), &mut out, &mut scratch)),
+                None => self.row(i, doc, None, &mut out, &mut scratch),
+            };
+            if taken.is_none() {
                 handed_back.push(i);
             }
         }
@@ -770,9 +942,18 @@ impl CopyEncoder {
 #[pymethods]
 impl CopyEncoder {
     /// `columns`: per target column, in COPY order, (JSON field, base type, max length).
+    /// `row_in` and `ops`: the values are change events whose row is the object in member
+    /// `row_in`, taken when member `op` is one of `ops`. `seq`: each row starts with its
+    /// value's index (int8) and false (bool).
     /// Raises ValueError naming a type this encoder does not handle.
     #[new]
-    fn new(columns: Vec<(String, String, Option<usize>)>) -> PyResult<Self> {
+    #[pyo3(signature = (columns, row_in=None, ops=None, seq=false))]
+    fn new(
+        columns: Vec<(String, String, Option<usize>)>,
+        row_in: Option<String>,
+        ops: Option<Vec<String>>,
+        seq: bool,
+    ) -> PyResult<Self> {
         let mut fields = Vec::new();
         let mut kinds = Vec::new();
         for (field, base, max_length) in columns {
@@ -784,7 +965,235 @@ impl CopyEncoder {
         if kinds.is_empty() || kinds.len() > MAX_COLUMNS {
             return Err(PyValueError::new_err(format!("1 to {MAX_COLUMNS} columns")));
         }
-        Ok(CopyEncoder { fields, kinds })
+        let envelope = match (row_in, ops) {
+            (None, None) => None,
+            (Some(row_in), Some(ops)) if !ops.is_empty() => Some(Envelope {
+                row_in: row_in.into_bytes(),
+                ops: ops.into_iter().map(String::into_bytes).collect(),
+            }),
+            _ => return Err(PyValueError::new_err("row_in and ops go together")),
+        };
+        Ok(CopyEncoder { fields, kinds, envelope, seq })
+    }
+
+    /// Encodes `values` (a list of bytes): returns the complete binary COPY stream of the rows
+    /// taken (b"" when none), and the indices of the values handed back to the Python path.
+    /// With `keys` (one bytes or None per value: the record keys, JSON objects), a value is
+    /// taken only when every key member that feeds a column equals the row's.
+    #[pyo3(signature = (values, keys=None))]
+    fn encode<'py>(
+        &self,
+        py: Python<'py>,
+        values: &Bound<'py, PyList>,
+        keys: Option<&Bound<'py, PyList>>,
+    ) -> PyResult<(Bound<'py, PyBytes>, Vec<usize>)> {
+        let owned: Vec<Bound<'py, PyBytes>> = values
+            .iter()
+            .map(|v| v.cast_into::<PyBytes>().map_err(PyErr::from))
+            .collect::<PyResult<_>>()?;
+        let docs: Vec<&[u8]> = owned.iter().map(|b| b.as_bytes()).collect();
+        let owned_keys: Option<Vec<Option<Bound<'py, PyBytes>>>> = match keys {
+            None => None,
+            Some(keys) => {
+                if keys.len() != docs.len() {
+                    return Err(PyValueError::new_err("one key per value"));
+                }
+                Some(
+                    keys.iter()
+                        .map(|k| {
+                            if k.is_none() {
+                                Ok(None)
+                            } else {
+                                k.cast_into::<PyBytes>().map(Some).map_err(PyErr::from)
+                            }
+                        })
+                        .collect::<PyResult<_>>()?,
+                )
+            }
+        };
+        let key_docs: Option<Vec<Option<&[u8]>>> = owned_keys
+            .as_ref()
+            .map(|ks| ks.iter().map(|k| k.as_ref().map(|b| b.as_bytes())).collect());
+        // The lists' bytes objects are immutable and `owned` keeps them alive meanwhile.
+        let (out, handed_back) = py.detach(|| self.encode_all(&docs, key_docs.as_deref()));
+        Ok((PyBytes::new(py, &out), handed_back))
+    }
+}
+
+// ---------------------------------------------------------------------------------- Avro
+
+/// Microseconds from 1970-01-01 to 2000-01-01, PostgreSQL's epoch.
+const PG_EPOCH_MICROS: i64 = PG_EPOCH_DAYS * 86_400_000_000;
+/// The instants Python's datetime holds (years 1 to 9999), in microseconds since 1970.
+const MIN_MICROS: i64 = -62_135_596_800_000_000;
+const MAX_MICROS: i64 = 253_402_300_799_999_999;
+/// The days Python's date holds (years 1 to 9999), since 1970.
+const MIN_DAYS: i32 = -719_162;
+const MAX_DAYS: i32 = 2_932_896;
+
+use apache_avro::Schema as AvroSchemaOf;
+
+/// One writer schema: the schema, and per column the position of its field in the record and
+/// the field's schema.
+struct AvroSchema {
+    schema: AvroSchemaOf,
+    at: Vec<Option<(usize, AvroSchemaOf)>>,
+}
+
+/// Column `kind` from an Avro value into `out`; None: hand the record back. The same result
+/// as the Python path: fastavro's value, the registry decoder's model (an instant as
+/// ISO-8601 UTC text, a date as ISO text, a UUID as its text) and the sink's converters.
+fn put_avro(out: &mut Vec<u8>, kind: Kind, value: &AvroValue, schema: &AvroSchemaOf, scratch: &mut Scratch) -> Option<()> {
+    let tok = match value {
+        AvroValue::Union(i, inner) => {
+            let AvroSchemaOf::Union(u) = schema else { return None };
+            return put_avro(out, kind, inner, u.variants().get(*i as usize)?, scratch);
+        }
+        AvroValue::Decimal(d) => {
+            // fastavro's Decimal at the schema's scale, stored as its exact text is: the digits
+            // of the unscaled value, scale digits after the point.
+            let (Kind::Numeric, AvroSchemaOf::Decimal(ds)) = (kind, schema) else { return None };
+            let scale = i32::try_from(ds.scale).ok()?;
+            let bytes = Vec::<u8>::try_from(d).ok()?;
+            let unscaled = num_bigint::BigInt::from_signed_bytes_be(&bytes);
+            let digits = unscaled.magnitude().to_string();
+            if digits.len() > 40 || scale > 100 {
+                return None; // put_numeric's bounds: the Python path takes the rest
+            }
+            put_numeric(out, unscaled.sign() == num_bigint::Sign::Minus, digits.as_bytes(), -scale, scale);
+            return Some(());
+        }
+        AvroValue::Boolean(true) => Tok::True,
+        AvroValue::Boolean(false) => Tok::False,
+        AvroValue::Int(v) => Tok::Int(*v as i64),
+        AvroValue::Long(v) => Tok::Int(*v),
+        AvroValue::Float(x) if x.is_finite() => Tok::Float(*x as f64),
+        AvroValue::Double(x) if x.is_finite() => Tok::Float(*x),
+        AvroValue::String(s) | AvroValue::Enum(_, s) => Tok::Str(s.as_bytes(), false),
+        AvroValue::TimestampMillis(ms) => return put_instant(out, kind, ms.checked_mul(1000)?),
+        AvroValue::TimestampMicros(us) => return put_instant(out, kind, *us),
+        AvroValue::Date(days) => {
+            if !matches!(kind, Kind::Date) || !(MIN_DAYS..=MAX_DAYS).contains(days) {
+                return None;
+            }
+            put_len(out, 4);
+            out.extend_from_slice(&(*days - PG_EPOCH_DAYS as i32).to_be_bytes());
+            return Some(());
+        }
+        AvroValue::Uuid(u) => {
+            match kind {
+                Kind::Uuid => {
+                    put_len(out, 16);
+                    out.extend_from_slice(u.as_bytes());
+                }
+                Kind::Text(max) => {
+                    let text = u.hyphenated().to_string(); // str(UUID): lowercase, hyphenated
+                    if max.is_some_and(|m| text.len() > m) {
+                        return None;
+                    }
+                    put_len(out, text.len());
+                    out.extend_from_slice(text.as_bytes());
+                }
+                _ => return None,
+            }
+            return Some(());
+        }
+        // Nulls, bytes, fixed, decimals, times of day, local timestamps, nanoseconds,
+        // durations and nested values: the Python path.
+        _ => return None,
+    };
+    put_value(out, kind, tok, scratch)
+}
+
+/// An instant (microseconds since 1970, UTC) into a timestamp column, as the Python path
+/// stores its ISO-8601 UTC text: any other column takes the Python path.
+fn put_instant(out: &mut Vec<u8>, kind: Kind, micros: i64) -> Option<()> {
+    if !matches!(kind, Kind::Timestamptz | Kind::Timestamp) || !(MIN_MICROS..=MAX_MICROS).contains(&micros) {
+        return None;
+    }
+    put_len(out, 8);
+    out.extend_from_slice(&(micros - PG_EPOCH_MICROS).to_be_bytes());
+    Some(())
+}
+
+/// Encodes values in the schema registry's Avro framing (magic byte 0, a 4-byte schema id, the
+/// datum) into binary COPY rows of one table's mapped columns, with the writer schemas the
+/// caller gave it (:meth:`add_schema`); a value of any other schema is handed back.
+#[pyclass(frozen, module = "twophase_native")]
+struct AvroCopyEncoder {
+    fields: Vec<String>,
+    kinds: Vec<Kind>,
+    schemas: RwLock<HashMap<u32, Arc<AvroSchema>>>,
+}
+
+impl AvroCopyEncoder {
+    fn row(&self, schemas: &HashMap<u32, Arc<AvroSchema>>, doc: &[u8], out: &mut Vec<u8>, scratch: &mut Scratch) -> Option<()> {
+        if doc.len() < 5 || doc[0] != 0 {
+            return None;
+        }
+        let id = u32::from_be_bytes([doc[1], doc[2], doc[3], doc[4]]);
+        let known = schemas.get(&id)?;
+        let mut datum = &doc[5..];
+        let AvroValue::Record(fields) = apache_avro::from_avro_datum(&known.schema, &mut datum, None).ok()? else {
+            return None;
+        };
+        let start = out.len();
+        out.extend_from_slice(&(self.kinds.len() as i16).to_be_bytes());
+        for (j, &kind) in self.kinds.iter().enumerate() {
+            let taken = known.at[j].as_ref().and_then(|(k, field_schema)| {
+                let (_, value) = fields.get(*k)?;
+                put_avro(out, kind, value, field_schema, scratch)
+            });
+            if taken.is_none() {
+                out.truncate(start);
+                return None;
+            }
+        }
+        Some(())
+    }
+}
+
+#[pymethods]
+impl AvroCopyEncoder {
+    /// `columns`: per target column, in COPY order, (Avro field, base type, max length).
+    /// Raises ValueError naming a type this encoder does not handle.
+    #[new]
+    fn new(columns: Vec<(String, String, Option<usize>)>) -> PyResult<Self> {
+        let mut fields = Vec::new();
+        let mut kinds = Vec::new();
+        for (field, base, max_length) in columns {
+            let kind = Kind::from_type(&base, max_length)
+                .ok_or_else(|| PyValueError::new_err(format!("type {base} is not handled")))?;
+            fields.push(field);
+            kinds.push(kind);
+        }
+        if kinds.is_empty() || kinds.len() > MAX_COLUMNS {
+            return Err(PyValueError::new_err(format!("1 to {MAX_COLUMNS} columns")));
+        }
+        Ok(AvroCopyEncoder { fields, kinds, schemas: RwLock::new(HashMap::new()) })
+    }
+
+    /// Learn the writer schema (Avro's JSON text, without references) of schema id `id`.
+    /// ValueError when it cannot be parsed or is not a record.
+    fn add_schema(&self, id: u32, schema: &str) -> PyResult<()> {
+        let parsed = apache_avro::Schema::parse_str(schema)
+            .map_err(|e| PyValueError::new_err(format!("schema {id}: {e}")))?;
+        let at = match &parsed {
+            apache_avro::Schema::Record(record) => self
+                .fields
+                .iter()
+                .map(|f| record.lookup.get(f).map(|&k| (k, record.fields[k].schema.clone())))
+                .collect(),
+            _ => return Err(PyValueError::new_err(format!("schema {id} is not a record"))),
+        };
+        let mut schemas = self.schemas.write().map_err(|_| PyValueError::new_err("poisoned"))?;
+        schemas.insert(id, Arc::new(AvroSchema { schema: parsed, at }));
+        Ok(())
+    }
+
+    /// Whether the writer schema of `id` was given.
+    fn knows(&self, id: u32) -> bool {
+        self.schemas.read().map(|s| s.contains_key(&id)).unwrap_or(false)
     }
 
     /// Encodes `values` (a list of bytes): returns the complete binary COPY stream of the rows
@@ -799,8 +1208,28 @@ impl CopyEncoder {
             .map(|v| v.cast_into::<PyBytes>().map_err(PyErr::from))
             .collect::<PyResult<_>>()?;
         let docs: Vec<&[u8]> = owned.iter().map(|b| b.as_bytes()).collect();
-        // The list's bytes objects are immutable and `owned` keeps them alive meanwhile.
-        let (out, handed_back) = py.detach(|| self.encode_all(&docs));
+        let schemas: HashMap<u32, Arc<AvroSchema>> = self
+            .schemas
+            .read()
+            .map_err(|_| PyValueError::new_err("poisoned"))?
+            .clone();
+        let (out, handed_back) = py.detach(|| {
+            let mut out = Vec::with_capacity(docs.iter().map(|d| d.len() * 2).sum::<usize>() + 64);
+            out.extend_from_slice(HEADER);
+            let mut handed_back = Vec::new();
+            let mut scratch = Scratch { text: Vec::new(), fmt: String::new() };
+            for (i, doc) in docs.iter().enumerate() {
+                if self.row(&schemas, doc, &mut out, &mut scratch).is_none() {
+                    handed_back.push(i);
+                }
+            }
+            if handed_back.len() == docs.len() {
+                out.clear();
+            } else {
+                out.extend_from_slice(TRAILER);
+            }
+            (out, handed_back)
+        });
         Ok((PyBytes::new(py, &out), handed_back))
     }
 }
@@ -808,5 +1237,6 @@ impl CopyEncoder {
 #[pymodule]
 fn twophase_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<CopyEncoder>()?;
+    m.add_class::<AvroCopyEncoder>()?;
     Ok(())
 }

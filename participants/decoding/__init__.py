@@ -83,11 +83,17 @@ class _ByTopic(Decoder):
 
     def __init__(self, pick: Callable[[str], Decoder], decoders: Sequence[Decoder]) -> None:
         self.pick = pick
-        self.raw_values = all(d.raw_values for d in decoders)
+        self.decoders = list(decoders)
+        shapes = {d.raw_shape for d in decoders}
+        self.raw_shape = shapes.pop() if len(shapes) == 1 else None
         self.deletes = any(d.deletes for d in decoders)
 
     def decode_value(self, value: bytes, headers: Headers, topic: str = "") -> dict[str, Any] | str:
         raise TypeError("a per-source decoder decodes messages, which name their topic")
+
+    def writer_schema(self, schema_id: int) -> str | None:
+        # Schema ids are the one registry's: any source that decoded a value of it knows it.
+        return next((t for d in self.decoders if (t := d.writer_schema(schema_id))), None)
 
     def decode_message(self, m: Message) -> Record | str:
         return self.pick(m.topic() or "").decode_message(m)

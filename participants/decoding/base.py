@@ -19,7 +19,7 @@ from confluent_kafka import Message
 from twophase.config import SchemaRegistryConfig, SourceConfig
 from twophase.participants.decoding.connect import ConnectError, unwrap
 from twophase.participants.decoding.formats import ValueFormat, value_format
-from twophase.participants.sdk import RawBatch, Record, RecordSchema
+from twophase.participants.sdk import RawBatch, RawShape, Record, RecordSchema
 
 __all__ = ["Decoded", "Decoder", "Row", "Undecodable", "record_of"]
 
@@ -70,7 +70,21 @@ class Decoded:
         """The kept values for :meth:`Sink.write_raw`, decoding on demand."""
         kept = self.kept
         decode = self.decoder.decode_message
-        return RawBatch(self.values, lambda i: decode(kept[i]))
+        shape = self.decoder.raw_shape
+        assert shape is not None  # only a raw decoder keeps values undecoded
+
+        def coords(i: int) -> tuple[str, bytes | None]:
+            m = kept[i]
+            key = m.key()
+            return m.topic() or "", key if key.__class__ is bytes else None
+
+        return RawBatch(
+            self.values,
+            lambda i: decode(kept[i]),
+            shape=shape,
+            coords=coords,
+            schemas=self.decoder.writer_schema,
+        )
 
 
 #: ``Record(...)`` through its generated ``__new__`` costs ~0.2 us more per record than the
@@ -117,10 +131,15 @@ class Decoder(ABC):
 
     #: The ``source.format`` value that picks this decoder.
     format: ClassVar[str]
-    #: True when the values are JSON objects a sink may read itself (:meth:`Sink.write_raw`,
-    #: the compiled COPY path): the batch is then scanned, not decoded. Only a source with none
-    #: of the options below: a sink reading the bytes would not see what they add.
-    raw_values: bool = False
+    #: What the values hold when a sink may read them itself (:meth:`Sink.write_raw`, the
+    #: compiled COPY path; the batch is then scanned, not decoded), or None when they must be
+    #: decoded here: a sink reading the bytes would not see what the source's options add.
+    raw_shape: RawShape | None = None
+
+    @property
+    def raw_values(self) -> bool:
+        """True when a sink may read the values itself (:attr:`raw_shape`)."""
+        return self.raw_shape is not None
 
     def __init__(
         self, source: SourceConfig | None = None, registry: SchemaRegistryConfig | None = None
@@ -141,13 +160,10 @@ class Decoder(ABC):
             if coords is not None
             else []
         )
+        #: No option adds to what the message's value says.
+        self.bare = not self.key_json and not self.kafka_fields and self.tombstones == "dead_letter"
         #: No option changes a record: the message's value is the whole record.
-        self.plain = (
-            not self.key_json
-            and not self.kafka_fields
-            and self.tombstones == "dead_letter"
-            and source.value_format == "json"
-        )
+        self.plain = self.bare and source.value_format == "json"
         #: Equal for two sources whose messages this decoder treats alike.
         self.options: tuple[Any, ...] = (
             source.value_format,
@@ -160,6 +176,11 @@ class Decoder(ABC):
         self.deletes: bool = self.tombstones == "delete"
         #: (value schema id, key field names) -> the value schema naming its key.
         self._keyed: dict[tuple[str, tuple[str, ...]], RecordSchema] = {}
+
+    def writer_schema(self, schema_id: int) -> str | None:
+        """The Avro text of registry schema ``schema_id`` for a compiled reader, once a value
+        of it was decoded here (:meth:`RawBatch.writer_schema`)."""
+        return self.values.writer_schema(schema_id)
 
     @staticmethod
     def key_json_like(source: SourceConfig) -> bool:
@@ -255,7 +276,7 @@ class Decoder(ABC):
     ) -> Decoded:
         """Records for what decodes; anything else is returned with the reason.
 
-        ``decode=False`` (only for :attr:`raw_values` decoders): only tombstones and oversize
+        ``decode=False`` (only for :attr:`raw_shape` decoders): only tombstones and oversize
         values are set aside; the rest are kept as bytes (for sinks that read them)."""
         scan = _Scan(self)
         keep_tombstones = self.tombstones != "dead_letter"

@@ -23,7 +23,7 @@ import orjson
 from twophase.config import DebeziumConfig, SchemaRegistryConfig, SourceConfig
 from twophase.participants.decoding.base import Decoder, Headers, Row
 from twophase.participants.decoding.connect import ConnectError, record_schema, unwrap
-from twophase.participants.sdk import RecordSchema
+from twophase.participants.sdk import RawShape, RecordSchema
 
 __all__ = ["DebeziumDecoder"]
 
@@ -48,6 +48,17 @@ class DebeziumDecoder(Decoder):
         ]
         self.options += (self.unwrap, tuple(self.added))
         self.deletes = self.deletes or self.unwrap
+        # A sink may read the events itself (RawShape "debezium": the after row of c, r and u)
+        # when nothing but the row and the key's fields makes the record.
+        if (
+            self._json
+            and self.unwrap
+            and not self.added
+            and not self.kafka_fields
+            and self.tombstones in ("skip", "dead_letter")
+            and self.key_format in ("none", "json")
+        ):
+            self.raw_shape = RawShape("debezium", key_fields=self.key_json)
 
     def decode_value(
         self, value: bytes, headers: Headers, topic: str = ""

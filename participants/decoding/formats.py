@@ -98,6 +98,10 @@ class ValueFormat(ABC):
     def decode(self, data: bytes, topic: str, is_key: bool = False) -> FormatResult:
         """``data`` decoded, with its schema; or the reason it is not of this format."""
 
+    def writer_schema(self, schema_id: int) -> str | None:
+        """The text of a registry schema a compiled reader may use (Avro only)."""
+        return None
+
 
 class JsonFormat(ValueFormat):
     """JSON text; integers of any width exact. No schema."""

@@ -3,7 +3,7 @@ a record in the source's ``value_format`` (a Kafka Connect envelope, a registry 
 
 The default format, and the one the compiled raw path reads: a sink that parses JSON itself
 (:meth:`Sink.write_raw`, the PostgreSQL sink's Rust COPY encoder) gets the values scanned, not
-decoded (:attr:`JsonDecoder.raw_values`). Integers of any width decode exactly.
+decoded (:attr:`JsonDecoder.raw_shape`). Integers of any width decode exactly.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from twophase.participants.decoding.base import (
     record_of,
 )
 from twophase.participants.decoding.formats import exact, loads_exact, maybe_wide
-from twophase.participants.sdk import Record
+from twophase.participants.sdk import AVRO, PLAIN_JSON, Record
 
 __all__ = ["JsonDecoder"]
 
@@ -46,8 +46,12 @@ class JsonDecoder(Decoder):
         self, source: SourceConfig | None = None, registry: SchemaRegistryConfig | None = None
     ) -> None:
         super().__init__(source, registry)
-        # A sink may read the bytes itself only when they are the whole record.
-        self.raw_values = self.plain
+        # A sink may read the bytes itself only when they are the whole record: JSON, or the
+        # registry's Avro framing (with the writer schemas the decoder fetched).
+        if self.plain:
+            self.raw_shape = PLAIN_JSON
+        elif self.bare and source is not None and source.value_format == "avro":
+            self.raw_shape = AVRO
         self._json = self.values.name == "json"
 
     def decode_value(

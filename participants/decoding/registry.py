@@ -26,6 +26,7 @@ import io
 import json
 import logging
 import math
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -44,6 +45,8 @@ __all__ = ["RegistryFormat", "RegistryUnavailable", "registry_client"]
 
 log = logging.getLogger("twophase.participant")
 
+#: An object's address in its repr (`<_io.BytesIO object at 0x7f...>`).
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+>")
 #: The registry's schema type of each format.
 _SCHEMA_TYPES = {"avro": "AVRO", "protobuf": "PROTOBUF", "json_schema": "JSON"}
 #: Nesting a schema may have before its deeper parts are kept as ``json`` (a recursive schema,
@@ -78,6 +81,9 @@ class _Reader:
     read: Callable[[io.BytesIO, list[int] | None], Any]
     schema: RecordSchema | None
     schema_for: Callable[[list[int] | None], RecordSchema | None] | None = None
+    #: The writer schema's text, for a compiled reader (an Avro record schema without
+    #: references); None otherwise.
+    text: str | None = None
 
 
 class _Unknown(Exception):
@@ -142,14 +148,22 @@ class RegistryFormat(ValueFormat):
         except _Mismatch as exc:
             return f"undecodable: payload does not match its schema ({ref[0]} {ref[1]}): {exc}"
         except Exception as exc:  # noqa: BLE001 - a codec's errors are many and unnamed
+            # Without the objects' addresses fastavro's messages carry: one reason, one text.
+            said = _ADDRESS.sub(">", str(exc))
             return (
                 f"undecodable: payload does not match its schema ({ref[0]} {ref[1]}, "
-                f"{self.kind}): {type(exc).__name__}: {exc}"
+                f"{self.kind}): {type(exc).__name__}: {said}"
             )
         schema = (
             reader.schema if reader.schema_for is None else reader.schema_for(sid.message_indexes)
         )
         return value, schema
+
+    def writer_schema(self, schema_id: int) -> str | None:
+        """The Avro text of schema ``schema_id`` once a value of it was decoded, when a compiled
+        reader may read it (a record schema without references)."""
+        reader = self._readers.get(("id", schema_id))
+        return reader.text if isinstance(reader, _Reader) else None
 
     def _load(self, ref: tuple[str, Any]) -> _Reader | str:
         """The reader of schema ``ref``, or why there is none (kept: an id's schema never
@@ -425,7 +439,9 @@ def _avro_reader(schema: Any, client: Any, sid: str) -> _Reader:
         return schemaless_reader(buf, parsed, None)
 
     reader = _record_reader(read, record)
-    return reader if record is not None else _Reader(reader.read, None)
+    if record is None:
+        return _Reader(reader.read, None)
+    return replace(reader, text=None if named else schema.schema_str)
 
 
 # -- JSON Schema --------------------------------------------------------------------------------

@@ -91,7 +91,8 @@ def quiet_gc() -> None:
 def reads_raw(sinks: Sequence[Sink], decoder: Decoder) -> bool:
     """True when the values are JSON objects and every sink reads them itself: batches are
     scanned, not decoded, here."""
-    return decoder.raw_values and all(sink.accepts_raw() for sink in sinks)
+    shape = decoder.raw_shape
+    return shape is not None and all(sink.accepts_raw_shape(shape) for sink in sinks)
 
 
 def decoding(sinks: Sequence[Sink], decoder: Decoder) -> str:

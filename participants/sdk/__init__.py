@@ -40,11 +40,14 @@ from twophase.participants.sdk.errors import (
     UnknownPartError,
 )
 from twophase.participants.sdk.records import (
+    AVRO,
+    PLAIN_JSON,
     CommittedInfo,
     Held,
     PartId,
     Positions,
     RawBatch,
+    RawShape,
     Record,
     Rejected,
     TopicPartition,
@@ -70,6 +73,8 @@ from twophase.participants.sdk.staging import (
 )
 
 __all__ = [
+    "AVRO",
+    "PLAIN_JSON",
     "AbortTransactionError",
     "BackpressureError",
     "BatchingSink",
@@ -85,6 +90,7 @@ __all__ = [
     "PartState",
     "Positions",
     "RawBatch",
+    "RawShape",
     "Record",
     "RecordSchema",
     "Rejected",

@@ -15,7 +15,10 @@ __all__ = [
     "Held",
     "PartId",
     "Positions",
+    "AVRO",
+    "PLAIN_JSON",
     "RawBatch",
+    "RawShape",
     "Record",
     "Rejected",
     "TopicPartition",
@@ -147,17 +150,47 @@ class CommittedInfo:
         return self.part.txn
 
 
+@dataclass(frozen=True, slots=True)
+class RawShape:
+    """What the values of a :class:`RawBatch` hold, and how a record comes out of one.
+
+    ``envelope`` None: each value is the record's JSON object. ``"debezium"``: each value is a
+    Debezium change event in schemaless JSON (``{before, after, op, source, ...}``); a sink
+    may store the ``after`` row of an event whose ``op`` is ``c``, ``r`` or ``u`` and must ask
+    :meth:`RawBatch.record` for every other value (deletes among them). ``key_fields``: the
+    record key (:meth:`RawBatch.key`, a JSON object) overlays the row's fields, its values
+    winning (``sources[].key_format: json``).
+    """
+
+    envelope: str | None = None
+    key_fields: bool = False
+    #: ``"json"``, or ``"avro"``: each value is in the schema registry's framing (magic byte 0,
+    #: a 4-byte schema id, the Avro datum of a record); :meth:`RawBatch.writer_schema` gives
+    #: the schema's text once the runtime knows it.
+    format: str = "json"
+
+
+#: The raw values of a plain JSON source: every value is the record.
+PLAIN_JSON = RawShape()
+#: The raw values of an Avro source (``value_format: avro``) with no options: every value is
+#: the record, in the registry's framing.
+AVRO = RawShape(format="avro")
+
+
 class RawBatch:
     """One consumed batch with its values not yet decoded, for :meth:`Sink.write_raw`.
 
-    ``values[i]`` is record i's value: the JSON bytes as they came from the source (never a
-    tombstone, never over ``participant.max_record_bytes``). A sink that reads them itself
-    stores each value or asks :meth:`record` for it; :meth:`record` decodes once and returns
-    None for a value that is not a JSON object -- the runtime dead-letters those (as
-    undecodable, the same as when records are decoded first) and the sink skips them.
+    ``values[i]`` is record i's value as it came from the source, in the batch's
+    :attr:`shape` (never a tombstone, never over ``participant.max_record_bytes``);
+    :meth:`topic` and :meth:`key` are its message's topic and key. A sink that reads them
+    itself stores each value or asks :meth:`record` for it; :meth:`record` decodes once and
+    returns None for a value that is no record -- the runtime dead-letters those (with the
+    same reason as when records are decoded first) and the sink skips them.
     """
 
-    __slots__ = ("_decode", "_decoded", "_ids", "_index", "values")
+    __slots__ = (
+        "_coords", "_decode", "_decoded", "_ids", "_index", "_schemas", "shape", "values",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -165,6 +198,10 @@ class RawBatch:
         decode: Callable[[int], Record | str],
         _decoded: dict[int, Record | str] | None = None,
         _index: Sequence[int] | None = None,
+        *,
+        shape: RawShape = PLAIN_JSON,
+        coords: Callable[[int], tuple[str, bytes | None]] | None = None,
+        schemas: Callable[[int], str | None] | None = None,
     ) -> None:
         self.values = values
         self._decode = decode
@@ -173,6 +210,42 @@ class RawBatch:
         #: Position of each value in the batch it was first built from.
         self._index: Sequence[int] = range(len(values)) if _index is None else _index
         self._ids: dict[str, int] | None = None
+        self.shape = shape
+        #: Position in the first batch -> the message's (topic, key).
+        self._coords = coords
+        self._schemas = schemas
+
+    def writer_schema(self, schema_id: int) -> str | None:
+        """The Avro text of registry schema ``schema_id`` (``RawShape.format`` ``"avro"``),
+        once a value of it was decoded (:meth:`record`) and when a reader other than the
+        runtime's may use it (a record schema without references); else None."""
+        return None if self._schemas is None else self._schemas(schema_id)
+
+    def topic(self, i: int) -> str:
+        """The topic of value ``i``'s message."""
+        if self._coords is not None:
+            return self._coords(self._index[i])[0]
+        r = self.record(i)
+        return "" if r is None else r.topic
+
+    def key(self, i: int) -> bytes | None:
+        """The key of value ``i``'s message, as its bytes."""
+        if self._coords is not None:
+            return self._coords(self._index[i])[1]
+        r = self.record(i)
+        return None if r is None else r.key
+
+    def subset(self, positions: Sequence[int]) -> RawBatch:
+        """The values at ``positions`` (of this batch), as a batch of their own."""
+        return RawBatch(
+            [self.values[i] for i in positions],
+            self._decode,
+            self._decoded,
+            [self._index[i] for i in positions],
+            shape=self.shape,
+            coords=self._coords,
+            schemas=self._schemas,
+        )
 
     def __len__(self) -> int:
         return len(self.values)
@@ -207,10 +280,4 @@ class RawBatch:
                 if r is not None:
                     self._ids[r.record_id] = i
         drop = {self._ids[rid] for rid in record_ids if rid in self._ids}
-        keep = [i for i in range(len(self.values)) if i not in drop]
-        return RawBatch(
-            [self.values[i] for i in keep],
-            self._decode,
-            self._decoded,
-            [self._index[i] for i in keep],
-        )
+        return self.subset([i for i in range(len(self.values)) if i not in drop])

@@ -63,6 +63,16 @@ class TargetTemplate:
         """Whether the name depends on the topic alone (cached per topic then)."""
         return "${value." not in self.template and "${source." not in self.template
 
+    def for_topic(self, topic: str) -> str:
+        """The target of every record of ``topic``, for a template of the topic alone."""
+        assert self.topic_only
+        known = self._by_topic.get(topic)
+        if known is None:
+            got = self.render(Record(topic, 0, 0, -1, None, {}))
+            assert isinstance(got, str)  # ${topic} always has a value
+            known = got
+        return known
+
     def render(self, record: Record) -> str | Rejected:
         """The target of ``record``, or a rejection saying why it has none."""
         if self.topic_only and (known := self._by_topic.get(record.topic)) is not None:

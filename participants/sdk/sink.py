@@ -104,10 +104,12 @@ A sink that makes targets only under some options says so in :attr:`makes_target
 runtime asks only sinks for which it is true.
 
 **Raw values** (optional): a sink that can read JSON bytes faster than the runtime can decode
-them overrides :meth:`accepts_raw` and :meth:`write_raw`. When every sink of a pipeline accepts
-raw values, the runtime skips decoding and calls ``write_raw`` with a :class:`RawBatch`; all the
-rules of ``write`` hold for it, and every value must be either stored or asked for with
-``RawBatch.record`` (which is how the runtime learns what to dead-letter as undecodable).
+them overrides :meth:`accepts_raw` and :meth:`write_raw` (and :meth:`accepts_raw_shape` for
+values that are more than the record: Debezium change events, keys that add fields). When every
+sink of a pipeline accepts the source's raw values, the runtime skips decoding and calls
+``write_raw`` with a :class:`RawBatch`; all the rules of ``write`` hold for it, and every value
+must be either stored or asked for with ``RawBatch.record`` (which is how the runtime learns
+what to dead-letter as undecodable).
 
 **Housekeeping** (optional; defaults do nothing, and are right for a store that needs nothing):
 
@@ -137,11 +139,13 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from twophase.participants.sdk.records import (
+    PLAIN_JSON,
     CommittedInfo,
     Held,
     PartId,
     Positions,
     RawBatch,
+    RawShape,
     Record,
     Rejected,
     TopicPartition,
@@ -275,8 +279,15 @@ class Sink(abc.ABC):
         return type(self).open_targets is not Sink.open_targets
 
     def accepts_raw(self) -> bool:
-        """True when :meth:`write_raw` is faster than decoding first (asked after setup)."""
+        """True when :meth:`write_raw` is faster than decoding first (asked after setup), for
+        values that are the records' JSON objects."""
         return False
+
+    def accepts_raw_shape(self, shape: RawShape) -> bool:
+        """True when :meth:`write_raw` reads values of ``shape`` (:class:`RawShape`: change
+        events, keys that add fields) faster than decoding first (asked after setup).
+        Default: plain JSON objects only, when :meth:`accepts_raw`."""
+        return shape == PLAIN_JSON and self.accepts_raw()
 
     def write_raw(self, part: PartId, batch: RawBatch) -> Sequence[Rejected]:
         """:meth:`write` of a batch whose values are still JSON bytes (same rules and errors).

@@ -21,6 +21,7 @@ from twophase.participants.sdk import (
     Held,
     PartId,
     RawBatch,
+    RawShape,
     Record,
     Rejected,
     Sink,
@@ -122,6 +123,9 @@ class _Refusing:
 
     def accepts_raw(self) -> bool:
         return False
+
+    def accepts_raw_shape(self, shape: RawShape) -> bool:
+        return Sink.accepts_raw_shape(self, shape)  # type: ignore[arg-type]
 
     def write(self, part: PartId, records: Sequence[Record]) -> list[Rejected]:
         out = [Rejected(r, "no") for r in records if r.value["id"] in self.refuse]

@@ -14,6 +14,7 @@ from twophase.config import SourceConfig, parse_config
 from twophase.errors import ConfigError
 from twophase.participants.decoding import DebeziumDecoder, JsonDecoder, decoder_for
 from twophase.participants.decoding.connect import ConnectError, unwrap
+from twophase.participants.sdk import RawShape
 
 
 def msg(offset: int, value: Any, key: Any = None, partition: int = 0) -> Message:
@@ -135,7 +136,12 @@ def test_creates_reads_and_updates_are_rows_and_deletes_are_deletes() -> None:
     # The skipped tombstone is consumed: the partition's position moves past it.
     assert out.last == {("pg.public.orders", 0): 5}
     assert out.counts == {("pg.public.orders", 0): 4}
-    assert d.deletes and not d.raw_values
+    assert d.deletes
+    # A sink may read these events itself: the after rows of c, r and u (the raw path).
+    assert d.raw_shape == RawShape("debezium")
+    # Not with options that add to the row.
+    added = DebeziumDecoder(source(format="debezium", debezium={"add_fields": ["op"]}))
+    assert added.raw_shape is None
 
 
 def test_events_in_the_connect_envelope_decode_the_same() -> None:

@@ -128,6 +128,12 @@ class _Connections(Sink):
         #: The mask of the upsert key's columns (a delete's row).
         self._key_mask = 0
         self._delete_sql: tuple[sql.Composed, sql.Composed] | None = None
+        self._events_sql: tuple[sql.Composed, sql.Composed, sql.Composed] | None = None
+        self._events_encoder: twophase_native.CopyEncoder | None = None
+        #: The compiled encoder of Avro values (insert mode, where the JSON one applies).
+        self._avro_encoder: twophase_native.AvroCopyEncoder | None = None
+        #: Schema ids the Avro encoder cannot read: their values take the Python path.
+        self._avro_refused: set[int] = set()
         self._plan: list[_PlanStep] = []
         self._fast: _BatchConverter = _compile_plan([])
         self._binary_types: list[str] | None = None

@@ -41,6 +41,7 @@ from twophase.participants.sdk import (
     FatalSinkError,
     Held,
     PartId,
+    RawShape,
     Record,
     RecordSchema,
     Rejected,
@@ -164,6 +165,9 @@ class _SchemaTargets(_WritePath):
     def accepts_raw(self) -> bool:
         # Schemas come with decoded records only.
         return not self._schemas_on and super().accepts_raw()
+
+    def accepts_raw_shape(self, shape: RawShape) -> bool:
+        return not self._schemas_on and super().accepts_raw_shape(shape)
 
     def setup(self) -> None:
         super().setup()

@@ -38,6 +38,13 @@ from twophase.participants.sinks.postgres.types import (
 
 __all__ = ["_Target"]
 
+#: The Debezium ops whose event carries the row (``after``): create, snapshot read, update.
+_EVENT_ROW_OPS = frozenset({"c", "r", "u"})
+#: The staging table's own columns, before the mapped ones: the order of a write's rows and
+#: whether a row is a delete (the change-event path applies them in order, in SQL).
+STAGE_SEQ = "_twophase_seq"
+STAGE_DELETED = "_twophase_deleted"
+
 #: What the write path knows of one target table; a template's sink keeps it per table.
 _TABLE_STATE = (
     "_target",
@@ -49,6 +56,9 @@ _TABLE_STATE = (
     "_fast",
     "_binary_types",
     "_encoder",
+    "_events_encoder",
+    "_events_sql",
+    "_avro_encoder",
     "_stage",
     "_stage_name",
     "_statements",
@@ -224,6 +234,15 @@ class _Target(_Connections):
         # ourselves; one column the server must parse from text (enum, array, ...) makes it text.
         self._binary_types = None if None in binary else [b for b in binary if b is not None]
         self._encoder = self._compiled_encoder(conn, mapped)
+        self._events_encoder = self._compiled_encoder(conn, mapped, events=True)
+        self._avro_encoder = (
+            twophase_native.AvroCopyEncoder(
+                [(m.field, m.column.base_type, m.column.max_length) for m in mapped]
+            )
+            if self._encoder is not None
+            else None
+        )
+        self._events_sql = None
         self._stage = (
             self._ensure_stage(admin or conn, mapped, table) if cfg.mode != "insert" else None
         )
@@ -272,17 +291,21 @@ class _Target(_Connections):
         return table_columns
 
     def _compiled_encoder(
-        self, conn: Connection, mapped: list[_Mapped]
+        self, conn: Connection, mapped: list[_Mapped], events: bool = False
     ) -> twophase_native.CopyEncoder | None:
         """The compiled encoder for this table, or None (and why, at DEBUG) when it does not
-        apply: every record then takes the Python path."""
+        apply: every record then takes the Python path. ``events``: the one for Debezium change
+        events in upsert mode, whose rows go through the staging table in order
+        (:meth:`_WritePath.write_raw`)."""
         cfg = self.cfg
         why = ""
         if not cfg.compiled_copy:
             why = "compiled_copy is off"
         elif twophase_native is None:
             why = "twophase-native is not installed"
-        elif cfg.mode != "insert":
+        elif events and cfg.mode != "upsert":
+            why = f"{cfg.mode} mode applies change events in Python"
+        elif not events and cfg.mode != "insert":
             why = f"{cfg.mode} mode merges rows per key in Python"
         elif any(m.get is not None for m in mapped):
             why = "nested field paths"
@@ -291,13 +314,17 @@ class _Target(_Connections):
         elif conn.info.encoding != "utf-8":
             why = f"client encoding {conn.info.encoding}"
         else:
+            columns = [(m.field, m.column.base_type, m.column.max_length) for m in mapped]
             try:
-                return twophase_native.CopyEncoder(
-                    [(m.field, m.column.base_type, m.column.max_length) for m in mapped]
-                )
+                if events:
+                    return twophase_native.CopyEncoder(
+                        columns, row_in="after", ops=sorted(_EVENT_ROW_OPS), seq=True
+                    )
+                return twophase_native.CopyEncoder(columns)
             except ValueError as exc:  # a type it does not model
                 why = str(exc)
-        self.log.debug("postgres sink %s: Python conversion only: %s", self.name, why)
+        if not (events and cfg.mode != "upsert"):
+            self.log.debug("postgres sink %s: Python conversion only: %s", self.name, why)
         return None
 
     @staticmethod
@@ -321,15 +348,26 @@ class _Target(_Connections):
         part holds on the target (its own, which is changing it) nor miss a column that part
         added and has not committed yet.
         """
-        signature = "|".join([table, *(f"{m.column.name}:{m.column.sql_type}" for m in mapped)])
+        signature = "|".join(
+            ["v2", table, *(f"{m.column.name}:{m.column.sql_type}" for m in mapped)]
+        )
         name = f"twophase_stage_{hashlib.sha1(signature.encode()).hexdigest()[:16]}"
         schema = self.cfg.marker_table.split(".")[0] if "." in self.cfg.marker_table else None
         stage = sql.Identifier(schema, name) if schema else sql.Identifier(name)
         # Names and types (format_type's text), no constraints: NOT NULL and CHECK are
-        # checked when the rows reach the target.
+        # checked when the rows reach the target. First the order of a write's rows and
+        # whether each is a delete (only the change-event path fills them).
         columns = sql.SQL(", ").join(
-            sql.SQL("{} {}").format(sql.Identifier(m.column.name), sql.SQL(m.column.sql_type))
-            for m in mapped
+            [
+                sql.SQL("{} bigint").format(sql.Identifier(STAGE_SEQ)),
+                sql.SQL("{} boolean").format(sql.Identifier(STAGE_DELETED)),
+                *(
+                    sql.SQL("{} {}").format(
+                        sql.Identifier(m.column.name), sql.SQL(m.column.sql_type)
+                    )
+                    for m in mapped
+                ),
+            ]
         )
         with suppress(*_CREATED_CONCURRENTLY):
             conn.execute(

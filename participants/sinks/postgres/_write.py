@@ -13,15 +13,18 @@ import psycopg
 from psycopg import sql
 
 from twophase.participants.sdk import (
+    AVRO,
+    PLAIN_JSON,
     AbortTransactionError,
     FatalSinkError,
     PartId,
     RawBatch,
+    RawShape,
     Record,
     Rejected,
     RetriableSinkError,
 )
-from twophase.participants.sinks.postgres._connections import _OpenPart
+from twophase.participants.sinks.postgres._connections import _OpenPart, twophase_native
 from twophase.participants.sinks.postgres._errors import (
     _ENCODE_ERRORS,
     _FATAL_CLASSES,
@@ -42,6 +45,7 @@ from twophase.participants.sinks.postgres._errors import (
 )
 from twophase.participants.sinks.postgres._markers import _Markers
 from twophase.participants.sinks.postgres._rows import _ABSENT, _Row
+from twophase.participants.sinks.postgres._target import STAGE_DELETED, STAGE_SEQ
 from twophase.participants.sinks.postgres.types import (
     BadValue,
 )
@@ -140,6 +144,21 @@ class _WritePath(_Markers):
     def accepts_raw(self) -> bool:
         return self._encoder is not None and not self.cfg.templated
 
+    def accepts_raw_shape(self, shape: RawShape) -> bool:
+        """Plain JSON as :meth:`accepts_raw`; Debezium change events in upsert mode, into one
+        table or a table per topic (:meth:`_write_events`)."""
+        if shape == PLAIN_JSON:
+            return self.accepts_raw()
+        if shape == AVRO:
+            return self._avro_encoder is not None and not self.cfg.templated
+        return (
+            shape.envelope == "debezium"
+            and self.cfg.mode == "upsert"
+            and self.cfg.compiled_copy
+            and twophase_native is not None
+            and (self._template is None or self._template.topic_only)
+        )
+
     @property
     def supports_deletes(self) -> bool:
         """In upsert and update mode: a delete removes the row of its key (``docs/cdc.md``)."""
@@ -201,17 +220,22 @@ class _WritePath(_Markers):
         return self._template.render(record)
 
     def write_raw(self, part: PartId, batch: RawBatch) -> Sequence[Rejected]:
-        encoder = self._encoder
+        if batch.shape.envelope is not None:
+            return self._write_events(part, batch)
+        avro = batch.shape.format == "avro"
+        encoder = self._avro_encoder if avro else self._encoder
         if encoder is None:
             return super().write_raw(part, batch)
 
         left_out: list[int] = []
 
         def encode() -> tuple[bytes, int, Sequence[Record]]:
-            # The values the encoder was unsure of, decoded (None: not JSON, the runtime's).
+            # The values the encoder was unsure of, decoded (None: not a record, the runtime's).
             payload, unsure = encoder.encode(batch.values)
             left_out[:] = unsure
             rest = [r for i in unsure if (r := batch.record(i)) is not None]
+            if avro:
+                self._learn_schemas(batch, unsure)
             return payload, len(batch) - len(unsure), rest
 
         def at(line: int) -> Record | None:
@@ -223,6 +247,191 @@ class _WritePath(_Markers):
             return batch.record(index) if index is not None else None
 
         return self._write(part, encode, batch.records, at)
+
+    def _learn_schemas(self, batch: RawBatch, unsure: Sequence[int]) -> None:
+        """Give the Avro encoder the writer schemas of values it handed back for not knowing
+        them, now that decoding them fetched them: the next values of those schemas are its."""
+        encoder = self._avro_encoder
+        assert encoder is not None
+        for i in unsure:
+            value = batch.values[i]
+            if len(value) < 5 or value[0] != 0:
+                continue
+            sid = int.from_bytes(value[1:5], "big")
+            if sid in self._avro_refused or encoder.knows(sid):
+                continue
+            text = batch.writer_schema(sid)
+            if text is None:
+                continue
+            try:
+                encoder.add_schema(sid, text)
+            except ValueError as exc:  # a schema Apache's Rust codec does not read
+                self._avro_refused.add(sid)
+                self.log.info("postgres sink %s: schema %d in Python: %s", self.name, sid, exc)
+
+    # -- change events (RawShape "debezium"): rows applied in order through the stage -------
+
+    def _write_events(self, part: PartId, batch: RawBatch) -> Sequence[Rejected]:
+        """Debezium change events, each topic's into its table: the events whose row the
+        compiled encoder takes (creates, snapshot reads and updates with every mapped field)
+        go into the staging table as a binary COPY stream with their place in the batch; the
+        rest (deletes, rows with nulls or unusual values) are decoded and converted here and
+        staged beside them; one statement then applies each key's last change
+        (:meth:`_stage_events`). The same result as :meth:`write` of the decoded records."""
+        if self._template is None:
+            return self._write_events_of(part, batch)
+        by_topic: dict[str, list[int]] = {}
+        topic_of = batch.topic
+        for i in range(len(batch)):
+            by_topic.setdefault(topic_of(i), []).append(i)
+        rejected: list[Rejected] = []
+        for topic, positions in by_topic.items():
+            table = self._template.for_topic(topic)
+            view = batch.subset(positions)
+            why = self._use_table(table)
+            if why is None:
+                rejected += self._write_events_of(part, view)
+            else:
+                rejected += [Rejected(r, f"table {table}: {why}") for r in view.records()]
+        return rejected
+
+    def _write_events_of(self, part: PartId, batch: RawBatch) -> Sequence[Rejected]:
+        """:meth:`_write_events` of events into the current table."""
+        encoder = self._events_encoder
+        if encoder is None:
+            return self._write_decoded(part, batch)
+        keys = [batch.key(i) for i in range(len(batch))] if batch.shape.key_fields else None
+        payload, unsure = encoder.encode(batch.values, keys)
+        rejected: list[Rejected] = []
+        staged: list[tuple[int, _Row]] = []
+        full = (1 << len(self._mapped)) - 1
+        for i in unsure:
+            record = batch.record(i)
+            if record is None:
+                continue  # not a change event: the runtime dead-letters it
+            row = self._convert_one(record)
+            if row.__class__ is Rejected:
+                rejected.append(row)
+                continue
+            assert isinstance(row, _Row)
+            if not row.deleted and row.mask != full:
+                # A row with fields missing merges into the key's earlier rows: in Python.
+                return self._write_decoded(part, batch)
+            staged.append((i, row))
+        n = len(batch) - len(unsure) + len(staged)
+        op = self._open_part(part, "write")
+        with op.lock:
+            if op.broken is not None or op.conn is None:
+                raise AbortTransactionError(
+                    f"part {part.token} cannot continue: {op.broken}", sink=self.name
+                )
+            if any(row.deleted for _, row in staged):
+                self._await_decisions(part)
+            try:
+                self._stage_events(op.conn, payload, staged)
+            except _CompiledRefused:
+                # The server refused a row (a CHECK, numeric(p, s) overflow): the whole batch
+                # the careful way, which isolates the culprits.
+                refused = True
+            except _ENCODE_ERRORS as exc:
+                raise self._classify_write_error(op, exc) from exc
+            else:
+                refused = False
+                op.records += n
+                op.rejected += len(rejected)
+        if refused:
+            return self._write_decoded(part, batch)
+        self._log_rejected(part, rejected, n + len(rejected))
+        return rejected
+
+    def _write_decoded(self, part: PartId, batch: RawBatch) -> Sequence[Rejected]:
+        records = batch.records()
+        return self._write(part, partial(_compiled_none, records), partial(_all, records))
+
+    def _stage_events(
+        self, conn: Connection, payload: bytes, staged: list[tuple[int, _Row]]
+    ) -> None:
+        """Stage the compiled rows (``payload``) and ``staged`` (place in the batch, row), then
+        apply each key's last change: delete the keys with a delete among their changes, and
+        upsert the keys whose last change is a row. Raises :class:`_CompiledRefused` (the part
+        as before) when the server refuses a row."""
+        copy_sql, delete_sql, merge_sql = self._events_statements()
+        assert self._stage is not None and self._binary_types is not None
+        conn.execute(sql.SQL("SAVEPOINT {}").format(_WRITE_SAVEPOINT))
+        try:
+            with conn.cursor() as cur:
+                if payload:
+                    with cur.copy(copy_sql) as copy:
+                        copy.write(payload)
+                if staged:
+                    with cur.copy(copy_sql) as copy:
+                        copy.set_types(["int8", "bool", *self._binary_types])
+                        write_row = copy.write_row
+                        for seq, row in staged:
+                            write_row([seq, row.deleted, *row.values])
+                    if any(row.deleted for _, row in staged):
+                        cur.execute(delete_sql)
+                cur.execute(merge_sql)
+                cur.execute(sql.SQL("DELETE FROM {}").format(self._stage))
+        except _ENCODE_ERRORS as exc:
+            if conn.closed or conn.broken or _is_lost(conn, exc):
+                raise
+            refused = _is_row_refusal(conn, exc)
+            conn.execute(sql.SQL("ROLLBACK TO SAVEPOINT {}").format(_WRITE_SAVEPOINT))
+            conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(_WRITE_SAVEPOINT))
+            if refused:
+                raise _CompiledRefused from exc
+            raise
+        conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(_WRITE_SAVEPOINT))
+
+    def _events_statements(self) -> tuple[sql.Composed, sql.Composed, sql.Composed]:
+        """COPY into the stage (place, delete flag, every mapped column); the delete of every
+        staged delete's key; the upsert of each key's last staged change when it is a row."""
+        if self._events_sql is None:
+            assert self._stage is not None
+            seq, deleted = sql.Identifier(STAGE_SEQ), sql.Identifier(STAGE_DELETED)
+            names = sql.SQL(", ").join(sql.Identifier(m.column.name) for m in self._mapped)
+            keys = [sql.Identifier(k) for k in self._key]
+            key_list = sql.SQL(", ").join(keys)
+            copy = sql.SQL("COPY {} ({}, {}, {}) FROM STDIN (FORMAT BINARY)").format(
+                self._stage, seq, deleted, names
+            )
+            delete = sql.SQL("DELETE FROM {} AS t USING {} AS s WHERE s.{} AND {}").format(
+                self._target,
+                self._stage,
+                deleted,
+                sql.SQL(" AND ").join(sql.SQL("t.{0} = s.{0}").format(k) for k in keys),
+            )
+            updates = [m.column.name for m in self._mapped if m.column.name not in self._key]
+            action = (
+                sql.SQL("DO UPDATE SET {}").format(
+                    sql.SQL(", ").join(
+                        sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(c)) for c in updates
+                    )
+                )
+                if updates
+                else sql.SQL("DO NOTHING")
+            )
+            merge = sql.SQL(
+                "INSERT INTO {} ({}) SELECT {} FROM (SELECT DISTINCT ON ({}) * FROM {}"
+                " ORDER BY {}, {} DESC) AS s WHERE NOT s.{} ON CONFLICT ({}) {}"
+            ).format(
+                self._target, names, names, key_list, self._stage, key_list, seq, deleted,
+                key_list, action,
+            )  # fmt: skip
+            self._events_sql = (copy, delete, merge)
+        return self._events_sql
+
+    def _log_rejected(self, part: PartId, rejected: list[Rejected], n: int) -> None:
+        if rejected:
+            self.log.info(
+                "postgres sink %s: part %s rejected %d of %d records (first: %s)",
+                self.name,
+                part.token,
+                len(rejected),
+                n,
+                rejected[0].reason,
+            )
 
     def _write(
         self,
@@ -270,15 +479,7 @@ class _WritePath(_Markers):
                 raise self._classify_write_error(op, exc) from exc
             op.records += n - len(rejected)
             op.rejected += len(rejected)
-        if rejected:
-            self.log.info(
-                "postgres sink %s: part %s rejected %d of %d records (first: %s)",
-                self.name,
-                part.token,
-                len(rejected),
-                n,
-                rejected[0].reason,
-            )
+        self._log_rejected(part, rejected, n)
         return rejected
 
     def _await_decisions(self, part: PartId) -> None:
