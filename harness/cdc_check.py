@@ -6,7 +6,8 @@ product's bookkeeping: a table's columns and key come from the source database's
 replica's rows from the store, and the JSON values the pipeline wrote (MongoDB documents,
 change-row files) become the source's Python types by the documented rules only
 (``docs/cdc.md``: decimals are exact decimal strings, dates ``YYYY-MM-DD``, timestamps ISO-8601
-with an offset; ``docs/types.md``: what each sink stores for them). A value that does not follow
+with an offset; ``docs/types.md``: what each sink stores for them, a MongoDB document's values
+typed by the record's schema included). A value that does not follow
 its rule is kept as it is, so it differs from the source value -- nothing is coerced to match.
 Rows compare strictly (:func:`same`): equal values *of the same type*, decimals with the same
 digits (``12.30`` is not ``12.3``), timestamps the same instant.
@@ -17,13 +18,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import date, datetime, timedelta
+from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import psycopg
 import pyarrow.parquet as pq
+from bson import Binary, Decimal128
 from psycopg import sql
 from pymongo import MongoClient
 
@@ -124,8 +127,13 @@ def mongo_rows(
     rows = []
     client: MongoClient[dict[str, Any]] = MongoClient(uri)
     with client:
+        kinds = dict(table.columns)
         for doc in client[database][collection].find():
-            fields = {k: v for k, v in doc.items() if k not in ("_id", version_field)}
+            fields = {
+                k: _from_bson(kinds.get(k, ""), v)
+                for k, v in doc.items()
+                if k not in ("_id", version_field)
+            }
             row = table.from_json(fields)
             wrong = []
             if extra := sorted(set(fields) - set(table.names)):
@@ -288,6 +296,25 @@ def _timestamp(zoned: bool) -> Callable[[Any], Any]:
 
 
 def _as_is(value: Any) -> Any:
+    return value
+
+
+def _from_bson(kind: str, value: Any) -> Any:
+    """A MongoDB value typed by its record's schema (``docs/types.md``, the BSON column) as the
+    JSON rules' value of its source column: a ``Decimal128`` in a numeric column its decimal,
+    digit for digit; a BSON date at midnight in a date column its day; a BSON date (UTC) in a
+    timestamptz column its instant; a BSON UUID in a uuid column its UUID. Anything else --
+    a date with a time of day in a date column, say -- stays as it is, and differs."""
+    if isinstance(value, Decimal128):
+        return value.to_decimal() if kind == "numeric" else value
+    if isinstance(value, datetime) and value.tzinfo is None:
+        if kind == "date" and value.time() == time(0):
+            return value.date()
+        if kind == "timestamp with time zone":
+            return value.replace(tzinfo=UTC)
+        return value
+    if isinstance(value, Binary) and value.subtype == 4 and kind == "uuid":
+        return UUID(bytes=bytes(value))
     return value
 
 

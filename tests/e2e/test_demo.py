@@ -8,7 +8,9 @@ writer's driver killed with every part of a batch prepared. Only the record coun
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -36,13 +38,26 @@ ROW = re.compile(r"^\s*(\w+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s*$
 
 def _run(args: list[str], timeout_s: float, workdir: Path) -> tuple[str, float]:
     started = time.monotonic()
-    run = subprocess.run(
+    # In a session of its own: on a timeout the demo and every process it started go (the
+    # demo's pipeline processes outlived a killed demo once, committing empty parts for good).
+    proc = subprocess.Popen(
         [sys.executable, "-m", *args, "--workdir", str(workdir)],
         cwd=REPO,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout_s,
+        start_new_session=True,
     )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(
+            f"{' '.join(args)} did not end within {timeout_s:.0f}s\n"
+            f"--- stdout\n{stdout[-6000:]}\n--- stderr\n{stderr[-4000:]}"
+        ) from None
+    run = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     elapsed = time.monotonic() - started
     assert run.returncode == 0, (
         f"{' '.join(args)} exited {run.returncode} after {elapsed:.0f}s\n"
