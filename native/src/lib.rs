@@ -916,27 +916,56 @@ impl CopyEncoder {
     }
 
     fn encode_all(&self, docs: &[&[u8]], keys: Option<&[Option<&[u8]>]>) -> (Vec<u8>, Vec<usize>) {
-        let mut out = Vec::with_capacity(docs.iter().map(|d| d.len()).sum::<usize>() + 64);
-        out.extend_from_slice(HEADER);
-        let mut handed_back = Vec::new();
-        let mut scratch = Scratch { text: Vec::new(), fmt: String::new() };
-        for (i, doc) in docs.iter().enumerate() {
-            let taken = match keys {
-                // A record without a key: the Python path says why it cannot be one.
-                Some(keys) => keys[i].and_then(|k| self.row(i, doc, Some(k), &mut out, &mut scratch)),
-                None => self.row(i, doc, None, &mut out, &mut scratch),
-            };
-            if taken.is_none() {
-                handed_back.push(i);
-            }
-        }
-        if handed_back.len() == docs.len() {
-            out.clear();
-        } else {
-            out.extend_from_slice(TRAILER);
-        }
-        (out, handed_back)
+        stream(docs, |i, doc, out, scratch| match keys {
+            // A record without a key: the Python path says why it cannot be one.
+            Some(keys) => keys[i].and_then(|k| self.row(i, doc, Some(k), out, scratch)),
+            None => self.row(i, doc, None, out, scratch),
+        })
     }
+}
+
+/// The binary COPY stream of the rows `row` takes (b"" when none), and the indices of the
+/// values it handed back.
+fn stream(
+    docs: &[&[u8]],
+    mut row: impl FnMut(usize, &[u8], &mut Vec<u8>, &mut Scratch) -> Option<()>,
+) -> (Vec<u8>, Vec<usize>) {
+    let mut out = Vec::with_capacity(docs.iter().map(|d| d.len() * 2).sum::<usize>() + 64);
+    out.extend_from_slice(HEADER);
+    let mut handed_back = Vec::new();
+    let mut scratch = Scratch { text: Vec::new(), fmt: String::new() };
+    for (i, doc) in docs.iter().enumerate() {
+        if row(i, doc, &mut out, &mut scratch).is_none() {
+            handed_back.push(i);
+        }
+    }
+    if handed_back.len() == docs.len() {
+        out.clear();
+    } else {
+        out.extend_from_slice(TRAILER);
+    }
+    (out, handed_back)
+}
+
+/// Per target column, in COPY order, (field, base type, max length): the fields and kinds.
+fn columns_of(columns: Vec<(String, String, Option<usize>)>) -> PyResult<(Vec<String>, Vec<Kind>)> {
+    let mut fields = Vec::new();
+    let mut kinds = Vec::new();
+    for (field, base, max_length) in columns {
+        let kind = Kind::from_type(&base, max_length)
+            .ok_or_else(|| PyValueError::new_err(format!("type {base} is not handled")))?;
+        fields.push(field);
+        kinds.push(kind);
+    }
+    if kinds.is_empty() || kinds.len() > MAX_COLUMNS {
+        return Err(PyValueError::new_err(format!("1 to {MAX_COLUMNS} columns")));
+    }
+    Ok((fields, kinds))
+}
+
+/// The bytes objects of a Python list (kept alive, and immutable, while their bytes are read).
+fn bytes_of<'py>(values: &Bound<'py, PyList>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    values.iter().map(|v| v.cast_into::<PyBytes>().map_err(PyErr::from)).collect()
 }
 
 #[pymethods]
@@ -954,17 +983,8 @@ impl CopyEncoder {
         ops: Option<Vec<String>>,
         seq: bool,
     ) -> PyResult<Self> {
-        let mut fields = Vec::new();
-        let mut kinds = Vec::new();
-        for (field, base, max_length) in columns {
-            let kind = Kind::from_type(&base, max_length)
-                .ok_or_else(|| PyValueError::new_err(format!("type {base} is not handled")))?;
-            fields.push(field.into_bytes());
-            kinds.push(kind);
-        }
-        if kinds.is_empty() || kinds.len() > MAX_COLUMNS {
-            return Err(PyValueError::new_err(format!("1 to {MAX_COLUMNS} columns")));
-        }
+        let (fields, kinds) = columns_of(columns)?;
+        let fields = fields.into_iter().map(String::into_bytes).collect();
         let envelope = match (row_in, ops) {
             (None, None) => None,
             (Some(row_in), Some(ops)) if !ops.is_empty() => Some(Envelope {
@@ -987,10 +1007,7 @@ impl CopyEncoder {
         values: &Bound<'py, PyList>,
         keys: Option<&Bound<'py, PyList>>,
     ) -> PyResult<(Bound<'py, PyBytes>, Vec<usize>)> {
-        let owned: Vec<Bound<'py, PyBytes>> = values
-            .iter()
-            .map(|v| v.cast_into::<PyBytes>().map_err(PyErr::from))
-            .collect::<PyResult<_>>()?;
+        let owned = bytes_of(values)?;
         let docs: Vec<&[u8]> = owned.iter().map(|b| b.as_bytes()).collect();
         let owned_keys: Option<Vec<Option<Bound<'py, PyBytes>>>> = match keys {
             None => None,
@@ -1159,17 +1176,7 @@ impl AvroCopyEncoder {
     /// Raises ValueError naming a type this encoder does not handle.
     #[new]
     fn new(columns: Vec<(String, String, Option<usize>)>) -> PyResult<Self> {
-        let mut fields = Vec::new();
-        let mut kinds = Vec::new();
-        for (field, base, max_length) in columns {
-            let kind = Kind::from_type(&base, max_length)
-                .ok_or_else(|| PyValueError::new_err(format!("type {base} is not handled")))?;
-            fields.push(field);
-            kinds.push(kind);
-        }
-        if kinds.is_empty() || kinds.len() > MAX_COLUMNS {
-            return Err(PyValueError::new_err(format!("1 to {MAX_COLUMNS} columns")));
-        }
+        let (fields, kinds) = columns_of(columns)?;
         Ok(AvroCopyEncoder { fields, kinds, schemas: RwLock::new(HashMap::new()) })
     }
 
@@ -1203,33 +1210,15 @@ impl AvroCopyEncoder {
         py: Python<'py>,
         values: &Bound<'py, PyList>,
     ) -> PyResult<(Bound<'py, PyBytes>, Vec<usize>)> {
-        let owned: Vec<Bound<'py, PyBytes>> = values
-            .iter()
-            .map(|v| v.cast_into::<PyBytes>().map_err(PyErr::from))
-            .collect::<PyResult<_>>()?;
+        let owned = bytes_of(values)?;
         let docs: Vec<&[u8]> = owned.iter().map(|b| b.as_bytes()).collect();
         let schemas: HashMap<u32, Arc<AvroSchema>> = self
             .schemas
             .read()
             .map_err(|_| PyValueError::new_err("poisoned"))?
             .clone();
-        let (out, handed_back) = py.detach(|| {
-            let mut out = Vec::with_capacity(docs.iter().map(|d| d.len() * 2).sum::<usize>() + 64);
-            out.extend_from_slice(HEADER);
-            let mut handed_back = Vec::new();
-            let mut scratch = Scratch { text: Vec::new(), fmt: String::new() };
-            for (i, doc) in docs.iter().enumerate() {
-                if self.row(&schemas, doc, &mut out, &mut scratch).is_none() {
-                    handed_back.push(i);
-                }
-            }
-            if handed_back.len() == docs.len() {
-                out.clear();
-            } else {
-                out.extend_from_slice(TRAILER);
-            }
-            (out, handed_back)
-        });
+        let (out, handed_back) =
+            py.detach(|| stream(&docs, |_, doc, out, scratch| self.row(&schemas, doc, out, scratch)));
         Ok((PyBytes::new(py, &out), handed_back))
     }
 }

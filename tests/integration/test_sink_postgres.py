@@ -115,15 +115,6 @@ class PgEnv:
 
 
 @pytest.fixture
-def env(pg_dsn: str, unique_name: Any) -> Iterator[PgEnv]:
-    pg_env = PgEnv(pg_dsn, _base_name(unique_name))
-    try:
-        yield pg_env
-    finally:
-        pg_env.cleanup()
-
-
-@pytest.fixture
 def make_sink(env: PgEnv) -> MakeSink:
     def make(
         table: str,

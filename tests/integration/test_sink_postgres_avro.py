@@ -7,10 +7,8 @@ values itself once it has learnt their schema."""
 
 from __future__ import annotations
 
-import logging
 import random
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -21,12 +19,12 @@ from confluent_kafka import Message
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.schema_registry.avro import AvroSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
-from test_sink_postgres import PgEnv, _base_name, part  # the sink tests' helpers
+from test_sink_postgres import PgEnv, part
+from test_sink_postgres_events import make_sink
 
 from twophase.config import SchemaRegistryConfig, SourceConfig
 from twophase.participants.decoding import JsonDecoder
-from twophase.participants.sdk import AVRO, RawBatch, SinkContext
-from twophase.participants.sinks.postgres import PostgresSink
+from twophase.participants.sdk import AVRO, RawBatch
 
 pytestmark = pytest.mark.stack
 
@@ -116,28 +114,6 @@ def _value(rng: random.Random, seq: int) -> dict[str, Any]:
         ),
         "blob": b"\x00\x01",
     }
-
-
-@pytest.fixture
-def env(pg_dsn: str, unique_name: Any) -> Iterator[PgEnv]:
-    pg_env = PgEnv(pg_dsn, _base_name(unique_name))
-    try:
-        yield pg_env
-    finally:
-        pg_env.cleanup()
-
-
-def make_sink(env: PgEnv, table: str, name: str, **options: Any) -> PostgresSink:
-    env.pipelines.add(env.pipeline)
-    raw = {"name": name, "type": "postgres", "dsn": env.dsn, "table": table, **options}
-    context = SinkContext(
-        pipeline=env.pipeline, participant="w1", sink_name=name, logger=logging.getLogger(name)
-    )
-    sink = PostgresSink.from_mapping(raw, context)
-    assert isinstance(sink, PostgresSink)
-    env.sinks.append(sink)
-    sink.setup()
-    return sink
 
 
 def _batch(decoder: JsonDecoder, values: list[bytes], first: int) -> RawBatch:

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import orjson
 import pytest
 from confluent_kafka import Message
-from test_sink_postgres import PgEnv, _base_name, part  # the sink tests' helpers
+from test_sink_postgres import PgEnv, part
 
 from twophase.config import SourceConfig
 from twophase.participants.decoding import DebeziumDecoder
@@ -29,19 +28,10 @@ DDL = (
 TABLES = ("ta", "tb")
 
 
-@pytest.fixture
-def env(pg_dsn: str, unique_name: Any) -> Iterator[PgEnv]:
-    pg_env = PgEnv(pg_dsn, _base_name(unique_name))
-    try:
-        yield pg_env
-    finally:
-        pg_env.cleanup()
-
-
-def make_sink(env: PgEnv, name: str, **options: Any) -> PostgresSink:
+def make_sink(env: PgEnv, table: str, name: str, **options: Any) -> PostgresSink:
+    """A set-up sink of the test's pipeline (``table`` may be a template)."""
     env.pipelines.add(env.pipeline)
-    raw = {"name": name, "type": "postgres", "dsn": env.dsn, "table": "${topic}",
-           "topic_replace": [r"^cdc\.", ""], "mode": "upsert", **options}  # fmt: skip
+    raw = {"name": name, "type": "postgres", "dsn": env.dsn, "table": table, **options}
     context = SinkContext(
         pipeline=env.pipeline, participant="w1", sink_name=name, logger=logging.getLogger(name)
     )
@@ -50,6 +40,11 @@ def make_sink(env: PgEnv, name: str, **options: Any) -> PostgresSink:
     env.sinks.append(sink)
     sink.setup()
     return sink
+
+
+def events_sink(env: PgEnv, name: str, **options: Any) -> PostgresSink:
+    """A sink of a table per topic (``cdc.<table>``), upsert."""
+    return make_sink(env, "${topic}", name, topic_replace=[r"^cdc\.", ""], mode="upsert", **options)
 
 
 class Source:
@@ -141,8 +136,8 @@ def test_change_events_read_raw_leave_what_the_decoded_records_leave(env: PgEnv,
     rng = random.Random(20261126 + seed)
     raw_tables = {t: env.table(f"r{t}", DDL) for t in TABLES}
     dec_tables = {t: env.table(f"d{t}", DDL) for t in TABLES}
-    raw_sink = make_sink(env, f"r{env.base}"[:40])
-    dec_sink = make_sink(env, f"d{env.base}"[:40], compiled_copy=False)
+    raw_sink = events_sink(env, f"r{env.base}"[:40])
+    dec_sink = events_sink(env, f"d{env.base}"[:40], compiled_copy=False)
     shape = RawShape("debezium", key_fields=True)
     assert raw_sink.accepts_raw_shape(shape) and not dec_sink.accepts_raw_shape(shape)
     source = Source(random.Random(seed), raw_tables)
