@@ -64,7 +64,11 @@ class Changes:
         live: dict[str, set[int]] = {t: set() for t in TABLES}
         ordered: dict[str, list[int]] = {t: [] for t in TABLES}  # live ids, for random picks
         next_id = dict.fromkeys(TABLES, 1)
-        producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20})
+        # Idempotent: a retried send must not reorder a key's changes, or the topic no longer
+        # says what `live` says (a 1M-event run waited for a replica that followed Kafka's order).
+        producer = Producer(
+            {"bootstrap.servers": bootstrap, "linger.ms": 20, "enable.idempotence": True}
+        )
         messages = 0
         for i in range(events):
             table = TABLES[i % len(TABLES)]
