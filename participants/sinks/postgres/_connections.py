@@ -127,8 +127,9 @@ class _Connections(Sink):
         self._key_idx: list[int] = []
         #: The mask of the upsert key's columns (a delete's row).
         self._key_mask = 0
-        self._delete_sql: tuple[sql.Composed, sql.Composed] | None = None
-        self._events_sql: tuple[sql.Composed, sql.Composed, sql.Composed] | None = None
+        #: The delete of a write's deleted keys (``_WritePath._delete_keys``).
+        self._delete_sql: sql.Composed | None = None
+        self._events_sql: tuple[sql.Composed, sql.Composed] | None = None
         self._events_encoder: twophase_native.CopyEncoder | None = None
         #: The compiled encoder of Avro values (insert mode, where the JSON one applies).
         self._avro_encoder: twophase_native.AvroCopyEncoder | None = None

@@ -355,7 +355,7 @@ class _WritePath(_Markers):
         apply each key's last change: delete the keys with a delete among their changes, and
         upsert the keys whose last change is a row. Raises :class:`_CompiledRefused` (the part
         as before) when the server refuses a row."""
-        copy_sql, delete_sql, merge_sql = self._events_statements()
+        copy_sql, merge_sql = self._events_statements()
         assert self._stage is not None and self._binary_types is not None
         conn.execute(sql.SQL("SAVEPOINT {}").format(_WRITE_SAVEPOINT))
         try:
@@ -369,8 +369,9 @@ class _WritePath(_Markers):
                         write_row = copy.write_row
                         for seq, row in staged:
                             write_row([seq, row.deleted, *row.values])
-                    if any(row.deleted for _, row in staged):
-                        cur.execute(delete_sql)
+                    deletes = [row for _, row in staged if row.deleted]
+                    if deletes:
+                        self._delete_keys(cur, deletes)
                 cur.execute(merge_sql)
                 cur.execute(sql.SQL("DELETE FROM {}").format(self._stage))
         except _ENCODE_ERRORS as exc:
@@ -384,9 +385,9 @@ class _WritePath(_Markers):
             raise
         conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(_WRITE_SAVEPOINT))
 
-    def _events_statements(self) -> tuple[sql.Composed, sql.Composed, sql.Composed]:
-        """COPY into the stage (place, delete flag, every mapped column); the delete of every
-        staged delete's key; the upsert of each key's last staged change when it is a row."""
+    def _events_statements(self) -> tuple[sql.Composed, sql.Composed]:
+        """COPY into the stage (place, delete flag, every mapped column); the upsert of each
+        key's last staged change when it is a row."""
         if self._events_sql is None:
             assert self._stage is not None
             seq, deleted = sql.Identifier(STAGE_SEQ), sql.Identifier(STAGE_DELETED)
@@ -395,12 +396,6 @@ class _WritePath(_Markers):
             key_list = sql.SQL(", ").join(keys)
             copy = sql.SQL("COPY {} ({}, {}, {}) FROM STDIN (FORMAT BINARY)").format(
                 self._stage, seq, deleted, names
-            )
-            delete = sql.SQL("DELETE FROM {} AS t USING {} AS s WHERE s.{} AND {}").format(
-                self._target,
-                self._stage,
-                deleted,
-                sql.SQL(" AND ").join(sql.SQL("t.{0} = s.{0}").format(k) for k in keys),
             )
             updates = [m.column.name for m in self._mapped if m.column.name not in self._key]
             action = (
@@ -419,7 +414,7 @@ class _WritePath(_Markers):
                 self._target, names, names, key_list, self._stage, key_list, seq, deleted,
                 key_list, action,
             )  # fmt: skip
-            self._events_sql = (copy, delete, merge)
+            self._events_sql = (copy, merge)
         return self._events_sql
 
     def _log_rejected(self, part: PartId, rejected: list[Rejected], n: int) -> None:
@@ -747,10 +742,12 @@ class _WritePath(_Markers):
             raise
 
     def _send_rows(self, conn: Connection, mask: int, rows: list[_Row]) -> None:
+        if rows[0].deleted:
+            with conn.cursor() as cur:
+                self._delete_keys(cur, rows)
+            return
         idx = self._columns_of(mask)
-        copy_sql, merge_sql = (
-            self._deletes_for(idx) if rows[0].deleted else self._statements_for(mask, idx)
-        )
+        copy_sql, merge_sql = self._statements_for(mask, idx)
         with conn.cursor() as cur:
             with cur.copy(copy_sql) as copy:
                 if self._binary_types is not None:
@@ -777,22 +774,24 @@ class _WritePath(_Markers):
         with conn.cursor() as cur, cur.copy(copy_sql) as copy:
             copy.write(payload)
 
-    def _deletes_for(self, idx: list[int]) -> tuple[sql.Composed, sql.Composed]:
-        """COPY the deleted keys into the staging table; delete the target's rows of them."""
+    def _delete_keys(self, cur: psycopg.Cursor[Any], rows: Sequence[_Row]) -> None:
+        """Delete the target's rows of these (delete) rows' keys, in one statement whose keys
+        come as arrays (``unnest``): the target is read by its key's index whatever the planner
+        believes of the staging table, which a join with it would depend on."""
         if self._delete_sql is None:
-            assert self._stage is not None  # deletes exist only in upsert mode
-            names = [sql.Identifier(self._mapped[i].column.name) for i in idx]
-            binary = sql.SQL(" (FORMAT BINARY)" if self._binary_types is not None else "")
-            copy = sql.SQL("COPY {} ({}) FROM STDIN{}").format(
-                self._stage, sql.SQL(", ").join(names), binary
-            )
-            delete = sql.SQL("DELETE FROM {} AS t USING {} AS s WHERE {}").format(
+            assert self._stage is not None  # deletes exist only in upsert and update mode
+            cols = [self._mapped[i].column for i in self._key_idx]
+            self._delete_sql = sql.SQL(
+                "DELETE FROM {} AS t USING unnest({}) AS d({}) WHERE {}"
+            ).format(
                 self._target,
-                self._stage,
-                sql.SQL(" AND ").join(sql.SQL("t.{0} = s.{0}").format(n) for n in names),
+                sql.SQL(", ").join(sql.SQL("%s::{}[]").format(sql.SQL(c.sql_type)) for c in cols),
+                sql.SQL(", ").join(sql.Identifier(c.name) for c in cols),
+                sql.SQL(" AND ").join(
+                    sql.SQL("t.{0} = d.{0}").format(sql.Identifier(c.name)) for c in cols
+                ),
             )
-            self._delete_sql = (copy, delete)
-        return self._delete_sql
+        cur.execute(self._delete_sql, [[row.values[i] for row in rows] for i in self._key_idx])
 
     def _statements_for(
         self, mask: int, idx: list[int]
