@@ -397,16 +397,7 @@ class _WritePath(_Markers):
             copy = sql.SQL("COPY {} ({}, {}, {}) FROM STDIN (FORMAT BINARY)").format(
                 self._stage, seq, deleted, names
             )
-            updates = [m.column.name for m in self._mapped if m.column.name not in self._key]
-            action = (
-                sql.SQL("DO UPDATE SET {}").format(
-                    sql.SQL(", ").join(
-                        sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(c)) for c in updates
-                    )
-                )
-                if updates
-                else sql.SQL("DO NOTHING")
-            )
+            action = self._on_conflict([m.column.name for m in self._mapped])
             merge = sql.SQL(
                 "INSERT INTO {} ({}) SELECT {} FROM (SELECT DISTINCT ON ({}) * FROM {}"
                 " ORDER BY {}, {} DESC) AS s WHERE NOT s.{} ON CONFLICT ({}) {}"
@@ -793,6 +784,18 @@ class _WritePath(_Markers):
             )
         cur.execute(self._delete_sql, [[row.values[i] for row in rows] for i in self._key_idx])
 
+    def _on_conflict(self, names: list[str]) -> sql.Composed:
+        """The upsert's ON CONFLICT action for a row of columns ``names``: the non-key ones
+        take the new values (nothing to do when the key is all there is)."""
+        updates = [n for n in names if n not in self._key]
+        if not updates:
+            return sql.SQL("DO NOTHING").format()
+        return sql.SQL("DO UPDATE SET {}").format(
+            sql.SQL(", ").join(
+                sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(n)) for n in updates
+            )
+        )
+
     def _statements_for(
         self, mask: int, idx: list[int]
     ) -> tuple[sql.Composed, sql.Composed | None]:
@@ -808,16 +811,7 @@ class _WritePath(_Markers):
         else:
             copy = sql.SQL("COPY {} ({}) FROM STDIN{}").format(self._stage, names, binary)
             updates = [c for c in columns if c.name not in self._key]
-            action = (
-                sql.SQL("DO UPDATE SET {}").format(
-                    sql.SQL(", ").join(
-                        sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(c.name))
-                        for c in updates
-                    )
-                )
-                if updates
-                else sql.SQL("DO NOTHING")
-            )
+            action = self._on_conflict([c.name for c in columns])
             if self.cfg.mode == "update":
                 # Update-only: a staged row whose key has no row in the target changes nothing.
                 merge = (
