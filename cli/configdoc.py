@@ -92,6 +92,21 @@ SINK_EXAMPLES: dict[str, dict[str, Any]] = {
         "schema": {"id": "int64", "customer": "string", "amount": "float64"},
         "unknown_fields": "drop",
     },
+    "iceberg": {
+        "name": "lake",
+        "type": "iceberg",
+        "catalog": {
+            "uri": "postgresql://app@db:5432/lake",
+            "password": "${ENV:CATALOG_PASSWORD}",
+            "warehouse": "s3://lake/warehouse",
+            "properties": {"s3.endpoint": "http://minio:9000", "s3.path-style-access": "true"},
+        },
+        "table": "sales.orders",
+        "mode": "upsert",
+        "key": ["order_id"],
+        "create_table": {"order_id": "long", "customer": "string", "amount": "decimal(12, 2)"},
+        "partition_by": ["bucket(16, order_id)"],
+    },
 }
 
 
@@ -185,8 +200,9 @@ def _bounds(info: FieldInfo) -> str:
     return ", ".join(out)
 
 
-def model_rows(model: type[BaseModel], prefix: str = "") -> list[Row]:
-    """Every user-settable field of ``model`` in declaration order."""
+def model_rows(model: type[BaseModel], prefix: str = "", *, expand: bool = False) -> list[Row]:
+    """Every user-settable field of ``model`` in declaration order; a section nested in it with
+    its own rows when ``prefix`` or ``expand`` says it has no table of its own."""
     comments = field_comments(model)
     rows = []
     for name, info in model.model_fields.items():
@@ -204,7 +220,7 @@ def model_rows(model: type[BaseModel], prefix: str = "") -> list[Row]:
             )
         )
         # A section inside a section (the page gives each top-level section its own table).
-        section = _section_model(info.annotation) if prefix else None
+        section = _section_model(info.annotation) if prefix or expand else None
         if section is not None:
             rows += model_rows(section, f"{prefix}{shown}.")
     return rows
@@ -229,6 +245,7 @@ def _table(rows: list[Row]) -> list[str]:
 def builtin_sink_models() -> dict[str, type[BaseModel]]:
     """The built-in sinks' config models, by type name (installed plugins document themselves)."""
     from twophase.participants.sinks.files import FileSink
+    from twophase.participants.sinks.iceberg import IcebergSink
     from twophase.participants.sinks.mongodb import MongoSink
     from twophase.participants.sinks.postgres import PostgresSink
 
@@ -236,6 +253,7 @@ def builtin_sink_models() -> dict[str, type[BaseModel]]:
         "postgres": PostgresSink.config_model,
         "mongodb": MongoSink.config_model,
         "files": FileSink.config_model,
+        "iceberg": IcebergSink.config_model,
     }
 
 
@@ -276,7 +294,7 @@ def render() -> str:
             "",
             " ".join((model.__doc__ or "").split()),
             "",
-            *_table(model_rows(model, "")),
+            *_table(model_rows(model, "", expand=True)),
             "",
             "Example:",
             "",

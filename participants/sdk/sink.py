@@ -161,7 +161,7 @@ class SinkConfig(BaseModel):
 
     #: The sink's name, unique in the pipeline; metrics, log lines and markers carry it.
     name: str
-    #: The sink type: a built-in (``postgres``, ``mongodb``, ``files``) or an installed plugin's.
+    #: The sink type: a built-in (``postgres``, ``mongodb``, ``files``, ``iceberg``) or an installed plugin's.
     type: str
     #: The source topics this sink takes, as Python regular expressions a whole topic name
     #: must match (``re.fullmatch``); empty (the default): every topic. The runtime hands the
