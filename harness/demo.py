@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="twophase-demo-"))
-    s = Scenario.on_stack(f"demo-{uuid.uuid4().hex[:6]}", workdir)
+    s = Scenario.on_stack(f"demo-{uuid.uuid4().hex[:6]}", workdir, iceberg=True)
     s.write()
     s.prepare_stores()
     print(f"pipeline {s.name}: config {s.config_path}, logs {workdir / 'logs'}")

@@ -48,7 +48,7 @@ def _leader(cluster: Cluster, names: list[str]) -> str:
 @pytest.mark.slow
 def test_100k_records_exactly_once_through_kills(tmp_path: Path) -> None:
     # SecantusDB (the test MongoDB) applies ~1-2k docs/s: give votes room beyond the default.
-    s = _scenario(tmp_path, "e2e", interval_ms=1000, vote_timeout_ms=15_000)
+    s = _scenario(tmp_path, "e2e", interval_ms=1000, vote_timeout_ms=15_000, iceberg=True)
     n = 100_000
     produce(s.bootstrap, s.topic, 0, n)
     c = Cluster(s)
