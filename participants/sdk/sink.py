@@ -132,7 +132,7 @@ from __future__ import annotations
 import abc
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -345,6 +345,13 @@ class Sink(abc.ABC):
         the sink does not store positions where a reader can get them (the default).
         """
         return {}
+
+    def maintain(self) -> Mapping[str, Any] | None:
+        """Upkeep of the store that no part needs but readers and writers gain from over time
+        (the iceberg sink: compaction, snapshot expiry, unreferenced files), run by ``twophase
+        sinks maintain``; what it did. Must never race a commit nor remove what a committed
+        part or a prepared one needs. None: nothing to maintain (the default)."""
+        return None
 
     def forget(self, before_txn: int) -> int:
         """Delete the markers of decided (committed or aborted) parts with ``txn < before_txn``.

@@ -10,6 +10,7 @@ table the way a reader does: a pyiceberg scan through its own catalog.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -340,3 +341,139 @@ def test_bad_configurations_name_the_field(lake: Lake) -> None:
     ]:
         with pytest.raises(ValidationError, match=field):
             IcebergSink.from_mapping(lake.config(**extra), ctx)
+
+
+# -- maintenance -----------------------------------------------------------------------------------
+
+
+def _referenced(table: Table) -> set[str]:
+    return {p.removeprefix("file://") for p in table.inspect.files()["file_path"].to_pylist()}
+
+
+def _age_files(warehouse: Path, seconds: float = 7200) -> None:
+    """Make every file of the warehouse older than maintenance's grace period."""
+    then = time.time() - seconds
+    for p in warehouse.rglob("*"):
+        if p.is_file():
+            os.utime(p, (then, then))
+
+
+def test_maintain_compacts_expires_and_deletes_only_what_nothing_needs(lake: Lake) -> None:
+    maintenance = {"compact_min_files": 4, "expire_after_s": 0, "keep_snapshots": 1}
+    sink = lake.sink(maintenance=maintenance)
+    for txn in range(1, 11):
+        sink.commit(_prepare(sink, txn, [_record(txn * 100 + i) for i in range(20)]))
+    pending = _prepare(sink, 11, [_record(1100 + i) for i in range(20)])  # prepared, undecided
+    before = lake.table()
+    assert len(before.inspect.files()) == 10 and len(before.snapshots()) == 10
+    _age_files(lake.warehouse)
+
+    done = sink.maintain()
+
+    after = lake.table()
+    assert done["files_compacted"] == 10 and done["files_written"] == 1
+    assert len(after.inspect.files()) == 1
+    # The compaction's snapshot is the one kept: the ten before it read the old files.
+    assert len(after.snapshots()) == 1 and done["snapshots_expired"] == 10
+    assert lake.ids() == sorted(t * 100 + i for t in range(1, 11) for i in range(20))
+    # Only the current snapshot's data file and the prepared part's are left on disk.
+    on_disk = {str(p) for p in _data_files(lake.warehouse)}
+    assert done["files_deleted"] >= 10
+    assert on_disk - _referenced(after) and all(
+        "twophase" not in p for p in on_disk
+    )  # the prepared part's data file is the one not referenced yet
+    sink.commit(pending)
+    assert len(lake.ids()) == 220
+    assert {str(p) for p in _data_files(lake.warehouse)} == _referenced(lake.table())
+
+
+def test_maintain_keeps_files_younger_than_the_grace_period(lake: Lake) -> None:
+    sink = lake.sink(
+        maintenance={"compact_min_files": 2, "expire_after_s": 0, "keep_snapshots": 1}
+    )  # orphan_grace_s: the default hour
+    for txn in (1, 2, 3):
+        sink.commit(_prepare(sink, txn, [_record(txn * 100 + i) for i in range(5)]))
+    old_snapshot = lake.table()  # a reader that planned its scan before the maintenance
+    done = sink.maintain()
+    assert done["files_compacted"] == 3 and done["files_deleted"] == 0
+    assert sorted(old_snapshot.scan().to_arrow().column("id").to_pylist()) == lake.ids()
+
+
+def test_maintain_never_races_a_commit(lake: Lake) -> None:
+    """Two participants commit parts while maintenance compacts and expires, over and over."""
+    opts = {"compact_min_files": 2, "expire_after_s": 0, "keep_snapshots": 1}
+    sinks = [lake.sink("w0", maintenance=opts), lake.sink("w1", maintenance=opts)]
+    keeper = lake.sink("keeper", maintenance=opts)
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def keep() -> None:
+        while not stop.is_set():
+            try:
+                keeper.maintain()
+            except BaseException as exc:  # noqa: BLE001 - the test reads it
+                failures.append(exc)
+
+    def write(w: int) -> None:
+        try:
+            for txn in range(1, 16):
+                records = [_record(txn * 1000 + w * 100 + i, w) for i in range(30)]
+                sinks[w].commit(_prepare(sinks[w], txn, records, f"w{w}"))
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            failures.append(exc)
+
+    threads = [threading.Thread(target=keep)] + [
+        threading.Thread(target=write, args=(w,)) for w in (0, 1)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads[1:]:
+        t.join(180)
+    stop.set()
+    threads[0].join(60)
+    assert not failures, failures
+    expected = sorted(
+        t * 1000 + w * 100 + i for t in range(1, 16) for w in (0, 1) for i in range(30)
+    )
+    assert lake.ids() == expected
+    _age_files(lake.warehouse)
+    keeper.maintain()
+    assert {str(p) for p in _data_files(lake.warehouse)} == _referenced(lake.table())
+
+
+def test_sinks_maintain_command(lake: Lake, tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    sink = lake.sink(maintenance={"compact_min_files": 2, "expire_after_s": 0})
+    for txn in (1, 2, 3):
+        sink.commit(_prepare(sink, txn, [_record(txn * 100 + i) for i in range(5)]))
+    config = {
+        "pipeline": lake.pipeline,
+        "kafka": {"bootstrap_servers": "127.0.0.1:1"},
+        "control": {"hmac_key": "k"},
+        "sources": [{"topic": TOPIC}],
+        "sinks": [lake.config(maintenance={"compact_min_files": 2, "expire_after_s": 0})],
+    }
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run = subprocess.run(
+        [sys.executable, "-m", "twophase.cli.main", "sinks", "maintain", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["ok"] and out["sinks"]["lake"]["files_compacted"] == 3
+    assert len(lake.table().inspect.files()) == 1
+    wrong = subprocess.run(
+        [sys.executable, "-m", "twophase.cli.main", "sinks", "maintain", str(path), "--sink", "x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert wrong.returncode != 0 and "no sink named ['x']" in wrong.stderr

@@ -162,13 +162,11 @@ class Parts:
         ).fetchall()
         return [str(r[0]) for r in rows]
 
-    def prepared_files(self, conn: psycopg.Connection[Any]) -> list[Any]:
-        """The ``prepared`` blobs of every prepared part of this sink (whose files are live)."""
+    def all_prepared(self, conn: psycopg.Connection[Any]) -> list[Any]:
+        """The ``prepared`` blobs of every prepared part of every sink in this schema: files a
+        commit will reference."""
         rows = conn.execute(
-            sql.SQL("SELECT prepared FROM {} WHERE sink = %s AND state = 'prepared'").format(
-                self.parts
-            ),
-            (self.sink,),
+            sql.SQL("SELECT prepared FROM {} WHERE state = 'prepared'").format(self.parts)
         ).fetchall()
         return [r[0] for r in rows if r[0]]
 

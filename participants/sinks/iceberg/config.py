@@ -9,7 +9,13 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from twophase.participants.sdk import SinkConfig
 
-__all__ = ["PARTITION_PATTERN", "TYPE_PATTERN", "CatalogConfig", "IcebergSinkConfig"]
+__all__ = [
+    "PARTITION_PATTERN",
+    "TYPE_PATTERN",
+    "CatalogConfig",
+    "IcebergSinkConfig",
+    "MaintenanceConfig",
+]
 
 _NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 #: ``col`` or ``identity(col)``, ``year|month|day|hour(col)``, ``bucket(n, col)``,
@@ -71,6 +77,25 @@ class CatalogConfig(BaseModel):
         return value
 
 
+class MaintenanceConfig(BaseModel):
+    """What ``twophase sinks maintain`` does to the sink's table."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: Rewrite a partition that has at least this many files smaller than half the table's
+    #: ``write.target-file-size-bytes`` into as few as the target allows; 0: no compaction.
+    compact_min_files: int = Field(default=8, ge=0)
+    #: Expire snapshots older than this many seconds ...
+    expire_after_s: float = Field(default=3600.0, ge=0)
+    #: ... but always keep this many of the newest (and every branch or tag head).
+    keep_snapshots: int = Field(default=10, ge=1)
+    #: Delete a file no remaining snapshot and no prepared part references only when it is
+    #: older than this: a reader that planned a scan before its snapshot was expired keeps its
+    #: files that long, and so does a commit or prepare in flight, which writes its files
+    #: before anything references them (hence at least 10 minutes).
+    orphan_grace_s: float = Field(default=3600.0, ge=600)
+
+
 class IcebergSinkConfig(SinkConfig):
     """``sinks[]`` entry of ``type: iceberg``."""
 
@@ -96,6 +121,9 @@ class IcebergSinkConfig(SinkConfig):
     #: A record field that is not a column: ``reject`` the record (dead-lettered with the
     #: field named) or ``drop`` the field.
     unknown_fields: Literal["reject", "drop"] = "reject"
+    #: Compaction, snapshot expiry and file removal by ``twophase sinks maintain``
+    #: (``docs/iceberg.md``, "Maintenance").
+    maintenance: MaintenanceConfig = Field(default_factory=MaintenanceConfig)
 
     @field_validator("partition_by")
     @classmethod

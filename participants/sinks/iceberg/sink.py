@@ -84,6 +84,7 @@ from twophase.participants.sinks.iceberg._catalog import (
     fsync_dir,
     open_catalog,
 )
+from twophase.participants.sinks.iceberg._maintain import maintain
 from twophase.participants.sinks.iceberg._parts import Parts
 from twophase.participants.sinks.iceberg._rows import PartRows, RowMaker
 from twophase.participants.sinks.iceberg.config import PARTITION_PATTERN, IcebergSinkConfig
@@ -293,6 +294,32 @@ class IcebergSink(sdk.BatchingSink):
         if self._catalog is None:
             raise FatalSinkError("setup() has not run", sink=self.name)
         return self._catalog.load_table(self.cfg.table)
+
+    # -- maintenance (twophase sinks maintain) ---------------------------------------------------
+
+    def maintain(self) -> dict[str, Any]:
+        """Compact small files, expire old snapshots, delete unreferenced files
+        (:mod:`._maintain`), by the ``maintenance`` settings; what it did."""
+        try:
+            return maintain(self).asdict()
+        except (CommitFailedException, ValidationException) as exc:
+            raise RetriableSinkError(f"maintain: {exc}", sink=self.name) from exc
+
+    @property
+    def parts(self) -> Parts:
+        return self._parts
+
+    def load_table(self) -> Table:
+        return self._table()
+
+    def store_connection(self, action: str) -> contextlib.AbstractContextManager[Any]:
+        return self._store(action)
+
+    def catalog_bound(
+        self, conn: psycopg.Connection[Any]
+    ) -> contextlib.AbstractContextManager[None]:
+        assert self._catalog is not None
+        return self._catalog.bound(conn)
 
     # -- the store operations of BatchingSink ---------------------------------------------------
 
