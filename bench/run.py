@@ -19,6 +19,8 @@ Sections (``--only`` picks some):
 * ``cdc``        -- Debezium change events of three tables (40% creates, 50% updates, 10%
   deletes) through one topic_pattern into PostgreSQL replica tables (table template, upsert)
   vs as many plain JSON inserts into one table (:mod:`bench.cdc`).
+* ``iceberg``    -- the exactly-once pipeline into an Iceberg table vs pyiceberg's own
+  ``append`` of the same rows as Arrow; the pipeline's commit latency p99 (:mod:`bench.iceberg`).
 
 Runs of the two sides of a comparison alternate, so a noisy neighbour hurts both alike.
 """
@@ -40,12 +42,13 @@ from typing import Any
 
 from bench import avro as avro_bench
 from bench import cdc as cdc_bench
+from bench import iceberg as iceberg_bench
 from bench import latency as lat
 from bench import throughput as tp
 from harness import load_stack_env
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("throughput", "ceiling", "mongo", "latency", "spark", "avro", "cdc")
+SECTIONS = ("throughput", "ceiling", "mongo", "latency", "spark", "avro", "cdc", "iceberg")
 TARGETS = {
     "eo_over_alo": (">=", 0.9),
     "pg_pipeline_over_copy": (">=", 0.5),
@@ -53,6 +56,8 @@ TARGETS = {
     "spark_ratio": (">=", 0.8),
     "avro_over_json": (">=", 0.8),
     "cdc_over_plain": (">=", 0.5),
+    "iceberg_over_append": (">=", 0.7),
+    "iceberg_commit_p99_ms": ("<=", 500),
 }
 MONGO_NOTE = (
     "MongoDB figures are measured on SecantusDB 0.7.0b3 (a MongoDB-protocol test server on "
@@ -278,6 +283,38 @@ def cdc(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[str, 
     }
 
 
+def iceberg(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[str, Any]:
+    say(f"iceberg: producing {args.records:,} records")
+    source = tp.Source.create(env["TWOPHASE_KAFKA_BOOTSTRAP"], args.records, "iceberg")
+    details: dict[str, list[dict[str, Any]]] = {"pipeline": []}
+    try:
+        data = iceberg_bench.arrow_of(source, work)
+
+        def run_pipeline() -> float:
+            r = iceberg_bench.pipeline_run(source, work)
+            details["pipeline"].append(r.asdict())
+            return r.records_per_s
+
+        got = alternate(
+            args.runs,
+            {
+                "pipeline": run_pipeline,
+                "append": lambda: iceberg_bench.direct_run(data, work, source),
+            },
+        )
+    finally:
+        source.delete()
+    p, d = median(got["pipeline"]), median(got["append"])
+    p99s = [r["control"]["commit_latency_ms"]["p99"] for r in details["pipeline"]]
+    return {
+        "iceberg_pipeline_records_per_s": round(p),
+        "iceberg_append_records_per_s": round(d),
+        "iceberg_over_append": round(p / d, 3),
+        "iceberg_commit_p99_ms": round(median(p99s)),
+        "_runs": {**details, "append": got["append"]},
+    }
+
+
 def targets(res: dict[str, Any]) -> dict[str, Any]:
     values = {
         "eo_over_alo": res.get("eo_over_alo"),
@@ -286,6 +323,8 @@ def targets(res: dict[str, Any]) -> dict[str, Any]:
         "spark_ratio": res.get("spark_ratio"),
         "avro_over_json": res.get("avro_over_json"),
         "cdc_over_plain": res.get("cdc_over_plain"),
+        "iceberg_over_append": res.get("iceberg_over_append"),
+        "iceberg_commit_p99_ms": res.get("iceberg_commit_p99_ms"),
     }
     out = {}
     for name, (op, bound) in TARGETS.items():
@@ -410,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         "spark": spark,
         "avro": avro,
         "cdc": cdc,
+        "iceberg": iceberg,
     }
     with tempfile.TemporaryDirectory(prefix="twophase-bench-") as tmp:
         for name in sections:

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar, final
 
@@ -62,7 +62,14 @@ from twophase.participants.sdk.errors import (
     SinkError,
     UnknownPartError,
 )
-from twophase.participants.sdk.records import PartId, Positions, Record, Rejected, TopicPartition
+from twophase.participants.sdk.records import (
+    PartId,
+    Positions,
+    RawBatch,
+    Record,
+    Rejected,
+    TopicPartition,
+)
 from twophase.participants.sdk.sink import Sink, SinkConfig, SinkContext
 
 __all__ = [
@@ -230,26 +237,54 @@ class BatchingSink(Sink):
 
     @final
     def write(self, part: PartId, records: Sequence[Record]) -> Sequence[Rejected]:
+        def stage() -> tuple[Sequence[Rejected], int]:
+            return (self.stage(part, records) if records else []), len(records)
+
+        return self._write(part, stage)
+
+    @final
+    def write_raw(self, part: PartId, batch: RawBatch) -> Sequence[Rejected]:
+        """:meth:`stage_raw` of the batch, or :meth:`stage` of its records when it declines."""
+
+        def stage() -> tuple[Sequence[Rejected], int]:
+            staged = self.stage_raw(part, batch) if len(batch) else []
+            if staged is not None:
+                return staged, len(batch)
+            records = batch.records()
+            return (self.stage(part, records) if records else []), len(records)
+
+        return self._write(part, stage)
+
+    def stage_raw(self, part: PartId, batch: RawBatch) -> Sequence[Rejected] | None:
+        """Optional: :meth:`stage` of a batch whose values are still JSON bytes (the runtime
+        offers it when :meth:`~twophase.participants.sdk.Sink.accepts_raw` says so). Stage
+        every value exactly as :meth:`stage` would stage its record and return the refusals;
+        or stage nothing and return None, and the batch is decoded and given to :meth:`stage`.
+        Atomic, like :meth:`stage`. Default: None."""
+        return None
+
+    def _write(
+        self, part: PartId, stage: Callable[[], tuple[Sequence[Rejected], int]]
+    ) -> Sequence[Rejected]:
         op = self._writable(part, "write")
         with op.lock:
             self._check_healthy(op)
-            if not records:
-                return []
             try:
-                rejected = list(self.stage(part, records))
+                staged, n = stage()
+                rejected = list(staged)
             except RetriableSinkError:
                 raise  # stage is atomic: nothing landed, the runtime repeats the call
             except Exception as exc:
                 op.broken = f"a write failed: {exc}"
                 raise
-            op.records += len(records) - len(rejected)
+            op.records += n - len(rejected)
             op.rejected += len(rejected)
         if rejected:
             self.log.info(
                 "part %s: %d of %d records rejected (first: %s)",
                 part.token,
                 len(rejected),
-                len(records),
+                n,
                 rejected[0].reason,
             )
         return rejected

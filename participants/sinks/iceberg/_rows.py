@@ -18,6 +18,8 @@ from decimal import Decimal
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pa_json
 from pyiceberg.schema import Schema
 from pyiceberg.types import (
     BinaryType,
@@ -40,7 +42,7 @@ from pyiceberg.types import (
 from twophase.participants.sdk import Record, Rejected, values
 from twophase.participants.sdk.values import BadValue
 
-__all__ = ["PartRows", "RowMaker"]
+__all__ = ["PartRows", "RawReader", "RowMaker"]
 
 Convert = Callable[[Any], Any]
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -268,3 +270,67 @@ class PartRows:
     def touched_keys(self) -> list[tuple[Any, ...]]:
         """Every key the part touched: the commit deletes their rows before adding the part's."""
         return list(self.last)
+
+
+#: Column types Arrow's JSON reader converts by the same rules as :func:`converter` (checked
+#: value by value in ``tests/integration/test_sink_iceberg.py``), given the checks of
+#: :meth:`RawReader.read`. Other types (local timestamps, which Arrow shifts by an offset the
+#: rules refuse; float, which Arrow overflows to infinity; dates, times, UUIDs, bytes, nested)
+#: keep a table on the decoded path.
+_RAW_TYPES = (
+    BooleanType,
+    IntegerType,
+    LongType,
+    DoubleType,
+    DecimalType,
+    StringType,
+    TimestamptzType,
+)
+
+
+class RawReader:
+    """JSON values straight into Arrow (``pyarrow.json``, no Python object per record), for a
+    batch every value of which the decoded path would take exactly so; None for any other
+    batch, which then takes the decoded path (every rule, every rejection reason)."""
+
+    def __init__(self, schema: Schema, maker: RowMaker, drop_unknown: bool) -> None:
+        self.maker = maker
+        self.usable = all(isinstance(f.field_type, _RAW_TYPES) for f in schema.fields)
+        self._options = pa_json.ParseOptions(
+            explicit_schema=pa.schema([f.remove_metadata() for f in maker.arrow]),
+            unexpected_field_behavior="ignore" if drop_unknown else "error",
+        )
+        self._decimals = [
+            (f.name, f.field_type.precision - f.field_type.scale)
+            for f in schema.fields
+            if isinstance(f.field_type, DecimalType)
+        ]
+        self._doubles = [f.name for f in schema.fields if isinstance(f.field_type, DoubleType)]
+
+    def read(self, values: Sequence[bytes]) -> pa.Table | None:
+        # One value, one line, one object: a value with a line break, or that is not an object,
+        # or that holds two objects, would not line up with its record (the count says so).
+        if not values or any(v[:1] != b"{" or b"\n" in v for v in values):
+            return None
+        data = b"\n".join(values)
+        try:
+            table = pa_json.read_json(
+                pa.py_buffer(data),
+                read_options=pa_json.ReadOptions(use_threads=False, block_size=len(data) + 1),
+                parse_options=self._options,
+            )
+        except _ARROW_ERRORS:
+            return None
+        if table.num_rows != len(values):
+            return None
+        for name, digits in self._decimals:
+            # Arrow fits the scale exactly but lets the precision overflow.
+            column = table.column(name)
+            wide = pa.decimal128(38, column.type.scale)
+            bound = pa.scalar(Decimal(10) ** digits, wide)
+            if pc.any(pc.greater_equal(pc.abs(column.cast(wide)), bound)).as_py():
+                return None
+        for name in self._doubles:
+            if pc.any(pc.is_nan(table.column(name))).as_py():  # Arrow reads NaN; JSON has none
+                return None
+        return table.cast(self.maker.arrow)

@@ -72,6 +72,7 @@ from twophase.participants.sdk import (
     PartId,
     PartMarker,
     PartState,
+    RawBatch,
     Record,
     Rejected,
     RetriableSinkError,
@@ -86,7 +87,7 @@ from twophase.participants.sinks.iceberg._catalog import (
 )
 from twophase.participants.sinks.iceberg._maintain import maintain
 from twophase.participants.sinks.iceberg._parts import Parts
-from twophase.participants.sinks.iceberg._rows import PartRows, RowMaker
+from twophase.participants.sinks.iceberg._rows import PartRows, RawReader, RowMaker
 from twophase.participants.sinks.iceberg.config import PARTITION_PATTERN, IcebergSinkConfig
 
 __all__ = ["IcebergSink", "TABLE_PROPERTIES"]
@@ -153,6 +154,7 @@ class IcebergSink(sdk.BatchingSink):
         self._parts = Parts(config.catalog.schema_, config.name)
         self._catalog: PartCatalog | None = None
         self._maker: RowMaker | None = None
+        self._raw: RawReader | None = None
         self._slot: OpenSlot[PartRows] = OpenSlot()
         # One connection per thread: the data thread's prepare, the control thread's commit.
         self._local = threading.local()
@@ -162,6 +164,11 @@ class IcebergSink(sdk.BatchingSink):
     @property
     def supports_deletes(self) -> bool:
         return self.cfg.mode == "upsert"
+
+    def accepts_raw(self) -> bool:
+        """Append mode into a table whose columns Arrow's JSON reader converts by the same
+        rules (:class:`~._rows.RawReader`): values are read into Arrow without decoding."""
+        return self.cfg.mode == "append" and self._raw is not None and self._raw.usable
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -193,7 +200,9 @@ class IcebergSink(sdk.BatchingSink):
                 f"key: {odd} must be int, long, string, date, timestamp(tz) or decimal columns",
                 sink=self.name,
             )
-        self._maker = RowMaker(schema, self.cfg.key, self.cfg.unknown_fields == "drop")
+        drop = self.cfg.unknown_fields == "drop"
+        self._maker = RowMaker(schema, self.cfg.key, drop)
+        self._raw = RawReader(schema, self._maker, drop)
         self.log.info(
             "iceberg sink %s: table %s (%d columns, spec %s), mode %s",
             self.name,
@@ -360,6 +369,17 @@ class IcebergSink(sdk.BatchingSink):
             [(key, None if i < 0 else place[i]) for key, i in changes if i < 0 or i in place],
         )
         return rejected
+
+    def stage_raw(self, part: PartId, batch: RawBatch) -> Sequence[Rejected] | None:
+        rows_of = self._slot.get(part)
+        if rows_of is None or rows_of.keyed or self._raw is None:
+            return None
+        table = self._raw.read(batch.values)
+        if table is None:
+            return None
+        for chunk in table.to_batches():
+            rows_of.add(chunk)
+        return []
 
     def publish(self, part: PartId) -> None:
         with self._store("commit") as conn:
