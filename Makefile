@@ -17,7 +17,7 @@ help:
 	@echo "make demo         set everything up and run the main pipeline end to end"
 	@echo "make demo-cdc     Debezium change streams of 4 tables replicated exactly, through a kill"
 	@echo "make test         set everything up and run the whole test suite"
-	@echo "make stack-up     start Kafka, PostgreSQL and SecantusDB on 127.0.0.1"
+	@echo "make stack-up     start Kafka, PostgreSQL, SecantusDB, Apicurio and MinIO on 127.0.0.1"
 	@echo "make stack-down   stop what stack-up started"
 	@echo "make stack-status show what is running and where its logs are"
 	@echo "make lint         ruff and mypy --strict"

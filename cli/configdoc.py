@@ -99,7 +99,7 @@ SINK_EXAMPLES: dict[str, dict[str, Any]] = {
             "uri": "postgresql://app@db:5432/lake",
             "password": "${ENV:CATALOG_PASSWORD}",
             "warehouse": "s3://lake/warehouse",
-            "properties": {"s3.endpoint": "http://minio:9000", "s3.path-style-access": "true"},
+            "properties": {"s3.endpoint": "http://minio:9000", "s3.region": "us-east-1"},
         },
         "table": "sales.orders",
         "mode": "upsert",

@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # The local stack twophase's tests run against: Kafka (KRaft), PostgreSQL, SecantusDB
-# (a MongoDB-protocol server) and Apicurio Registry (a schema registry with the Confluent API)
-# on 127.0.0.1, plus the Spark Kafka connector jars. Everything
+# (a MongoDB-protocol server), Apicurio Registry (a schema registry with the Confluent API) and
+# MinIO (S3) on 127.0.0.1, plus the Spark Kafka connector jars. Everything
 # is installed by this script from package registries, so a fresh machine needs only
-# Java 17, Maven and Python 3.
+# Java 17, Maven, Python 3, Go and curl.
 #
 #   stack.sh up | down | status | restart-kafka [--kill] | restart-pg [--kill] | restart-mongo [--kill]
+#   stack.sh restart-minio [--kill]
 #   stack.sh kafka-run CLASS [ARGS...]   run a Kafka tool, e.g.
 #       stack.sh kafka-run org.apache.kafka.tools.consumer.group.ConsumerGroupCommand \
 #           --bootstrap-server 127.0.0.1:9092 --describe --all-groups
 #
 # Environment (all optional):
 #   TWOPHASE_STACK_DIR   data, logs, pid files, stack.env   (default <repo>/.stack)
-#   TWOPHASE_CACHE_DIR   maven repo, jars, SecantusDB venv  (default <repo>/.cache)
+#   TWOPHASE_CACHE_DIR   maven repo, jars, SecantusDB venv  (default ~/.cache/twophase)
 #   TWOPHASE_KAFKA_PORT (9092)  TWOPHASE_KAFKA_CONTROLLER_PORT (9093)
 #   TWOPHASE_PG_PORT (55432)    TWOPHASE_MONGO_PORT (27018)
 #   TWOPHASE_REGISTRY_PORT (8081)   TWOPHASE_REGISTRY_HEAP (256m)
+#   TWOPHASE_MINIO_PORT (9000)  MinIO's S3 API (its console is off)
 #   TWOPHASE_KAFKA_HEAP (1g)    TWOPHASE_PYTHON (python3, for the SecantusDB venv)
 #   TWOPHASE_MONGO_TXN_LIFETIME_S (60)   idle MongoDB transactions are aborted after this
 #   TWOPHASE_MONGO_REAP_INTERVAL_S (5)   how often the reaper makes SecantusDB check
@@ -593,14 +595,111 @@ registry_stop() { # [KILL]
   stop_pid "$REGISTRY_PID" "-Dtwophase.stack.dir=$STACK_DIR -jar $REGISTRY_JAR" registry "${1:-TERM}"
 }
 
+# ---------------------------------------------------------------------------- MinIO
+
+# S3 for s3:// warehouses (the iceberg sink): a MinIO server that stack/minio.sh builds from
+# the Go module proxy. AGPLv3: run unmodified as a separate test service, never linked into or
+# shipped with twophase. One drive, one bucket made at start; data kept across restarts.
+MINIO_VERSION=$(sed -n 's/^MINIO_VERSION="\([^"]*\)".*/\1/p' "$HERE/minio.sh" | head -n1)
+MINIO_PORT=${TWOPHASE_MINIO_PORT:-9000}
+MINIO_DIR=$STACK_DIR/minio
+MINIO_DATA=$MINIO_DIR/data
+MINIO_BIN=$CACHE_DIR/minio/$MINIO_VERSION/minio
+MINIO_PID=$RUN_DIR/minio.pid
+MINIO_LOG=$LOG_DIR/minio.log
+MINIO_URL=http://127.0.0.1:$MINIO_PORT
+# Fixed: a test service on 127.0.0.1 only. MinIO wants a secret of 8 characters or more.
+MINIO_ACCESS_KEY=twophase
+MINIO_SECRET_KEY=twophase-secret
+MINIO_BUCKET=warehouse
+MINIO_REGION=us-east-1
+
+[[ -n $MINIO_VERSION ]] || die "could not read MINIO_VERSION=\"...\" from $HERE/minio.sh"
+
+minio_pid() { live_pid "$MINIO_PID" "$MINIO_DATA"; }
+
+need_curl() {
+  command -v curl >/dev/null 2>&1 || die "curl not found: the stack makes MinIO's bucket with it (Debian: apt-get install curl)"
+}
+
+# stack/minio.sh is idempotent (it checks the binary's version); its output goes to a log
+# because a cold build prints hundreds of "go: downloading" lines.
+minio_build() {
+  local build_log=$LOG_DIR/minio-build.log
+  mkdir -p "$LOG_DIR"
+  [[ -x $MINIO_BIN ]] ||
+    log "minio: building MinIO $MINIO_VERSION from the Go module proxy into $(dirname "$MINIO_BIN") (first run only, 6-11 min on 2 cores; output: $build_log)"
+  if ! TWOPHASE_CACHE_DIR=$CACHE_DIR bash "$HERE/minio.sh" >"$build_log" 2>&1; then
+    tail -n 20 "$build_log" >&2 || true
+    die "minio: stack/minio.sh could not build MinIO $MINIO_VERSION (full output: $build_log)"
+  fi
+}
+
+minio_ready() {
+  curl -fsS -o /dev/null --max-time 2 "$MINIO_URL/minio/health/ready" 2>/dev/null
+}
+
+# PUT Bucket, signed with curl's SigV4: no S3 client needed at stack-up time.
+minio_make_bucket() {
+  local out status
+  out=$(curl -sS --max-time 10 -w '\n%{http_code}' -X PUT --aws-sigv4 "aws:amz:$MINIO_REGION:s3" \
+    --user "$MINIO_ACCESS_KEY:$MINIO_SECRET_KEY" "$MINIO_URL/$MINIO_BUCKET") ||
+    die "minio: PUT $MINIO_URL/$MINIO_BUCKET failed (curl >= 7.75 is needed for --aws-sigv4)"
+  status=${out##*$'\n'}
+  case $status in
+    200) log "minio: made bucket $MINIO_BUCKET" ;;
+    409) [[ $out == *BucketAlreadyOwnedByYou* ]] || die "minio: PUT /$MINIO_BUCKET answered 409: ${out%$'\n'*}" ;;
+    *) die "minio: PUT /$MINIO_BUCKET answered HTTP $status: ${out%$'\n'*}" ;;
+  esac
+}
+
+minio_start() {
+  local pid
+  if pid=$(minio_pid); then
+    log "minio: already running (pid $pid)"
+    return 0
+  fi
+  need_curl
+  minio_build
+  require_port_free "$MINIO_PORT" "MinIO (TWOPHASE_MINIO_PORT)"
+  mkdir -p "$MINIO_DATA"
+  touch "$MINIO_LOG"
+  # MINIO_BROWSER=off: no console, so no second port. HOME: MinIO makes ~/.minio (its old
+  # config dir, made even when --certs-dir points elsewhere); this keeps it in the stack dir.
+  # MINIO_UPDATE=off: it never replaces its own binary. The region is what clients sign with.
+  HOME=$MINIO_DIR MINIO_ROOT_USER=$MINIO_ACCESS_KEY MINIO_ROOT_PASSWORD=$MINIO_SECRET_KEY \
+    MINIO_SITE_REGION=$MINIO_REGION MINIO_BROWSER=off MINIO_UPDATE=off \
+    spawn "$MINIO_LOG" "$MINIO_PID" "$MINIO_BIN" server --address "127.0.0.1:$MINIO_PORT" "$MINIO_DATA"
+  pid=$(head -n1 "$MINIO_PID")
+  local i
+  for ((i = 0; i < START_TIMEOUT * 5; i++)); do
+    kill -0 "$pid" 2>/dev/null || { show_log_tail "$MINIO_LOG"; die "minio: exited during start-up (log: $MINIO_LOG)"; }
+    if minio_ready; then
+      minio_make_bucket
+      log "minio: up on 127.0.0.1:$MINIO_PORT (pid $pid, bucket $MINIO_BUCKET, log $MINIO_LOG)"
+      return 0
+    fi
+    sleep 0.2
+  done
+  show_log_tail "$MINIO_LOG"
+  die "minio: not ready on 127.0.0.1:$MINIO_PORT after ${START_TIMEOUT}s (log: $MINIO_LOG)"
+}
+
+minio_stop() { # [KILL]
+  stop_pid "$MINIO_PID" "$MINIO_DATA" minio "${1:-TERM}"
+}
+
 # ---------------------------------------------------------------------------- Spark
 
 spark_jars() {
   fetch_jars "$HERE/spark-kafka/pom.xml" "$SPARK_JARS_DIR" -Dspark.version="$SPARK_VERSION"
+  # Iceberg's Spark runtime and the PostgreSQL driver of its JdbcCatalog: Spark reads the
+  # iceberg sink's tables (docs/spark.md). Versions and why: stack/spark-iceberg/pom.xml.
+  fetch_jars "$HERE/spark-iceberg/pom.xml" "$CACHE_DIR/jars/spark-iceberg"
 }
 
 spark_jar_list() {
-  local jars=("$SPARK_JARS_DIR"/*.jar)
+  local jars=("$SPARK_JARS_DIR"/*.jar "$CACHE_DIR/jars/spark-iceberg"/*.jar)
   local IFS=,
   printf '%s' "${jars[*]}"
 }
@@ -628,6 +727,13 @@ TWOPHASE_SPARK_JARS='$(spark_jar_list)'
 TWOPHASE_SCHEMA_REGISTRY_URL='http://127.0.0.1:$REGISTRY_PORT$REGISTRY_CCOMPAT'
 TWOPHASE_REGISTRY_VERSION='$REGISTRY_VERSION'
 TWOPHASE_REGISTRY_LOG='$REGISTRY_LOG'
+TWOPHASE_S3_ENDPOINT='$MINIO_URL'
+TWOPHASE_S3_ACCESS_KEY='$MINIO_ACCESS_KEY'
+TWOPHASE_S3_SECRET_KEY='$MINIO_SECRET_KEY'
+TWOPHASE_S3_BUCKET='$MINIO_BUCKET'
+TWOPHASE_S3_REGION='$MINIO_REGION'
+TWOPHASE_MINIO_VERSION='$MINIO_VERSION'
+TWOPHASE_MINIO_LOG='$MINIO_LOG'
 EOF
 }
 
@@ -667,9 +773,12 @@ cmd_up() {
   pg_pid >/dev/null || require_port_free "$PG_PORT" "PostgreSQL (TWOPHASE_PG_PORT)"
   mongo_pid >/dev/null || require_port_free "$MONGO_PORT" "SecantusDB (TWOPHASE_MONGO_PORT)"
   registry_pid >/dev/null || require_port_free "$REGISTRY_PORT" "the schema registry (TWOPHASE_REGISTRY_PORT)"
+  minio_pid >/dev/null || require_port_free "$MINIO_PORT" "MinIO (TWOPHASE_MINIO_PORT)"
+  need_curl
   kafka_jars
   spark_jars
   registry_build
+  minio_build
   secantus_install
   pg_install
   kafka_start
@@ -677,6 +786,7 @@ cmd_up() {
   mongo_start
   reaper_start
   registry_start
+  minio_start
   write_env
   # Optional services (stack/README.md): off by default so plain `make stack-up` stays fast.
   if [[ ${TWOPHASE_STACK_CONNECT:-0} == 1 ]]; then
@@ -691,6 +801,7 @@ cmd_down() {
   # Before Kafka: a worker that loses its broker retries noisily until it is stopped.
   bash "$HERE/connect.sh" down
   registry_stop TERM
+  minio_stop TERM
   reaper_stop
   mongo_stop TERM
   kafka_stop TERM
@@ -712,6 +823,7 @@ cmd_status() {
   status_line postgres "$(pg_pid || true)" "$PG_PORT" "$PG_LOG"
   status_line mongo "$(mongo_pid || true)" "$MONGO_PORT" "$MONGO_LOG"
   status_line registry "$(registry_pid || true)" "$REGISTRY_PORT" "$REGISTRY_LOG"
+  status_line minio "$(minio_pid || true)" "$MINIO_PORT" "$MINIO_LOG"
   bash "$HERE/connect.sh" status
   local rp
   if rp=$(reaper_pid); then
@@ -748,6 +860,7 @@ main() {
     restart-kafka) restart kafka "${2:-}" ;;
     restart-pg) restart pg "${2:-}" ;;
     restart-mongo) restart mongo "${2:-}" ;;
+    restart-minio) restart minio "${2:-}" ;;
     kafka-run)
       shift
       [[ $# -ge 1 ]] || die "usage: stack.sh kafka-run CLASS [ARGS...]"

@@ -54,7 +54,7 @@ class CatalogConfig(BaseModel):
     #: local file system, or ``s3://bucket/prefix`` with the ``s3.*`` properties below.
     warehouse: str = Field(min_length=1)
     #: pyiceberg catalog / FileIO properties, e.g. ``s3.endpoint``, ``s3.access-key-id``,
-    #: ``s3.secret-access-key``, ``s3.region``, ``s3.path-style-access``.
+    #: ``s3.secret-access-key`` and ``s3.region`` (required with ``s3.endpoint``).
     properties: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("uri")
@@ -65,6 +65,15 @@ class CatalogConfig(BaseModel):
                 "must be a postgresql:// URI (the sink keeps its markers beside the catalog, "
                 "in the same PostgreSQL database)"
             )
+        return value
+
+    @field_validator("properties")
+    @classmethod
+    def _region(cls, value: dict[str, str]) -> dict[str, str]:
+        if "s3.endpoint" in value and not value.get("s3.region"):
+            # Without it pyiceberg asks AWS where the bucket is: seconds per connection, then a
+            # failure -- or another party's bucket of the same name, on a machine that can ask.
+            raise ValueError("s3.region is required with s3.endpoint (MinIO: us-east-1)")
         return value
 
     @field_validator("warehouse")
