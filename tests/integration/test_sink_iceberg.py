@@ -592,3 +592,92 @@ def test_raw_values_are_stored_and_refused_exactly_as_decoded_ones(lake: Lake) -
     assert tables[0].num_rows == tables[1].num_rows > 2000
     # repr: a NaN ("NaN" spelled as a string is a double's value) equals itself there.
     assert [repr(r) for r in tables[0].to_pylist()] == [repr(r) for r in tables[1].to_pylist()]
+
+
+# -- schema changes (auto_evolve) -----------------------------------------------------------------
+
+
+def _schema(version: int) -> Any:
+    from twophase.participants.sdk import Field, FieldType, RecordSchema
+
+    fields = [Field("id", FieldType("int64")), Field("n", FieldType("int32", nullable=True))]
+    if version >= 2:  # amount added, n widened to int64
+        fields = [
+            Field("id", FieldType("int64")),
+            Field("n", FieldType("int64", nullable=True)),
+            Field("amount", FieldType("decimal", nullable=True, precision=10, scale=2)),
+        ]
+    if version == 3:  # id as a string: no widening of a long
+        fields[0] = Field("id", FieldType("string"))
+    return RecordSchema(tuple(fields), id=f"test:v{version}")
+
+
+def _typed(offset: int, version: int, **value: Any) -> Record:
+    body = {"id": offset, "n": offset % 100, **value}
+    return Record(TOPIC, 0, offset, 0, None, body, schema=_schema(version))
+
+
+def test_auto_evolve_adds_and_promotes_columns_before_the_rows_that_need_them(lake: Lake) -> None:
+    sink = lake.sink(create_table={"id": "long", "n": "int"}, auto_evolve=True)
+    sink.commit(_prepare(sink, 1, [_typed(i, 1) for i in range(5)]))
+    part = PartId(lake.pipeline, 2, "w0")
+    sink.begin(part)
+    assert not sink.write(part, [_typed(i, 1) for i in range(5, 10)])
+    assert not sink.write(part, [_typed(i, 2, amount="12.50") for i in range(10, 15)])
+    # Committed at once, before the part: the new column, empty, and n promoted.
+    schema = lake.table().schema()
+    assert [(f.name, str(f.field_type), f.required) for f in schema.fields] == [
+        ("id", "long", False),
+        ("n", "long", False),
+        ("amount", "decimal(10, 2)", False),
+    ]
+    assert lake.ids() == list(range(5))
+    refused = sink.write(part, [_typed(15, 3, id="x15"), _typed(16, 2, amount="1.25")])
+    assert [r.record.offset for r in refused] == [15]
+    assert "'id'" in refused[0].reason and "widening" in refused[0].reason
+    sink.prepare(part, {(TOPIC, 0): 17})
+    sink.commit(part)
+    rows = {r["id"]: r for r in lake.table().scan().to_arrow().to_pylist()}
+    assert sorted(rows) == [*range(15), 16]
+    assert rows[3]["amount"] is None and str(rows[12]["amount"]) == "12.50"
+
+
+def test_two_participants_evolve_one_table_in_the_same_cycle(lake: Lake) -> None:
+    sinks = [
+        lake.sink(w, create_table={"id": "long", "n": "int"}, auto_evolve=True)
+        for w in ("w0", "w1")
+    ]
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def run(w: int) -> None:
+        try:
+            part = PartId(lake.pipeline, 1, f"w{w}")
+            sinks[w].begin(part)
+            barrier.wait()
+            records = [_typed(w * 100 + i, 2, amount=f"{i}.5") for i in range(20)]
+            assert not sinks[w].write(part, records)
+            sinks[w].prepare(part, {(TOPIC, w): 20})
+            barrier.wait()
+            sinks[w].commit(part)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    table = lake.table()
+    assert [f.name for f in table.schema().fields] == ["id", "n", "amount"]
+    assert lake.ids() == [*range(20), *range(100, 120)]
+
+
+def test_without_auto_evolve_a_new_field_is_refused(lake: Lake) -> None:
+    sink = lake.sink(create_table={"id": "long", "n": "int"})
+    part = PartId(lake.pipeline, 1, "w0")
+    sink.begin(part)
+    refused = sink.write(part, [_typed(1, 1), _typed(2, 2, amount="1.00")])
+    assert [r.record.offset for r in refused] == [2] and "amount" in refused[0].reason
+    assert [f.name for f in lake.table().schema().fields] == ["id", "n"]

@@ -33,7 +33,7 @@ from pyiceberg.table.update.snapshot import ExpireSnapshots
 if TYPE_CHECKING:
     from twophase.participants.sinks.iceberg.sink import IcebergSink
 
-__all__ = ["MaintenanceReport", "maintain"]
+__all__ = ["MaintenanceReport", "locked_table", "maintain"]
 
 #: Snapshot summary key of a maintenance commit.
 MAINTENANCE_KEY = "twophase.maintenance"
@@ -60,9 +60,9 @@ def maintain(sink: IcebergSink) -> MaintenanceReport:
     report = MaintenanceReport(sink.cfg.table)
     with sink.store_connection("maintain") as conn:
         if opts.compact_min_files > 0:
-            with _locked(sink, conn) as table:
+            with locked_table(sink, conn) as table:
                 _compact(sink, conn, table, opts.compact_min_files, report)
-        with _locked(sink, conn) as table:
+        with locked_table(sink, conn) as table:
             _expire(sink, conn, table, opts.expire_after_s, opts.keep_snapshots, report)
         _delete_unreferenced(sink, conn, sink.load_table(), opts.orphan_grace_s, report)
     report.seconds = round(time.monotonic() - started, 3)
@@ -70,7 +70,7 @@ def maintain(sink: IcebergSink) -> MaintenanceReport:
 
 
 @contextmanager
-def _locked(sink: IcebergSink, conn: psycopg.Connection[Any]) -> Iterator[Table]:
+def locked_table(sink: IcebergSink, conn: psycopg.Connection[Any]) -> Iterator[Table]:
     """A transaction holding the table's catalog row: the table as of now, unchanged by any
     commit until the transaction ends (a commit in flight is waited for)."""
     cfg = sink.cfg.catalog

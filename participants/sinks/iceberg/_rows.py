@@ -42,7 +42,7 @@ from pyiceberg.types import (
 from twophase.participants.sdk import Record, Rejected, values
 from twophase.participants.sdk.values import BadValue
 
-__all__ = ["PartRows", "RawReader", "RowMaker"]
+__all__ = ["PartRows", "RawReader", "RowMaker", "conform"]
 
 Convert = Callable[[Any], Any]
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -228,6 +228,19 @@ class RowMaker:
         return self.batch(kept), rejected, kept_at
 
 
+def conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    """``batch`` in ``schema``: its columns cast (a promotion), the ones it lacks null."""
+    if batch.schema.equals(schema, check_metadata=True):
+        return batch
+    columns = [
+        batch.column(f.name).cast(f.type)
+        if f.name in batch.schema.names
+        else pa.nulls(batch.num_rows, f.type)
+        for f in schema
+    ]
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
 class PartRows:
     """The rows of the open part: in append mode all of them, in upsert mode the last change of
     each key (a row, or a delete)."""
@@ -251,6 +264,12 @@ class PartRows:
         last = self.last
         for key, row in changes:
             last[key] = None if row is None else (index, row)
+
+    def follow(self, maker: RowMaker) -> None:
+        """The table's schema changed (``auto_evolve``): rows from now on are of ``maker``'s,
+        and the ones held so far are made so (new columns null, promoted types cast)."""
+        self.maker = maker
+        self.batches = [conform(b, maker.arrow) for b in self.batches]
 
     def table(self) -> pa.Table:
         """What the prepare writes: every row, or each key's last row when it is not deleted."""

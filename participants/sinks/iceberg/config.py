@@ -130,6 +130,13 @@ class IcebergSinkConfig(SinkConfig):
     #: A record field that is not a column: ``reject`` the record (dead-lettered with the
     #: field named) or ``drop`` the field.
     unknown_fields: Literal["reject", "drop"] = "reject"
+    #: Records with a schema (a registry format, a Kafka Connect envelope, Debezium): a record
+    #: whose schema adds a field, widens a type Iceberg can promote (int to long, float to
+    #: double, a decimal's precision) or makes a field optional changes the table first, in a
+    #: commit of its own (``docs/iceberg.md``, "Schema changes"). False: such records are
+    #: refused when they carry a field that is no column (``unknown_fields``). Incompatible
+    #: changes are refused either way, with the reason.
+    auto_evolve: bool = False
     #: Compaction, snapshot expiry and file removal by ``twophase sinks maintain``
     #: (``docs/iceberg.md``, "Maintenance").
     maintenance: MaintenanceConfig = Field(default_factory=MaintenanceConfig)

@@ -79,13 +79,14 @@ from twophase.participants.sdk import (
     positions_from_json,
     positions_to_json,
 )
+from twophase.participants.sinks.iceberg import _evolve
 from twophase.participants.sinks.iceberg._catalog import (
     PartCatalog,
     connect,
     fsync_dir,
     open_catalog,
 )
-from twophase.participants.sinks.iceberg._maintain import maintain
+from twophase.participants.sinks.iceberg._maintain import locked_table, maintain
 from twophase.participants.sinks.iceberg._parts import Parts
 from twophase.participants.sinks.iceberg._rows import PartRows, RawReader, RowMaker
 from twophase.participants.sinks.iceberg.config import PARTITION_PATTERN, IcebergSinkConfig
@@ -155,6 +156,9 @@ class IcebergSink(sdk.BatchingSink):
         self._catalog: PartCatalog | None = None
         self._maker: RowMaker | None = None
         self._raw: RawReader | None = None
+        self._schema_id = -1
+        #: auto_evolve: (record schema id, table schema id) -> None (fits) or why not.
+        self._fits: dict[tuple[str, int], str | None] = {}
         self._slot: OpenSlot[PartRows] = OpenSlot()
         # One connection per thread: the data thread's prepare, the control thread's commit.
         self._local = threading.local()
@@ -200,9 +204,7 @@ class IcebergSink(sdk.BatchingSink):
                 f"key: {odd} must be int, long, string, date, timestamp(tz) or decimal columns",
                 sink=self.name,
             )
-        drop = self.cfg.unknown_fields == "drop"
-        self._maker = RowMaker(schema, self.cfg.key, drop)
-        self._raw = RawReader(schema, self._maker, drop)
+        self._use_schema(schema)
         self.log.info(
             "iceberg sink %s: table %s (%d columns, spec %s), mode %s",
             self.name,
@@ -211,6 +213,12 @@ class IcebergSink(sdk.BatchingSink):
             table.spec(),
             self.cfg.mode,
         )
+
+    def _use_schema(self, schema: Schema) -> None:
+        drop = self.cfg.unknown_fields == "drop"
+        self._maker = RowMaker(schema, self.cfg.key, drop)
+        self._raw = RawReader(schema, self._maker, drop)
+        self._schema_id = schema.schema_id
 
     def _load_or_create(self, catalog: PartCatalog) -> Table:
         try:
@@ -336,9 +344,12 @@ class IcebergSink(sdk.BatchingSink):
         rows_of = self._slot.get(part)
         if rows_of is None or self._maker is None:
             raise AbortTransactionError(f"part {part.token} is not open here", sink=self.name)
-        maker = self._maker
-        keyed = rows_of.keyed
         rejected: list[Rejected] = []
+        if self.cfg.auto_evolve:
+            records, rejected = self._evolve(records, rows_of)
+        maker = self._maker
+        assert maker is not None
+        keyed = rows_of.keyed
         rows: list[list[Any]] = []
         at: list[int] = []
         changes: list[tuple[tuple[Any, ...], int]] = []  # (key, record position or -1)
@@ -380,6 +391,64 @@ class IcebergSink(sdk.BatchingSink):
         for chunk in table.to_batches():
             rows_of.add(chunk)
         return []
+
+    def _evolve(
+        self, records: Sequence[Record], rows_of: PartRows
+    ) -> tuple[Sequence[Record], list[Rejected]]:
+        """``auto_evolve``: the table's schema made to hold every record's schema (each new
+        schema once), and the records whose schema it cannot hold, refused."""
+        refusals: dict[str, str] = {}
+        for record in records:
+            schema = record.schema
+            if schema is None or schema.id in refusals:
+                continue
+            why = self._fit(schema)
+            if why is not None:
+                refusals[schema.id] = why
+        if rows_of.maker is not self._maker:
+            assert self._maker is not None
+            rows_of.follow(self._maker)
+        if not refusals:
+            return records, []
+        kept = [r for r in records if r.schema is None or r.schema.id not in refusals]
+        rejected = [
+            Rejected(r, refusals[r.schema.id])
+            for r in records
+            if r.schema is not None and r.schema.id in refusals
+        ]
+        return kept, rejected
+
+    def _fit(self, schema: sdk.RecordSchema) -> str | None:
+        """None once the table holds ``schema``'s records (changed if it must), else why not.
+        The rows follow the table's current schema, whoever changed it."""
+        key = (schema.id, self._schema_id)
+        if key in self._fits:
+            return self._fits[key]
+        current = self._table().schema()
+        changes, why = _evolve.plan(current, schema)
+        if why is None and changes:
+            with (
+                self._store("evolve the table's schema") as conn,
+                locked_table(self, conn) as table,
+            ):
+                # Again under the lock: another participant may have made the change.
+                changes, why = _evolve.plan(table.schema(), schema)
+                if why is None and changes:
+                    tx = _evolve.apply(table, changes)
+                    with self.catalog_bound(conn):
+                        tx.commit_transaction()
+                    self.log.info(
+                        "iceberg sink %s: table %s changed for schema %s: %s",
+                        self.name,
+                        self.cfg.table,
+                        schema.id,
+                        ", ".join(f"{c.kind} {c.name}" for c in changes),
+                    )
+            current = self._table().schema()
+        if current.schema_id != self._schema_id:
+            self._use_schema(current)
+        self._fits[(schema.id, self._schema_id)] = why
+        return why
 
     def publish(self, part: PartId) -> None:
         with self._store("commit") as conn:
