@@ -18,6 +18,7 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -30,6 +31,7 @@ from pyiceberg.table import CommitTableResponse, Table
 from pyiceberg.table.update import TableRequirement, TableUpdate
 from sqlalchemy.engine import make_url
 
+from twophase.participants.sdk import fsync_dir
 from twophase.participants.sinks.iceberg.config import CatalogConfig
 
 __all__ = ["FsyncFileIO", "PartCatalog", "connect", "open_catalog"]
@@ -151,15 +153,7 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    fsync_dir(os.path.dirname(local))
-
-
-def fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(Path(local).parent)
 
 
 class _FsyncStream:

@@ -17,58 +17,13 @@ from typing import Any
 
 from pyiceberg.schema import Schema
 from pyiceberg.table import Table
-from pyiceberg.types import (
-    BinaryType,
-    BooleanType,
-    DateType,
-    DecimalType,
-    DoubleType,
-    FloatType,
-    IcebergType,
-    IntegerType,
-    LongType,
-    PrimitiveType,
-    StringType,
-    TimestampType,
-    TimestamptzType,
-    TimeType,
-    UUIDType,
-)
+from pyiceberg.types import DecimalType, IcebergType, PrimitiveType
 
 from twophase.participants.sdk import Change, Field, FieldType, RecordSchema, compare
+from twophase.participants.sinks.iceberg._types import BY_KIND, KIND_OF
 
 __all__ = ["plan", "record_schema", "apply"]
 
-_TO_ICEBERG: dict[str, PrimitiveType] = {
-    "boolean": BooleanType(),
-    "int32": IntegerType(),
-    "int64": LongType(),
-    "float32": FloatType(),
-    "float64": DoubleType(),
-    "string": StringType(),
-    "enum": StringType(),
-    "json": StringType(),
-    "bytes": BinaryType(),
-    "uuid": UUIDType(),
-    "date": DateType(),
-    "time": TimeType(),
-    "timestamp": TimestamptzType(),
-    "timestamp_local": TimestampType(),
-}
-_FROM_ICEBERG: dict[type, str] = {
-    BooleanType: "boolean",
-    IntegerType: "int32",
-    LongType: "int64",
-    FloatType: "float32",
-    DoubleType: "float64",
-    StringType: "string",
-    BinaryType: "bytes",
-    UUIDType: "uuid",
-    DateType: "date",
-    TimeType: "time",
-    TimestamptzType: "timestamp",
-    TimestampType: "timestamp_local",
-}
 #: The promotions Iceberg allows (its spec's "type promotion"): (from, to) kinds.
 _PROMOTIONS = frozenset({("int32", "int64"), ("float32", "float64")})
 
@@ -79,7 +34,7 @@ def iceberg_type(t: FieldType) -> PrimitiveType | str:
         if t.precision is None or t.precision > 38:
             return f"{t.describe()} has no Iceberg decimal (precision 1 to 38)"
         return DecimalType(t.precision, t.scale or 0)
-    found = _TO_ICEBERG.get(t.kind)
+    found = BY_KIND.get(t.kind)
     if found is None:
         return f"{t.describe()}: nested types are not evolved by the iceberg sink yet"
     return found
@@ -88,7 +43,7 @@ def iceberg_type(t: FieldType) -> PrimitiveType | str:
 def _field_type(t: IcebergType, required: bool) -> FieldType:
     if isinstance(t, DecimalType):
         return FieldType("decimal", not required, precision=t.precision, scale=t.scale)
-    kind = _FROM_ICEBERG.get(type(t), "json")
+    kind = KIND_OF.get(type(t), "json")
     unit = "us" if kind in ("time", "timestamp", "timestamp_local") else None
     return FieldType(kind, not required, unit=unit)
 

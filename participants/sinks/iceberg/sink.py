@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from decimal import Decimal
+from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import urlparse
 
@@ -47,12 +48,8 @@ from pyiceberg.transforms import (
     YearTransform,
 )
 from pyiceberg.types import (
-    BinaryType,
-    BooleanType,
     DateType,
     DecimalType,
-    DoubleType,
-    FloatType,
     IntegerType,
     LongType,
     NestedField,
@@ -60,8 +57,6 @@ from pyiceberg.types import (
     StringType,
     TimestampType,
     TimestamptzType,
-    TimeType,
-    UUIDType,
 )
 
 from twophase.participants import sdk
@@ -76,19 +71,16 @@ from twophase.participants.sdk import (
     Record,
     Rejected,
     RetriableSinkError,
+    fsync_dir,
     positions_from_json,
     positions_to_json,
 )
 from twophase.participants.sinks.iceberg import _evolve
-from twophase.participants.sinks.iceberg._catalog import (
-    PartCatalog,
-    connect,
-    fsync_dir,
-    open_catalog,
-)
+from twophase.participants.sinks.iceberg._catalog import PartCatalog, connect, open_catalog
 from twophase.participants.sinks.iceberg._maintain import locked_table, maintain
 from twophase.participants.sinks.iceberg._parts import Parts
 from twophase.participants.sinks.iceberg._rows import PartRows, RawReader, RowMaker
+from twophase.participants.sinks.iceberg._types import BY_NAME
 from twophase.participants.sinks.iceberg.config import PARTITION_PATTERN, IcebergSinkConfig
 
 __all__ = ["IcebergSink", "TABLE_PROPERTIES"]
@@ -113,20 +105,6 @@ _TRANSFORMS: dict[str, Any] = {
     "truncate": lambda n: TruncateTransform(int(n)),
 }
 _STORE_ERRORS = (psycopg.Error, OSError)
-_SIMPLE_TYPES: dict[str, PrimitiveType] = {
-    "boolean": BooleanType(),
-    "int": IntegerType(),
-    "long": LongType(),
-    "float": FloatType(),
-    "double": DoubleType(),
-    "date": DateType(),
-    "time": TimeType(),
-    "timestamp": TimestampType(),
-    "timestamptz": TimestamptzType(),
-    "string": StringType(),
-    "uuid": UUIDType(),
-    "binary": BinaryType(),
-}
 #: Key column types: those whose values a delete's filter compares exactly.
 _KEY_TYPES = (
     IntegerType,
@@ -252,7 +230,7 @@ class IcebergSink(sdk.BatchingSink):
                 p, s = kind[kind.index("(") + 1 : kind.index(")")].split(",")
                 field_type: PrimitiveType = DecimalType(int(p), int(s))
             else:
-                field_type = _SIMPLE_TYPES[kind]
+                field_type = BY_NAME[kind]
             fields.append(NestedField(i, name, field_type, required=name in self.cfg.key))
         ids = [f.field_id for f in fields if f.name in self.cfg.key]
         return Schema(*fields, identifier_field_ids=ids)
@@ -690,7 +668,7 @@ def _fsync_dirs(location: str, paths: list[str]) -> None:
         directory = os.path.dirname(urlparse(path).path if path.startswith("file:") else path)
         while directory.startswith(root) and directory not in seen:
             seen.add(directory)
-            fsync_dir(directory)
+            fsync_dir(Path(directory))
             directory = os.path.dirname(directory)
 
 
