@@ -20,7 +20,8 @@ Sections (``--only`` picks some):
   deletes) through one topic_pattern into PostgreSQL replica tables (table template, upsert)
   vs as many plain JSON inserts into one table (:mod:`bench.cdc`).
 * ``iceberg``    -- the exactly-once pipeline into an Iceberg table vs pyiceberg's own
-  ``append`` of the same rows as Arrow; the pipeline's commit latency p99 (:mod:`bench.iceberg`).
+  ``append`` of the same rows as Arrow, and vs Iceberg's Kafka Connect sink on the same records
+  (:mod:`bench.iceberg_kc`); the pipeline's commit latency p99 (:mod:`bench.iceberg`).
 
 Runs of the two sides of a comparison alternate, so a noisy neighbour hurts both alike.
 """
