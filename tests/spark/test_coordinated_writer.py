@@ -10,6 +10,7 @@ import signal
 import subprocess
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 import yaml
 from pyspark.errors import StreamingQueryException
 
+from tests.spark.cluster import StandaloneCluster
 from tests.spark.helpers import REPO, produce_to, read_topic
 from twophase.errors import FencedError
 from twophase.jobs.orders import order_events
@@ -71,10 +73,21 @@ def _pipeline(
 
 
 def _run(
-    config: Path, raw: str, checkpoint: Path, jars: list[str], crash_at: str = ""
+    config: Path,
+    raw: str,
+    checkpoint: Path,
+    jars: list[str],
+    crash_at: str = "",
+    master: str = "",
 ) -> subprocess.CompletedProcess[str]:
     command, env = writer_process(
-        config, raw, checkpoint, 300, crash_at, TWOPHASE_SPARK_JARS=",".join(jars)
+        config,
+        raw,
+        checkpoint,
+        300,
+        crash_at,
+        TWOPHASE_SPARK_JARS=",".join(jars),
+        TWOPHASE_SPARK_MASTER=master,  # empty: local[2]
     )
     return subprocess.run(
         command,
@@ -110,7 +123,22 @@ def _pg_counts(pg_dsn: str, table: str, pipeline: str) -> tuple[int, int]:
     return int(rows[0]), int(prepared[0])
 
 
+@pytest.fixture(params=["local", "standalone"])
+def cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[StandaloneCluster | None]:
+    """None: the writer runs on local[2]. Otherwise a standalone master and two workers: the
+    executors, and the Python workers that write the parts, are processes apart from the
+    driver, and a killed driver takes its executors with it."""
+    if request.param == "local":
+        yield None
+        return
+    with StandaloneCluster(tmp_path_factory.mktemp("spark-cluster")) as started:
+        yield started
+
+
 def test_driver_killed_mid_batch_restarts_exactly_once(
+    cluster: StandaloneCluster | None,
     tmp_path: Path,
     kafka_bootstrap: str,
     pg_dsn: str,
@@ -139,7 +167,8 @@ def test_driver_killed_mid_batch_restarts_exactly_once(
     started = time.monotonic()
 
     # Run 1: SIGKILL in batch 1, after every executor prepared its part, before the decision.
-    run = _run(config, raw, checkpoint, spark_jars, "spark_after_prepare:2")
+    master = cluster.url if cluster else ""
+    run = _run(config, raw, checkpoint, spark_jars, "spark_after_prepare:2", master)
     assert run.returncode == -signal.SIGKILL, _tail(run)
     rows, prepared = _pg_counts(pg_dsn, table, cfg.pipeline)
     assert rows == 300, "batch 0 (300 rows) committed, batch 1 not"
@@ -147,14 +176,14 @@ def test_driver_killed_mid_batch_restarts_exactly_once(
 
     # Run 2: batch 1 runs again and commits; SIGKILL in batch 2 after the first sink (MongoDB)
     # applied the decision and before files and PostgreSQL did.
-    run = _run(config, raw, checkpoint, spark_jars, "spark_mid_apply:2")
+    run = _run(config, raw, checkpoint, spark_jars, "spark_mid_apply:2", master)
     assert run.returncode == -signal.SIGKILL, _tail(run)
     mid = check_sinks(cfg, set(range(n)))
     assert mid["mongo"].rows == 900 and mid["pg"].rows == 600, checks_json(mid)
     assert mid["pg"].prepared == 2, "batch 2 decided but not yet applied in PostgreSQL"
 
     # Run 3: Spark replays batch 2, which is committed: the writer applies it and writes nothing.
-    run = _run(config, raw, checkpoint, spark_jars)
+    run = _run(config, raw, checkpoint, spark_jars, master=master)
     assert run.returncode == 0, _tail(run)
     elapsed = time.monotonic() - started
 
@@ -182,6 +211,12 @@ def test_driver_killed_mid_batch_restarts_exactly_once(
         reader.close()
     assert isinstance(first.payload, Checkpoint), first
     assert first.payload.last_txn == 4 and first.payload.pending == ()
+    if cluster is not None:
+        # Each run was an application of its own whose tasks ran in both workers' executors.
+        executors = cluster.executor_dirs()
+        assert len({d.parent.name for d in executors}) == 3, executors
+        ran = [d for d in executors if "Running task" in (d / "stderr").read_text(errors="replace")]
+        assert {d.parent.parent.name for d in ran} == {"worker-0", "worker-1"}, ran
 
 
 def test_a_row_one_sink_rejects_aborts_the_whole_batch(
