@@ -1,5 +1,6 @@
-"""``make demo``: a pipeline on generated order events into PostgreSQL, MongoDB and Parquet files,
-with one participant killed mid-transaction, then an independent verification of every sink.
+"""``make demo``: a pipeline on generated order events into PostgreSQL, MongoDB, Parquet files and
+an Iceberg table, with one participant killed mid-transaction, then an independent verification
+of every sink -- the Iceberg table also counted by Spark SQL.
 
 Exit status 0 only when every sink holds every record exactly once, nothing is left prepared or
 staged, and the consumer group's committed offsets equal the end offsets.
@@ -8,6 +9,9 @@ staged, and the consumer group's committed offsets equal the end offsets.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -20,6 +24,7 @@ from harness import (
     control_summary,
     end_offsets,
     group_offsets,
+    load_stack_env,
     produce,
     verify,
     wait_until,
@@ -96,8 +101,47 @@ def main(argv: list[str] | None = None) -> int:
         "MongoDB here is SecantusDB, a slow test server)"
     )
     ok = all(r.ok for r in reports.values())
+    spark_count = _spark_count(s)
+    print(
+        "\nrows as each reader counts them: "
+        + ", ".join(f"{name} {r.rows:,}" for name, r in reports.items())
+        + f", Iceberg through Spark SQL {spark_count:,}"
+    )
+    if spark_count != args.records:
+        print(f"Spark SQL counted {spark_count} rows in {s.iceberg_table}, not {args.records}")
+        ok = False
     print("\nVERIFIED: every record exactly once in every sink" if ok else "\nVERIFICATION FAILED")
     return 0 if ok else 1
+
+
+def _spark_count(s: Scenario) -> int:
+    """The Iceberg table's rows as Spark SQL counts them (``jobs/read_iceberg.py`` on local[2],
+    through Iceberg's JdbcCatalog on the catalog the sink wrote): -1 when the job failed."""
+    env = {**os.environ}
+    env.setdefault("TWOPHASE_SPARK_JARS", load_stack_env().get("TWOPHASE_SPARK_JARS", ""))
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "twophase.jobs.read_iceberg",
+            "--uri",
+            s.pg_dsn,
+            "--catalog",
+            s.table,
+            "--warehouse",
+            f"file://{s.warehouse}",
+            "--table",
+            s.iceberg_table,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    if run.returncode != 0:
+        print(f"the Spark read of {s.iceberg_table} failed:\n{run.stderr[-3000:]}")
+        return -1
+    return int(json.loads(run.stdout.strip().splitlines()[-1])["count"])
 
 
 if __name__ == "__main__":
