@@ -44,6 +44,7 @@ from typing import Any
 from bench import avro as avro_bench
 from bench import cdc as cdc_bench
 from bench import iceberg as iceberg_bench
+from bench import iceberg_kc
 from bench import latency as lat
 from bench import throughput as tp
 from harness import load_stack_env
@@ -287,7 +288,7 @@ def cdc(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[str, 
 def iceberg(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[str, Any]:
     say(f"iceberg: producing {args.records:,} records")
     source = tp.Source.create(env["TWOPHASE_KAFKA_BOOTSTRAP"], args.records, "iceberg")
-    details: dict[str, list[dict[str, Any]]] = {"pipeline": []}
+    details: dict[str, list[dict[str, Any]]] = {"pipeline": [], "kafka_connect": []}
     try:
         data = iceberg_bench.arrow_of(source, work)
 
@@ -296,22 +297,30 @@ def iceberg(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[s
             details["pipeline"].append(r.asdict())
             return r.records_per_s
 
+        def run_kc() -> float:
+            r = iceberg_kc.kc_run(source, work)
+            details["kafka_connect"].append(r.asdict())
+            return r.records_per_s
+
         got = alternate(
             args.runs,
             {
                 "pipeline": run_pipeline,
                 "append": lambda: iceberg_bench.direct_run(data, work, source),
+                "kafka_connect": run_kc,
             },
         )
     finally:
         source.delete()
-    p, d = median(got["pipeline"]), median(got["append"])
+    p, d, k = median(got["pipeline"]), median(got["append"]), median(got["kafka_connect"])
     p99s = [r["control"]["commit_latency_ms"]["p99"] for r in details["pipeline"]]
     return {
         "iceberg_pipeline_records_per_s": round(p),
         "iceberg_append_records_per_s": round(d),
         "iceberg_over_append": round(p / d, 3),
         "iceberg_commit_p99_ms": round(median(p99s)),
+        "iceberg_kc_records_per_s": round(k),
+        "iceberg_over_kc": round(p / k, 3),
         "_runs": {**details, "append": got["append"]},
     }
 
