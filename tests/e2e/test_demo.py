@@ -83,7 +83,7 @@ def test_twophase_demo_with_its_crash(tmp_path: Path) -> None:
     out, elapsed = _run(["harness.demo", "--records", str(DEMO_RECORDS)], DEMO_TIMEOUT_S, tmp_path)
     assert "worker-0 killed with a prepared, undecided part" in out, out
     rows = _table(out, "sink ")
-    assert set(rows) == {"pg", "mongo", "files"}, out
+    assert set(rows) == {"pg", "mongo", "files", "iceberg"}, out
     for sink, (records, distinct, dupes, missing, prepared, staged) in rows.items():
         assert (records, distinct, dupes, missing, prepared, staged) == (
             DEMO_RECORDS,
@@ -93,6 +93,7 @@ def test_twophase_demo_with_its_crash(tmp_path: Path) -> None:
             0,
             0,
         ), f"{sink}: {out}"
+    assert f"Iceberg through Spark SQL {DEMO_RECORDS:,}" in out, out
     assert "VERIFIED: every record exactly once in every sink" in out, out
     print(f"harness.demo --records {DEMO_RECORDS}: {elapsed:.0f}s")
 
