@@ -20,13 +20,15 @@ from twophase.config import PipelineConfig, load_config
 from twophase.errors import ConfigError, FatalError, RetriableError, TwophaseError
 from twophase.participants.registry import check_config
 from twophase.participants.sdk import SinkError
+from twophase.retry import CLI_RESOLVE_RETRY_S
 
 log = logging.getLogger("twophase.cli.main")
-#: The option of every command that calls sinks: how long their retriable errors are retried.
-_RETRY_FOR = click.option(
+#: The option of every command that calls sinks: how long their retriable errors are retried
+#: (by default the protocol's sink retry budget, twophase/retry.py).
+_retry_for_option = click.option(
     "--retry-for",
     type=click.FloatRange(min=0),
-    default=60.0,
+    default=CLI_RESOLVE_RETRY_S,
     show_default=True,
     help="Seconds to keep retrying a sink's retriable errors.",
 )
@@ -689,7 +691,7 @@ def txn_show(config: str, txn_id: int, as_json: bool, from_beginning: bool) -> N
     is_flag=True,
     help="Abort a part the log has not decided yet (risky: see above).",
 )
-@_RETRY_FOR
+@_retry_for_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def txn_resolve(
     config: str,
@@ -799,7 +801,7 @@ def sinks_list(as_json: bool) -> None:
 @sinks.command("maintain")
 @click.argument("config", type=click.Path(exists=True, dir_okay=False))
 @click.option("--sink", "only", multiple=True, help="Only this sink (repeatable); default: all.")
-@_RETRY_FOR
+@_retry_for_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def sinks_maintain(config: str, only: tuple[str, ...], retry_for: float, as_json: bool) -> None:
     """Run the upkeep of every sink of CONFIG that has any: for an iceberg sink, compaction of
