@@ -25,7 +25,7 @@ from confluent_kafka import Consumer, TopicPartition
 from pyiceberg.catalog.sql import SqlCatalog
 
 from bench import throughput as tp
-from harness import Scenario, control_summary, load_stack_env
+from harness import Scenario, control_summary, iceberg_catalog, load_stack_env
 from twophase.config import load_config
 from twophase.kafka import create_topics
 from twophase.participants.sdk import Record, SinkContext
@@ -36,13 +36,7 @@ CHUNK = 100_000
 
 
 def _catalog(s: Scenario) -> SqlCatalog:
-    uri = s.pg_dsn.replace("postgresql://", "postgresql+psycopg://", 1)
-    return SqlCatalog(
-        s.table,
-        uri=f"{uri}?options=-csearch_path%3Diceberg_catalog",
-        warehouse=f"file://{s.warehouse}",
-        init_catalog_tables="false",
-    )
+    return iceberg_catalog(s.pg_dsn, s.table, s.warehouse)
 
 
 def _scenario(name: str, workdir: Path, source: tp.Source) -> Scenario:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import yaml
@@ -25,11 +25,15 @@ from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 from twophase.retry import KAFKA
 
+if TYPE_CHECKING:
+    from pyiceberg.catalog.sql import SqlCatalog
+
 __all__ = [
     "Cluster",
     "Scenario",
     "control_decisions",
     "control_summary",
+    "iceberg_catalog",
     "end_offsets",
     "group_offsets",
     "load_stack_env",
@@ -386,20 +390,32 @@ def verify(s: Scenario, expected: set[int]) -> dict[str, SinkReport]:
     return out
 
 
+def iceberg_catalog(pg_dsn: str, name: str, warehouse: str | Path, **properties: str) -> SqlCatalog:
+    """A pyiceberg SQL catalog reading what an iceberg sink wrote into the catalog ``name`` of
+    ``pg_dsn``'s database (its default schema), as a reader with no sink code would: it makes
+    no catalog tables of its own. ``warehouse``: a path, or a URI (``s3://...`` with the
+    ``s3.*`` properties)."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    uri = pg_dsn.replace("postgresql://", "postgresql+psycopg://", 1)
+    sep = "&" if "?" in uri else "?"
+    where = str(warehouse)
+    return SqlCatalog(
+        name,
+        uri=f"{uri}{sep}options=-csearch_path%3Diceberg_catalog",
+        warehouse=where if "://" in where else f"file://{where}",
+        init_catalog_tables="false",
+        **properties,
+    )
+
+
 def _verify_iceberg(s: Scenario, expected: set[int]) -> SinkReport:
     """The table as a reader sees it (a pyiceberg scan through its own catalog); parts left
     prepared (the sink's marker table); data files no snapshot references (leftovers)."""
     import psycopg
-    from pyiceberg.catalog.sql import SqlCatalog
     from pyiceberg.exceptions import NoSuchTableError
 
-    uri = s.pg_dsn.replace("postgresql://", "postgresql+psycopg://", 1)
-    catalog = SqlCatalog(
-        s.table,
-        uri=f"{uri}?options=-csearch_path%3Diceberg_catalog",
-        warehouse=f"file://{s.warehouse}",
-        init_catalog_tables="false",
-    )
+    catalog = iceberg_catalog(s.pg_dsn, s.table, s.warehouse)
     try:
         table = catalog.load_table(s.iceberg_table)
     except NoSuchTableError:

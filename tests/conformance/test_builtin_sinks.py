@@ -259,6 +259,7 @@ def _iceberg_factory(pg_dsn: str, warehouse: Path, mode: str) -> Iterator[SinkFa
     """A table of its own per test (its own catalog name), read by a pyiceberg scan."""
     from pyiceberg.catalog.sql import SqlCatalog
 
+    from harness import iceberg_catalog
     from twophase.participants.sinks.iceberg import IcebergSink
 
     catalog = f"kit{uuid.uuid4().hex[:10]}"
@@ -276,15 +277,7 @@ def _iceberg_factory(pg_dsn: str, warehouse: Path, mode: str) -> Iterator[SinkFa
 
     def committed_ids() -> list[str]:
         if not reader:
-            uri = pg_dsn.replace("postgresql://", "postgresql+psycopg://", 1)
-            sep = "&" if "?" in uri else "?"
-            reader.append(
-                SqlCatalog(
-                    catalog,
-                    uri=f"{uri}{sep}options=-csearch_path%3Diceberg_catalog",
-                    warehouse=f"file://{warehouse}",
-                )
-            )
+            reader.append(iceberg_catalog(pg_dsn, catalog, warehouse))
         scan = reader[0].load_table(table).scan(selected_fields=("id",))
         return [str(v) for v in scan.to_arrow().column("id").to_pylist()]
 

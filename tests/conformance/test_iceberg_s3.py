@@ -23,6 +23,7 @@ import pytest
 from pyarrow import fs
 from pyiceberg.catalog.sql import SqlCatalog
 
+from harness import iceberg_catalog
 from twophase.participants.sdk.testkit import (
     DeleteConformance,
     Kit,
@@ -138,13 +139,8 @@ class Lake:
     def reader(self) -> SqlCatalog:
         # Made on first use: the catalog's schema exists once a sink has set up.
         if self._reader is None:
-            uri = self._pg_dsn.replace("postgresql://", "postgresql+psycopg://", 1)
-            sep = "&" if "?" in uri else "?"
-            self._reader = SqlCatalog(
-                self.catalog,
-                uri=f"{uri}{sep}options=-csearch_path%3Diceberg_catalog",
-                warehouse=self.warehouse,
-                **self._s3.properties(),
+            self._reader = iceberg_catalog(
+                self._pg_dsn, self.catalog, self.warehouse, **self._s3.properties()
             )
         return self._reader
 

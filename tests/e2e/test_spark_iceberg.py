@@ -28,6 +28,7 @@ import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 from pyiceberg.table import Table
 
+from harness import iceberg_catalog
 from tests.spark.cluster import StandaloneCluster
 from tests.spark.helpers import REPO
 from twophase.jobs.read_iceberg import add_catalog, read_table, table_summary
@@ -113,12 +114,7 @@ class Lake:
 
     def table(self, name: str) -> Table:
         if self._reader is None:
-            uri = self.pg_dsn.replace("postgresql://", "postgresql+psycopg://", 1)
-            self._reader = SqlCatalog(
-                self.catalog,
-                uri=f"{uri}?options=-csearch_path%3Diceberg_catalog",
-                warehouse=f"file://{self.warehouse}",
-            )
+            self._reader = iceberg_catalog(self.pg_dsn, self.catalog, self.warehouse)
         return self._reader.load_table(name)
 
     def scan(self, name: str) -> list[Row]:

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from pyiceberg.catalog.sql import SqlCatalog
 from pyiceberg.table import Table
 
+from harness import iceberg_catalog
 from twophase.participants.sdk import (
     FatalSinkError,
     PartId,
@@ -85,12 +86,7 @@ class Lake:
 
     def table(self, name: str = "sales.orders") -> Table:
         if self._reader is None:
-            uri = self.pg_dsn.replace("postgresql://", "postgresql+psycopg://", 1)
-            self._reader = SqlCatalog(
-                self.catalog,
-                uri=f"{uri}?options=-csearch_path%3Diceberg_catalog",
-                warehouse=f"file://{self.warehouse}",
-            )
+            self._reader = iceberg_catalog(self.pg_dsn, self.catalog, self.warehouse)
         return self._reader.load_table(name)
 
     def ids(self) -> list[int]:

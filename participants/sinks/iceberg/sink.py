@@ -658,14 +658,16 @@ def _read_manifest(table: Table, prepared: dict[str, Any]) -> list[DataFile]:
 
 
 def _fsync_dirs(location: str, paths: list[str]) -> None:
-    """fsync the directories new data files went into, up to the table's location (a partition
-    directory made for them is an entry in its parent). Local warehouses only."""
+    """fsync the parents of the directories new data files went into, up to the table's
+    location: a partition directory made for them is an entry in its parent. (The FileIO
+    fsynced each file and its own directory when it closed it.) Local warehouses only."""
     if not location.startswith("file:") and not location.startswith("/"):
         return
     root = urlparse(location).path if location.startswith("file:") else location
     seen: set[str] = set()
     for path in paths:
-        directory = os.path.dirname(urlparse(path).path if path.startswith("file:") else path)
+        local = urlparse(path).path if path.startswith("file:") else path
+        directory = os.path.dirname(os.path.dirname(local))
         while directory.startswith(root) and directory not in seen:
             seen.add(directory)
             fsync_dir(Path(directory))
