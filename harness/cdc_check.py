@@ -205,6 +205,22 @@ def pg_prepared(dsn: str, pipeline: str) -> int:
     return int(row[0]) if row else -1
 
 
+def pg_rollback_prepared(dsn: str, pipeline: str) -> list[str]:
+    """Roll back ``pipeline``'s transactions still prepared in the PostgreSQL at ``dsn``; their
+    global ids. For a failed run's clean-up only: a prepared transaction anywhere in the server
+    holds back every new logical replication slot (Debezium's among them) until it ends."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        gids = [
+            str(row[0])
+            for row in conn.execute(
+                "SELECT gid FROM pg_prepared_xacts WHERE gid LIKE %s", (f"%:{pipeline}~%",)
+            )
+        ]
+        for gid in gids:
+            conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+    return gids
+
+
 def mongo_staged(
     uri: str, database: str, pipeline: str, marker_collection: str = "twophase_parts"
 ) -> int:
