@@ -96,6 +96,11 @@ def make_sink(mongo_uri: str, db: Database[Doc]) -> Iterator[MakeSink]:
         sink.close()
 
 
+def staged_entries(staging: Collection[Doc], query: Doc | None = None) -> int:
+    """Records staged in ``staging``: the entries of its chunk documents."""
+    return sum(int(d["n"]) for d in staging.find(query or {}, {"n": 1}))
+
+
 def rec(offset: int, value: Any, *, partition: int = 0, topic: str = TOPIC) -> Record:
     return Record(topic, partition, offset, 1_700_000_000_000 + offset, None, value)
 
@@ -131,7 +136,7 @@ def test_insert_mode_end_to_end(make_sink: MakeSink, db: Database[Doc]) -> None:
 
     # Prepared: durable in staging, invisible in the target.
     assert db.target.count_documents({}) == 0
-    assert db["target__twophase_staging"].count_documents({}) == 15
+    assert staged_entries(db["target__twophase_staging"]) == 15
     marker = db.twophase_parts.find_one({"_id": "mongo:" + part.token})
     assert marker is not None
     assert (marker["state"], marker["records"], marker["txn"]) == ("prepared", 15, 1)
@@ -148,6 +153,80 @@ def test_insert_mode_end_to_end(make_sink: MakeSink, db: Database[Doc]) -> None:
     assert marker is not None and marker["state"] == "committed"
     assert sink.committed_positions() == {(TOPIC, 0): 10, (TOPIC, 3): 5}
     assert sink.in_doubt() == []
+
+
+def test_staging_packs_records_into_chunk_documents_the_commit_applies_whole(
+    make_sink: MakeSink, db: Database[Doc]
+) -> None:
+    """A write's records are staged as chunk documents of at most ``commit_chunk_size``
+    entries (one server write per chunk, not per record), and a commit transaction applies
+    whole chunk documents: with 2 writes of 25 and chunks of 10 -- 3 + 3 staged documents, the
+    part committed in 6 transactions, every record once."""
+    sink = make_sink(commit_chunk_size=10)
+    part = PartId("p1", 1, "w1")
+    sink.begin(part)
+    first = [rec(i, {"n": i}) for i in range(25)]
+    second = [rec(i, {"n": i}) for i in range(25, 50)]
+    assert not sink.write(part, first) and not sink.write(part, second)
+    sink.prepare(part, {(TOPIC, 0): 50})
+    staging = db["target__twophase_staging"]
+    assert [d["n"] for d in staging.find({}, {"n": 1}).sort("seq", 1)] == [10, 10, 5, 10, 10, 5]
+    steps = 1
+    while not sink._commits.step(part):
+        steps += 1
+    assert steps == 6
+    assert ids(db.target) == sorted(r.record_id for r in first + second)
+    assert staging.count_documents({}) == 0
+
+
+def test_a_part_staged_one_document_per_record_still_commits(
+    make_sink: MakeSink, db: Database[Doc]
+) -> None:
+    """Parts prepared by a version before chunk documents (one staged document per record, as
+    an upgrade finds them in doubt) commit and abort the same: each is a chunk of one."""
+    staging = db["target__twophase_staging"]
+    parts = [PartId("p1", txn, "w1") for txn in (1, 2)]
+    for n, part in enumerate(parts):
+        run_part(make_sink(), part, [rec(100 * n + i, {"n": i}) for i in range(7)], commit=False)
+    for chunk in list(staging.find({})):  # back to the old layout
+        staging.insert_many(chunk["entries"])
+        staging.delete_one({"_id": chunk["_id"]})
+    assert staging.count_documents({}) == 14
+    sink = make_sink()
+    sink.commit(parts[0])
+    sink.abort(parts[1])
+    assert ids(db.target) == sorted(f"{TOPIC}:0:{i}" for i in range(7))
+    assert staging.count_documents({}) == 0
+
+
+def test_insert_mode_commit_meeting_its_documents_in_the_target_replaces_them(
+    make_sink: MakeSink, db: Database[Doc]
+) -> None:
+    """Insert mode applies with ``insert_many``; a document already in the target (a part
+    applied again after its positions were reset, another pipeline's) ends that transaction,
+    and the commit applies the chunk again by ``_id``, in the same call: each document once,
+    the part's version."""
+    part = PartId("p1", 1, "w1")
+    records = [rec(i, {"n": i}) for i in range(30)]
+    run_part(make_sink(commit_chunk_size=10), part, records, commit=False)
+    db.target.insert_one({"_id": f"{TOPIC}:0:15", "n": -1, "stale": True})
+    make_sink(commit_chunk_size=10).commit(part)
+    assert ids(db.target) == sorted(r.record_id for r in records)
+    assert db.target.find_one({"_id": f"{TOPIC}:0:15"}) == {"_id": f"{TOPIC}:0:15", "n": 15}
+    marker = db.twophase_parts.find_one({"_id": "mongo:" + part.token})
+    assert marker is not None and (marker["state"], marker["applied"]) == ("committed", 30)
+
+
+def test_a_record_too_large_to_stage_is_rejected_and_the_rest_commit(
+    make_sink: MakeSink, db: Database[Doc]
+) -> None:
+    """A document that would fit MongoDB's 16 MiB limit alone but not inside its staging chunk
+    is rejected at write (to the dead-letter topic), never a chunk the server refuses."""
+    sink = make_sink()
+    big = rec(1, {"blob": "x" * (16 * 1024 * 1024 - 4096)})
+    rejected = run_part(sink, PartId("p1", 1, "w1"), [rec(0, {"n": 0}), big, rec(2, {"n": 2})])
+    assert [(r.record.offset, "for the staging chunk" in r.reason) for r in rejected] == [(1, True)]
+    assert ids(db.target) == [f"{TOPIC}:0:0", f"{TOPIC}:0:2"]
 
 
 def test_new_instance_finds_and_commits_prepared_part(
@@ -310,7 +389,7 @@ def test_commit_interrupted_between_chunks_completes_exactly_once(
     assert first._commits.step(part) is False
     # The process dies here: 14 documents are visible, the part is still in doubt.
     assert db.target.count_documents({}) == 14
-    assert db["target__twophase_staging"].count_documents({}) == 16
+    assert staged_entries(db["target__twophase_staging"]) == 16
     marker = db.twophase_parts.find_one({"_id": "mongo:" + part.token})
     assert marker is not None
     assert (marker["state"], marker["applied"]) == ("prepared", 14)
@@ -409,7 +488,8 @@ def drive(call: Callable[[], None], budget_s: float = RACE_BUDGET_S) -> dict[str
 def prepare_race(make_sink: MakeSink) -> PartId:
     """A prepared part of ``RACE_DOCS`` documents whose writer has gone away."""
     part = PartId("p1", 1, "w1")
-    writer = make_sink(participant="w1")
+    # Staged in chunks of RACE_CHUNK: the staging fixes the commit's transactions.
+    writer = make_sink(participant="w1", commit_chunk_size=RACE_CHUNK)
     run_part(
         writer, part, [rec(i, {"v": i, "pad": "x" * 64}) for i in range(RACE_DOCS)], commit=False
     )

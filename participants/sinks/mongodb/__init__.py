@@ -13,27 +13,33 @@ store operations of a :class:`~twophase.participants.sdk.BatchingSink`. The pack
 * :mod:`.sink` -- :class:`MongoSink`, the store operations built from them.
 
 1. **begin / write -- staging.** ``begin`` writes an ``open`` marker. Every record becomes one
-   staged document in ``staging_collection``::
+   staged entry, and a write's entries are stored in ``staging_collection`` packed into chunk
+   documents of up to ``commit_chunk_size`` entries (and ``commit_chunk_bytes``)::
 
-       {_id: "<pk>|<topic:partition:offset>", part: "<pk>", seq: n, doc: <the target document>}
+       {_id: "<pk>|#<seq>", part: "<pk>", seq: <first entry's seq>, n: <entries>,
+        entries: [{_id: "<pk>|<topic:partition:offset>", seq, doc: <the target document>}, ...]}
 
    where ``pk = "<sink name>:<part token>"``. ``doc`` already carries its final, deterministic
    ``_id`` (see below), so staging is a plain ``insert_many(ordered=False)`` with write concern
-   majority; a retried write re-inserts the same ``_id`` s and the duplicates are ignored. Nothing
-   of the part is in the target collection yet.
+   majority; a retried write packs the same records into the same ``_id`` s and the duplicates
+   are ignored. One server write per chunk instead of one per record: staging, reading back and
+   removing the staged records per record were most of the sink's cost. Nothing of the part is
+   in the target collection yet.
 
 2. **prepare -- marker.** Once every staged write is acknowledged, the part's marker in
    ``marker_collection`` becomes ``prepared`` (write concern majority, journaled) and records the
    part's positions and document count. From then on any process, on new connections, can commit
    or abort the part: :meth:`MongoSink.in_doubt` lists it.
 
-3. **commit -- move.** Staged documents are applied to the target with ``replace_one(upsert=True)``
-   by ``_id`` inside MongoDB transactions that also delete them from staging and advance the
+3. **commit -- move.** Staged documents are applied to the target (``insert_many`` in insert
+   mode; by ``_id``, ``replace_one(upsert=True)``, otherwise -- and in insert mode too once a
+   part meets one of its documents already there, a part applied again after a reset of its
+   positions) inside MongoDB transactions that also delete them from staging and advance the
    marker's ``applied`` counter; the last one flips the marker to ``committed`` and raises the
    stored committed positions (``$max``) -- data, marker and positions in one local transaction.
-   MongoDB transactions have size and time limits, so a large part is applied in chunks of
-   ``commit_chunk_size`` documents (and at most ``commit_chunk_bytes``); a part that fits in one
-   chunk commits in a single transaction. Because ``_id`` s are deterministic, every chunk is atomic
+   MongoDB transactions have size and time limits, so a large part is applied in its staged
+   chunks, as many whole chunk documents per transaction as fit ``commit_chunk_size`` documents
+   and ``commit_chunk_bytes``; a part that fits in one chunk commits in a single transaction. Because ``_id`` s are deterministic, every chunk is atomic
    and a chunk only ever applies documents it removes from staging in the same transaction, a
    commit that crashes between chunks resumes where it stopped (from any process) and the result
    is still exactly once.

@@ -25,7 +25,8 @@ import pymongo
 from bson.raw_bson import RawBSONDocument
 from pymongo import ASCENDING, DeleteOne, ReplaceOne, UpdateOne
 from pymongo.client_session import ClientSession
-from pymongo.errors import PyMongoError
+from pymongo.collection import Collection
+from pymongo.errors import BulkWriteError, PyMongoError
 from pymongo.read_concern import ReadConcern
 from pymongo.read_preferences import ReadPreference
 from pymongo.write_concern import WriteConcern
@@ -38,9 +39,11 @@ from twophase.participants.sdk import (
     UnknownPartError,
 )
 from twophase.participants.sinks.mongodb._documents import id_key
+from twophase.participants.sinks.mongodb._staging import entries_of
 from twophase.participants.sinks.mongodb._store import (
     ABORTED,
     COMMITTED,
+    DUPLICATE_KEY,
     OPEN,
     PREPARED,
     RAW,
@@ -50,10 +53,19 @@ from twophase.participants.sinks.mongodb._store import (
 
 __all__ = ["NO_LEASE", "Committer"]
 
+
+class _InTargetAlready(Exception):
+    """An insert-mode chunk met one of its documents in the target (not a SinkError: the
+    commit step repeats the chunk by ``_id`` at once, in a new transaction)."""
+
+
 #: A committer that finds another's live lease asks to be retried after this long. The holder
 #: usually finishes within seconds, so waiting out the whole lease would waste most of it; one
 #: cheap marker read per second per waiter notices the commit (or an expired lease) promptly.
 _LEASE_POLL_S = 1.0
+#: Staged documents per cursor batch of a commit's read: a few chunk documents fill a
+#: transaction (documents staged one per record, before packing, come 100 at a time).
+_STAGED_BATCH = 100
 #: Releasing leases on close() only spares other processes the wait for expiry; a shutdown never
 #: waits longer than this for it.
 _LEASE_RELEASE_TIMEOUT_S = 5.0
@@ -79,6 +91,9 @@ class Committer:
         self._committing: set[str] = set()
         #: Marker ``_id`` s this instance holds a lease on, released by close().
         self._leases: set[str] = set()
+        #: ``mode: insert`` parts that met a document already in the target: applied by
+        #: ``_id`` (replace) from then on (a few, for the life of the process).
+        self._replacing: set[str] = set()
 
     def commit(self, part: PartId) -> None:
         """Apply ``part`` chunk by chunk, each chunk one transaction, under the commit lease;
@@ -256,20 +271,26 @@ class Committer:
         with self.store.errors("commit", part.token, FatalSinkError):
             if not self.claim(part):
                 return True
-        with (
-            self.store.errors("commit", part.token, FatalSinkError),
-            self.store.client.start_session() as session,
-            session.start_transaction(
-                # Snapshot reads + majority commit: a chunk sees and removes exactly what it applies.
-                read_concern=ReadConcern("snapshot"),
-                write_concern=WriteConcern(
-                    w="majority", wtimeout=int(cfg.write_concern_timeout_s * 1000)
-                ),
-                read_preference=ReadPreference.PRIMARY,
-                max_commit_time_ms=int(cfg.max_commit_time_s * 1000),
-            ),
-        ):
-            return self._commit_chunk(part, session)
+        while True:
+            try:
+                with (
+                    self.store.errors("commit", part.token, FatalSinkError),
+                    self.store.client.start_session() as session,
+                    session.start_transaction(
+                        # Snapshot reads + majority commit: a chunk sees and removes exactly
+                        # what it applies.
+                        read_concern=ReadConcern("snapshot"),
+                        write_concern=WriteConcern(
+                            w="majority", wtimeout=int(cfg.write_concern_timeout_s * 1000)
+                        ),
+                        read_preference=ReadPreference.PRIMARY,
+                        max_commit_time_ms=int(cfg.max_commit_time_s * 1000),
+                    ),
+                ):
+                    return self._commit_chunk(part, session)
+            except _InTargetAlready as exc:
+                # The transaction is gone (aborted by the write error); the chunk again, by _id.
+                self.log.info("part %s: %s; applying it by _id from now on", part.token, exc)
 
     def _commit_chunk(self, part: PartId, session: ClientSession) -> bool:
         pk = self.store.pk(part)
@@ -282,20 +303,25 @@ class Committer:
         if marker.get("lease_owner") != self._me:
             raise self._busy("commit", part, marker)  # taken over since our claim: let it finish
         applied = int(marker.get("applied", 0))
-        batch = list(
-            staging_raw.find({"part": pk}, session=session)
-            .sort("seq", ASCENDING)
-            .limit(cfg.commit_chunk_size + 1)
-            .batch_size(cfg.commit_chunk_size + 1)
-        )
+        # Whole staged documents (chunks of entries, _staging.py) up to the chunk limits; one
+        # more read tells whether this is the last transaction of the part.
+        stored: list[RawBSONDocument] = []
         chunk: list[RawBSONDocument] = []
         size = 0
-        for staged in batch[: cfg.commit_chunk_size]:
-            size += len(staged.raw)
-            if chunk and size > cfg.commit_chunk_bytes:
-                break
-            chunk.append(staged)
-        final = len(chunk) == len(batch)
+        final = True
+        cursor = staging_raw.find({"part": pk}, session=session).sort("seq", ASCENDING)
+        with cursor.batch_size(_STAGED_BATCH):
+            for staged in cursor:
+                entries = entries_of(staged)
+                if stored and (
+                    len(chunk) + len(entries) > cfg.commit_chunk_size
+                    or size + len(staged.raw) > cfg.commit_chunk_bytes
+                ):
+                    final = False
+                    break
+                stored.append(staged)
+                chunk += entries
+                size += len(staged.raw)
         if final and applied + len(chunk) != int(marker.get("records", 0)):
             raise FatalSinkError(
                 f"commit: part {part.token} was prepared with {marker.get('records')} documents "
@@ -319,7 +345,7 @@ class Committer:
         else:
             update = {
                 "$inc": {"applied": len(chunk)},
-                "$set": {"applied_through": chunk[-1]["seq"]},
+                "$set": {"applied_through": stored[-1]["seq"]},
             }
         guard = {"_id": pk, "state": PREPARED, "lease_owner": self._me, "applied": applied}
         if self.store.markers.update_one(guard, update, session=session).matched_count != 1:
@@ -327,17 +353,17 @@ class Committer:
                 f"commit: part {part.token}: marker changed meanwhile", sink=self.store.sink
             )
         writes = self._apply(part, chunk, session) if chunk else 0
-        if chunk:
+        if stored:
             # The chunk is this part's lowest seqs and seqs are unique per staged document, so a
             # range removes exactly the chunk (and uses the part_seq index; a long $in does not
             # on every server).
             removed = staging_raw.delete_many(
-                {"part": pk, "seq": {"$lte": chunk[-1]["seq"]}}, session=session
+                {"part": pk, "seq": {"$lte": stored[-1]["seq"]}}, session=session
             ).deleted_count
-            if removed != len(chunk):
+            if removed != len(stored):
                 raise FatalSinkError(
                     f"commit: part {part.token}: removed {removed} staged documents for a chunk "
-                    f"of {len(chunk)}; staging was changed behind this sink's back",
+                    f"of {len(stored)}; staging was changed behind this sink's back",
                     sink=self.store.sink,
                 )
         if not final:
@@ -422,6 +448,9 @@ class Committer:
                 )
             }
             latest = {k: d for k, d in latest.items() if k not in gone}
+        target = self.store.target if coll is None else self.store.coll(coll)
+        if cfg.mode == "insert" and self.store.pk(part) not in self._replacing:
+            return self._insert(part, target, list(latest.values()), session)
         if deleted:
             ops += self._deletes(part, list(deleted.values()), vf, session, coll)
         insert = cfg.mode != "update"
@@ -431,9 +460,33 @@ class Committer:
             else:
                 ops.append(self._replace(part, doc, vf, insert))
         if ops:
-            target = self.store.target if coll is None else self.store.coll(coll)
             target.with_options(codec_options=RAW).bulk_write(ops, ordered=True, session=session)
         return len(ops)
+
+    def _insert(
+        self,
+        part: PartId,
+        target: Collection[Doc],
+        docs: list[RawBSONDocument],
+        session: ClientSession,
+    ) -> int:
+        """``mode: insert``: the chunk's documents inserted, the cheapest write there is. An
+        ``_id`` already in the target (only a part applied again after its positions were
+        reset) ends the transaction: the part's remaining chunks are then applied by ``_id``
+        (replace), which makes the same document again."""
+        if not docs:
+            return 0
+        try:
+            target.with_options(codec_options=RAW).insert_many(docs, ordered=True, session=session)
+        except BulkWriteError as exc:
+            errors = exc.details.get("writeErrors", [])
+            if not errors or any(e.get("code") != DUPLICATE_KEY for e in errors):
+                raise
+            self._replacing.add(self.store.pk(part))
+            raise _InTargetAlready(
+                f"document {errors[0].get('keyValue')} is in {target.name} already"
+            ) from exc
+        return len(docs)
 
     @staticmethod
     def _newer(part: PartId, vf: str) -> Doc:

@@ -24,7 +24,11 @@ from twophase.participants.sdk import PartId, Record
 from twophase.participants.sinks.mongodb._store import Doc, Store
 from twophase.participants.sinks.mongodb._typed import TypedDocuments
 
-__all__ = ["Documents", "Reject", "id_key"]
+__all__ = ["STAGING_ROOM", "Documents", "Reject", "id_key"]
+
+#: Bytes a staged entry leaves free under MongoDB's document limit for the chunk document
+#: that holds it (its ``_id``, ``part``, ``seq``, ``n`` and the array around the entry).
+STAGING_ROOM = 16 * 1024
 
 #: MongoDB refuses documents nested deeper than 100 levels; a staged document adds one level.
 _MAX_DEPTH = 99
@@ -105,9 +109,11 @@ class Documents:
                 raw = bson.encode(staged)
         except (bson.InvalidDocument, OverflowError, TypeError, ValueError) as exc:
             raise Reject(f"value cannot be stored as BSON: {exc}") from None
-        if len(raw) > self.store.max_bson:
+        # Staged inside a chunk document (_staging.py), whose own fields need some room.
+        if len(raw) > self.store.max_bson - STAGING_ROOM:
             raise Reject(
-                f"document is {len(raw)} bytes staged; MongoDB's limit is {self.store.max_bson}"
+                f"document is {len(raw)} bytes staged; MongoDB's limit is {self.store.max_bson}, "
+                f"less {STAGING_ROOM} for the staging chunk around it"
             )
         return RawBSONDocument(raw)
 

@@ -51,13 +51,18 @@ class MongoSinkConfig(SinkConfig):
     #: Upsert mode: field holding ``{pipeline, txn}`` so an older part never overwrites a newer
     #: one, whatever order decisions are applied in. ``null`` disables the guard and the field.
     version_field: str | None = "_twophase"
-    #: Documents per commit transaction. MongoDB aborts transactions that run longer than
-    #: ``transactionLifetimeLimitSeconds`` (60 s by default); 1000 replaces finish well inside
+    #: Documents per staged chunk, and so per commit transaction: a part's records are staged
+    #: packed into chunk documents of this many, and a commit transaction applies whole chunks
+    #: (fixed when the part is staged: a part in doubt is committed in the chunks it was
+    #: staged in). MongoDB aborts transactions that run longer than
+    #: ``transactionLifetimeLimitSeconds`` (60 s by default); 1000 writes finish well inside
     #: that even on slow servers, and bigger chunks gain little once per-transaction overhead
     #: is amortized.
     commit_chunk_size: int = Field(1000, ge=1, le=100_000)
-    #: Bytes of staged documents per commit transaction: keeps one transaction's oplog entries
-    #: and cache pressure modest (MongoDB's per-transaction limits are in this range).
+    #: Bytes of staged documents per chunk and commit transaction (a chunk document holds at
+    #: most 12 MiB whatever this says, under MongoDB's 16 MiB document limit): keeps one
+    #: transaction's oplog entries and cache pressure modest (MongoDB's per-transaction limits
+    #: are in this range).
     commit_chunk_bytes: int = Field(8 * 1024 * 1024, ge=1)
     #: TCP connect; a reachable server answers in milliseconds, so 10 s only covers slow networks.
     connect_timeout_s: float = Field(10.0, gt=0)

@@ -123,10 +123,12 @@ class MongoSink(sdk.BatchingSink):
             return False  # not open here: the caller looks at what the part is
         with store.errors("prepare", part.token, sdk.AbortTransactionError):
             # Guards against staged documents lost behind our back (a wrong cleanup, a restore).
-            stored = store.staging.count_documents({"part": op.pk})
+            stored = sum(
+                int(d.get("n", 1)) for d in store.staging.find({"part": op.pk}, {"n": 1, "_id": 0})
+            )
             if stored != op.staged:
                 raise sdk.AbortTransactionError(
-                    f"prepare: part {part.token} has {stored} staged documents, expected {op.staged}",
+                    f"prepare: part {part.token} has {stored} staged entries, expected {op.staged}",
                     sink=self.name,
                 )
             # The count is this sink's own: a record written twice is staged once.
