@@ -174,7 +174,7 @@ def cdc_run(changes: Changes, workdir: Path, *, timeout_s: float = 900.0) -> tp.
     probe = Consumer({"bootstrap.servers": changes.bootstrap, "group.id": f"twophase.{name}"})
     started = time.monotonic()
     try:
-        seconds, cpu = tp.timed(
+        seconds, cpu, rss = tp.timed(
             s,
             "exactly_once",
             tp.PARTICIPANTS,
@@ -193,7 +193,9 @@ def cdc_run(changes: Changes, workdir: Path, *, timeout_s: float = 900.0) -> tp.
         for table in tables.values():
             conn.execute(f'DROP TABLE IF EXISTS "{table}"')
     n = changes.messages
-    return tp.RunResult("exactly_once", ["pg"], n, n / seconds, seconds, wall, rows, control, cpu)
+    return tp.RunResult(
+        "exactly_once", ["pg"], n, n / seconds, seconds, wall, rows, control, cpu, rss
+    )
 
 
 def plain_source(bootstrap: str, records: int) -> tp.Source:

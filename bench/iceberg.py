@@ -75,7 +75,7 @@ def pipeline_run(source: tp.Source, workdir: Path, *, timeout_s: float = 900.0) 
 
     started = time.monotonic()
     try:
-        seconds, cpu = tp.timed(
+        seconds, cpu, rss = tp.timed(
             s,
             "exactly_once",
             tp.PARTICIPANTS,
@@ -90,7 +90,16 @@ def pipeline_run(source: tp.Source, workdir: Path, *, timeout_s: float = 900.0) 
     wall = time.monotonic() - started
     control = control_summary(s)
     return tp.RunResult(
-        "exactly_once", ["iceberg"], n, n / seconds, seconds, wall, {"iceberg": got}, control, cpu
+        "exactly_once",
+        ["iceberg"],
+        n,
+        n / seconds,
+        seconds,
+        wall,
+        {"iceberg": got},
+        control,
+        cpu,
+        rss,
     )
 
 

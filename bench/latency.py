@@ -11,6 +11,18 @@ i.e. from the coordinator asking to the commit point: every participant cut its 
 it durably in both sinks, and voted, and the coordinator wrote the decision in a Kafka
 transaction. Aborted cycles count too, as their time to the abort decision (there should be
 none once settled; the count is reported).
+
+Where a cycle's time goes, from the stamps of the control messages themselves (every envelope
+carries its sender's clock; all processes share this machine's) and the moment this reader, a
+``read_committed`` consumer like the participants, sees the DECISION -- p50 and p99 per phase
+in ``phases_ms``:
+
+* ``prepare_to_first_vote`` / ``prepare_to_last_vote``: the PREPARE delivered to the participants,
+  their parts cut and prepared in every sink, the votes stamped (the slowest participant sets
+  the second);
+* ``last_vote_to_decision``: the last VOTE delivered to the coordinator and the decision made;
+* ``decision_to_visible``: the DECISION's Kafka transaction committed and delivered to a
+  ``read_committed`` consumer -- what the participants wait for before applying.
 """
 
 from __future__ import annotations
@@ -19,7 +31,7 @@ import statistics
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +42,24 @@ from harness import record
 from twophase.config import load_config
 from twophase.kafka import create_topics
 from twophase.protocol.codec import DecodeError, decode
-from twophase.protocol.messages import Decision, Outcome, Prepare
+from twophase.protocol.messages import Decision, Outcome, Prepare, Vote
 
 PARTITIONS = 16
 #: Records per second produced while measuring: enough that every part holds data.
 TRICKLE_PER_S = 2000
+
+
+PHASES = (
+    "prepare_to_first_vote",
+    "prepare_to_last_vote",
+    "last_vote_to_decision",
+    "decision_to_visible",
+)
+
+
+def pct(xs: list[int], q: float) -> int:
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
 @dataclass
@@ -43,10 +68,11 @@ class LatencyRun:
     cycles: list[int]
     aborted: int
     settle_s: float
+    #: Per phase (PHASES), its milliseconds in each measured cycle.
+    phases: dict[str, list[int]] = field(default_factory=dict)
 
     def pct(self, q: float) -> int:
-        xs = sorted(self.cycles)
-        return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+        return pct(self.cycles, q)
 
     def asdict(self) -> dict[str, Any]:
         return {
@@ -57,6 +83,9 @@ class LatencyRun:
             "p99": self.pct(0.99),
             "max": max(self.cycles),
             "settle_s": round(self.settle_s, 1),
+            "phases_ms": {
+                k: {"p50": pct(v, 0.5), "p99": pct(v, 0.99)} for k, v in self.phases.items() if v
+            },
         }
 
 
@@ -101,9 +130,12 @@ class ControlTail:
         self.c.assign([TopicPartition(topic, 0, 0)])
         self.key = hmac_key.encode()
         self.prepared_at: dict[int, int] = {}
+        #: Per txn: the stamps of its votes.
+        self.votes_at: dict[int, list[int]] = {}
 
-    def next_decision(self, timeout_s: float) -> tuple[Decision, int] | None:
-        """The next DECISION and its latency in ms, or None at the timeout."""
+    def next_decision(self, timeout_s: float) -> tuple[Decision, int, dict[str, int]] | None:
+        """The next DECISION, its latency in ms and its cycle's phases (ms), or None at the
+        timeout."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             m = self.c.poll(0.2)
@@ -123,10 +155,22 @@ class ControlTail:
             except DecodeError:
                 continue
             p = env.payload
+            seen_ms = int(time.time() * 1000)
             if isinstance(p, Prepare):
                 self.prepared_at[p.txn] = env.ts_ms
+            elif isinstance(p, Vote):
+                self.votes_at.setdefault(p.txn, []).append(env.ts_ms)
             elif isinstance(p, Decision) and p.txn in self.prepared_at:
-                return p, env.ts_ms - self.prepared_at.pop(p.txn)
+                prepared = self.prepared_at.pop(p.txn)
+                votes = self.votes_at.pop(p.txn, [])
+                phases = {"decision_to_visible": seen_ms - env.ts_ms}
+                if votes:
+                    phases |= {
+                        "prepare_to_first_vote": min(votes) - prepared,
+                        "prepare_to_last_vote": max(votes) - prepared,
+                        "last_vote_to_decision": env.ts_ms - max(votes),
+                    }
+                return p, env.ts_ms - prepared, phases
         return None
 
     def close(self) -> None:
@@ -149,6 +193,7 @@ def latency_run(
         with running(s, "exactly_once", participants) as (cluster, _ports):
             settled_at = 0.0
             got: list[int] = []
+            phases: dict[str, list[int]] = {k: [] for k in PHASES}
             aborted = 0
             while len(got) < cycles:
                 left = started + settle_s - time.monotonic() if not settled_at else 30.0
@@ -159,12 +204,14 @@ def latency_run(
                 if nxt is None:
                     phase = "measuring" if settled_at else "settling"
                     raise TimeoutError(f"{name}: no decision while {phase}")
-                decision, ms = nxt
+                decision, ms, cycle = nxt
                 if not settled_at:
                     if decision.outcome is Outcome.COMMIT and len(decision.parts) == participants:
                         settled_at = time.monotonic()
                     continue
                 got.append(ms)
+                for k, v in cycle.items():
+                    phases[k].append(v)
                 aborted += decision.outcome is not Outcome.COMMIT
     finally:
         trickle.stop.set()
@@ -172,12 +219,21 @@ def latency_run(
         tail.close()
     _cleanup(s, {"pg", "files"})
     source.delete()
-    return LatencyRun(participants, got, aborted, settled_at - started)
+    return LatencyRun(participants, got, aborted, settled_at - started, phases)
 
 
 def summarize(runs: list[LatencyRun]) -> dict[str, Any]:
     return {
         "p50": round(statistics.median(r.pct(0.5) for r in runs)),
         "p99": round(statistics.median(r.pct(0.99) for r in runs)),
+        # Medians over the runs of each phase's p50 / p99.
+        "phases_ms": {
+            k: {
+                q: round(statistics.median(pct(r.phases[k], f) for r in runs))
+                for q, f in (("p50", 0.5), ("p99", 0.99))
+            }
+            for k in PHASES
+            if all(r.phases.get(k) for r in runs)
+        },
         "runs": [r.asdict() for r in runs],
     }

@@ -87,6 +87,8 @@ class RunResult:
     verified: dict[str, int] = field(default_factory=dict)
     control: dict[str, Any] = field(default_factory=dict)
     cpu_s: dict[str, float] = field(default_factory=dict)
+    #: Peak resident memory of each process of the run, MB.
+    rss_peak_mb: dict[str, float] = field(default_factory=dict)
 
     def asdict(self) -> dict[str, Any]:
         return {
@@ -98,6 +100,7 @@ class RunResult:
             "wall_s": round(self.wall_s, 2),
             "verified_rows": self.verified,
             "cpu_s": self.cpu_s,
+            **({"rss_peak_mb": self.rss_peak_mb} if self.rss_peak_mb else {}),
             **({"control": self.control} if self.control else {}),
         }
 
@@ -198,9 +201,9 @@ def any_ready(ports: list[int]) -> bool:
 
 def timed(
     s: Scenario, mode: str, participants: int, done: Callable[[], bool], timeout_s: float
-) -> tuple[float, dict[str, float]]:
+) -> tuple[float, dict[str, float], dict[str, float]]:
     """Run the pipeline's processes until ``done()``: the seconds from the first participant
-    ready to done, and each process's CPU seconds by then."""
+    ready to done, each process's CPU seconds by then, and its peak resident memory (MB)."""
     t_ready = 0.0
     started = time.monotonic()
     with running(s, mode, participants) as (cluster, ports):
@@ -209,7 +212,8 @@ def timed(
                 t_ready = time.monotonic()
             if t_ready and done():
                 cpu = {name: _cpu_s(proc.pid) for name, proc in cluster.procs.items()}
-                return time.monotonic() - t_ready, cpu
+                rss = {name: _rss_peak_mb(proc.pid) for name, proc in cluster.procs.items()}
+                return time.monotonic() - t_ready, cpu, rss
             for proc_name in cluster.procs:
                 if not cluster.alive(proc_name):
                     raise RuntimeError(f"{proc_name} exited:\n{cluster.log_tail(proc_name)}")
@@ -239,7 +243,7 @@ def pipeline_run(
     try:
         # Done = every offset committed and every record visible in every sink (an
         # exactly-once decision commits the offsets; its parts are applied just after).
-        seconds, cpu = timed(
+        seconds, cpu, rss = timed(
             s,
             mode,
             participants,
@@ -266,7 +270,20 @@ def pipeline_run(
         verified,
         control,
         cpu,
+        rss,
     )
+
+
+def _rss_peak_mb(pid: int) -> float:
+    """A process's peak resident set so far, in MB (Linux /proc: ``VmHWM``)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0.0
+    kb = next(
+        (int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0
+    )
+    return round(kb / 1024, 1)
 
 
 def _cpu_s(pid: int) -> float:
