@@ -1143,7 +1143,7 @@ def test_connections_stay_bounded_while_parts_wait_for_decisions(
         run_part(sink, pid, [rec(i, {"id": i})], commit=False)
     connections = env.rows(
         "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
-        (f"twophase/{env.pipeline}/{sink.name}",),
+        (f"twophase/{env.pipeline}/{sink.name}/{sink.context.participant}",),
     )[0][0]
     assert connections <= 1 + 4 + 2, "admin + held prepared parts + idle"
     assert sink.in_doubt() == parts

@@ -106,7 +106,13 @@ class _Connections(Sink):
             **(
                 {}
                 if "application_name" in conninfo_to_dict(config.dsn)
-                else {"application_name": f"twophase/{context.pipeline}/{context.sink_name}"}
+                # Which process a session is (pg_stat_activity), for operators; PostgreSQL
+                # keeps its first 63 bytes.
+                else {
+                    "application_name": (
+                        f"twophase/{context.pipeline}/{context.sink_name}/{context.participant}"
+                    )
+                }
             ),
         )
         self._target = _qualified(config.table)
