@@ -22,6 +22,9 @@ Sections (``--only`` picks some):
 * ``iceberg``    -- the exactly-once pipeline into an Iceberg table vs pyiceberg's own
   ``append`` of the same rows as Arrow, and vs Iceberg's Kafka Connect sink on the same records
   (:mod:`bench.iceberg_kc`); the pipeline's commit latency p99 (:mod:`bench.iceberg`).
+* ``peers``      -- what users run today, on the stack's Kafka Connect worker: the PostgreSQL-only
+  pipeline vs Debezium's JDBC sink (upsert) and the MongoDB-only pipeline vs MongoDB's Kafka
+  sink (:mod:`bench.kc_peers`; the jars: ``bench/peers/README.md``).
 
 Runs of the two sides of a comparison alternate, so a noisy neighbour hurts both alike.
 """
@@ -44,13 +47,15 @@ from typing import Any
 from bench import avro as avro_bench
 from bench import cdc as cdc_bench
 from bench import iceberg as iceberg_bench
-from bench import iceberg_kc
+from bench import iceberg_kc, kc_peers
 from bench import latency as lat
 from bench import throughput as tp
 from harness import load_stack_env
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("throughput", "ceiling", "mongo", "latency", "spark", "avro", "cdc", "iceberg")
+SECTIONS = (
+    "throughput", "ceiling", "mongo", "latency", "spark", "avro", "cdc", "iceberg", "peers",
+)  # fmt: skip
 TARGETS = {
     "eo_over_alo": (">=", 0.9),
     "pg_pipeline_over_copy": (">=", 0.8),
@@ -64,6 +69,10 @@ TARGETS = {
     "cdc_over_plain": (">=", 0.5),
     "iceberg_over_append": (">=", 0.7),
     "iceberg_commit_p99_ms": ("<=", 500),
+    # Against the connectors' rate from every partition assigned (the pipeline's clock starts
+    # at a participant ready, past its group join): the stricter of the two timings.
+    "eo_over_kc_jdbc_from_assigned": (">=", 3),
+    "mongo_over_kc_mongo_from_assigned": (">=", 1),
 }
 MONGO_NOTE = (
     "MongoDB figures are measured on SecantusDB 0.7.0b3 (a MongoDB-protocol test server on "
@@ -363,6 +372,8 @@ def targets(res: dict[str, Any]) -> dict[str, Any]:
         "cdc_over_plain": res.get("cdc_over_plain"),
         "iceberg_over_append": res.get("iceberg_over_append"),
         "iceberg_commit_p99_ms": res.get("iceberg_commit_p99_ms"),
+        "eo_over_kc_jdbc_from_assigned": res.get("eo_over_kc_jdbc_from_assigned"),
+        "mongo_over_kc_mongo_from_assigned": res.get("mongo_over_kc_mongo_from_assigned"),
     }
     out = {}
     for name, (op, bound) in TARGETS.items():
@@ -488,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         "avro": avro,
         "cdc": cdc,
         "iceberg": iceberg,
+        "peers": kc_peers.section,
     }
     with tempfile.TemporaryDirectory(prefix="twophase-bench-") as tmp:
         for name in sections:
