@@ -4,9 +4,10 @@ a commit cycle, then drives the world to quiescence and checks every guarantee."
 from __future__ import annotations
 
 from twophase.coordinator.machine import Phase
-from twophase.protocol.messages import Decision, Outcome, Prepare, Vote
+from twophase.participants import machine as pm
+from twophase.protocol.messages import Decision, Outcome, Prepare, Vote, VoteValue
 
-from .world import COMMITTED, PREPARED, Params, Participant, World
+from .world import ABORTED, COMMITTED, PREPARED, STORES, Params, Participant, World
 
 
 def calm(seed: int, **kw: int) -> World:
@@ -168,4 +169,172 @@ def test_repeated_failures_raise_an_alarm_and_recovery_clears_it() -> None:
     assert raised.failed_cycles >= 4 and "consecutive" in raised.message
     w.p.p_prepare_fail = 0.0
     w.run_until(lambda: not w.alarms[-1][1].active)
+    finish(w)
+
+
+# -- network faults ------------------------------------------------------------------------------
+
+
+def outgoing_vote(p: Participant, txn: int) -> Vote | None:
+    """``p``'s vote on ``txn`` waiting in its producer, if it has data."""
+    for _, _, msg in p.outbox:
+        if isinstance(msg, Vote) and msg.txn == txn and msg.sinks:
+            return msg
+    return None
+
+
+def test_participant_cut_off_from_kafka_votes_too_late() -> None:
+    """Prepared, its vote still in its producer, a participant loses Kafka (not its stores):
+    the cycle aborts on its deadline, the group drops the participant, the vote lands after
+    the decision and changes nothing, and the prepared part is aborted once it hears."""
+    w = calm(21)
+    txn = at_fresh_prepare(w)
+    w.run_until(lambda: any(outgoing_vote(p, txn) for p in w.participants))
+    victim = next(p for p in w.participants if outgoing_vote(p, txn))
+    w.cut_kafka(victim.name, w.now + 700, session=150)
+    w.run_until(lambda: decision(w, txn) is not None)
+    d = decision(w, txn)
+    assert d is not None and d.outcome is Outcome.ABORT and "vote timeout" in d.reason, d
+    assert victim.member_id not in w.members, "the group kept a member it could not hear"
+    finish(w)
+    decided = next(i for i, e in enumerate(w.log) if e.payload == d)
+    late = [
+        i
+        for i, e in enumerate(w.log)
+        if e.payload == outgoing_vote(victim, txn)
+        or (
+            isinstance(e.payload, Vote)
+            and e.payload.txn == txn
+            and e.payload.participant == victim.name
+        )
+    ]
+    assert late and late[0] > decided, "the vote was not late"
+    key = (txn, victim.name)
+    assert all(s.parts[key].state == ABORTED for s in w.stores.values())
+
+
+def test_participant_cut_off_from_a_store_commits_when_it_heals() -> None:
+    """The reverse: a participant reaches Kafka but not one of its stores when the commit
+    decision comes. The other store commits at once, this one when the partition heals; the
+    sweeps of the others leave the part of a live member alone meanwhile."""
+    w = calm(22)
+    txn = at_fresh_prepare(w)
+    leader = w.leader
+    assert leader is not None
+    leader.hold = True
+    w.run_until(lambda: all_voted(w, txn))
+    victim = voter_with_data(w, txn)
+    key = (txn, victim.name)
+    healed = w.now + 800
+    w.store_cuts[(victim.name, "mongo")] = healed
+    leader.hold = False
+    w.run_until(lambda: decision(w, txn) is not None)
+    d = decision(w, txn)
+    assert d is not None and d.outcome is Outcome.COMMIT and d.includes(victim.name), d
+    w.run_until(lambda: w.stores["pg"].parts[key].state == COMMITTED)
+    assert w.stores["mongo"].parts[key].state == PREPARED and w.now < healed
+    finish(w)
+    assert w.stores["mongo"].parts[key].state == COMMITTED
+
+
+def test_participant_cut_off_from_its_stores_while_writing_votes_abort() -> None:
+    """A write that cannot reach a store is given up: the part is not whole, so its prepare
+    fails without touching the sinks, the participant votes abort and reads again."""
+    w = calm(23)
+    w.run_until(lambda: commits(w) >= 1 and any(has_data(p) for p in w.participants))
+    victim = next(p for p in w.participants if has_data(p))
+    victim.hold_control = True  # no PREPARE cuts the part meanwhile
+    w.records_left += 20
+    w.store_cuts[(victim.name, "pg")] = w.now + 1200
+    w.run_until(lambda: victim.failed_txn is not None)
+    assert victim.poisoned and w.now < w.store_cuts[(victim.name, "pg")]
+    victim.hold_control = False
+
+    def abort_vote() -> Vote | None:
+        mine = [e.payload for e in w.log if isinstance(e.payload, Vote)]
+        return next((v for v in mine if v.participant == victim.name and v.reason), None)
+
+    w.run_until(lambda: abort_vote() is not None)
+    vote = abort_vote()
+    assert vote is not None and "write of this part failed" in vote.reason, vote
+    w.run_until(lambda: decision(w, vote.txn) is not None)
+    d = decision(w, vote.txn)
+    assert d is not None and d.outcome is Outcome.ABORT, d
+    finish(w)
+
+
+def test_leader_cut_off_from_kafka_is_replaced_and_its_blocked_decision_fenced() -> None:
+    """The leader loses Kafka right after its PREPARE: it hears no vote, decides abort on its
+    deadline and blocks in that write. Its session ends first: the standby wins the control
+    partition and presumes abort; when the old leader reaches Kafka again its write is fenced."""
+    w = calm(24)
+    txn = at_fresh_prepare(w)
+    old = w.leader
+    assert old is not None
+    start = len(w.log)
+    w.cut_kafka(old.name, w.now + 600, session=150)
+    w.run_until(lambda: w.leader is not old)
+    w.run_until(lambda: old.inflight is not None)
+    w.run_until(lambda: old.machine.phase is Phase.STANDBY)
+    assert old.fenced_writes >= 1, "the old leader's blocked write was not fenced"
+    assert old.epoch not in w.log_epochs[start:], "a deposed coordinator wrote to the log"
+    d = decision(w, txn)
+    assert d is not None and d.outcome is Outcome.ABORT and "presumed abort" in d.reason, d
+    finish(w)
+
+
+def test_a_vote_delayed_past_the_deadline_changes_nothing() -> None:
+    """Latency, no partition: a vote reaches the broker after the coordinator decided abort."""
+    w = calm(25)
+    txn = at_fresh_prepare(w)
+    w.run_until(lambda: any(outgoing_vote(p, txn) for p in w.participants))
+    victim = next(p for p in w.participants if outgoing_vote(p, txn))
+    q, _, msg = victim.outbox.popleft()
+    victim.outbox.appendleft((q, w.now + 600, msg))
+    w.run_until(lambda: decision(w, txn) is not None)
+    d = decision(w, txn)
+    assert d is not None and d.outcome is Outcome.ABORT and "vote timeout" in d.reason, d
+    finish(w)
+    assert w.seen["vote lands after its decision"] >= 1
+
+
+def test_participant_that_cannot_deliver_its_vote_exits_and_recovers() -> None:
+    """Cut off from Kafka for longer than its producer tries: the process exits, restarts still
+    cut off, and once the partition heals finds its prepared part and resolves it."""
+    w = calm(26)
+    txn = at_fresh_prepare(w)
+    w.run_until(lambda: any(outgoing_vote(p, txn) for p in w.participants))
+    victim = next(p for p in w.participants if outgoing_vote(p, txn))
+    w.cut_kafka(victim.name, w.now + 1500, session=150)
+    w.run_until(lambda: not victim.alive)
+    assert w.seen["participant exits"] == 1
+    assert not any(
+        isinstance(e.payload, Vote)
+        and e.payload.txn == txn
+        and e.payload.participant == victim.name
+        for e in w.log
+    ), "a vote crossed the partition"
+    finish(w)
+    key = (txn, victim.name)
+    assert all(s.parts[key].state == ABORTED for s in w.stores.values())
+
+
+def test_prepare_that_cannot_reach_its_stores_is_given_up_and_votes_abort() -> None:
+    """Cut off from both stores between reading the PREPARE and preparing: the prepare blocks,
+    is given up, and the participant votes abort; its part is aborted once it heals."""
+    w = calm(27)
+    txn = at_fresh_prepare(w)
+    victim = next(p for p in w.participants if has_data(p))
+    victim.hold_data = True
+    w.run_until(lambda: any(isinstance(a, pm.PreparePart) for a in victim.data_q))
+    for s in STORES:
+        w.store_cuts[(victim.name, s)] = w.now + 900
+    victim.hold_data = False
+    # The prepare outlasts the vote timeout: the coordinator has decided abort by then.
+    w.run_until(lambda: any(v.participant == victim.name and v.reason for v in votes(w, txn)))
+    vote = next(v for v in votes(w, txn) if v.participant == victim.name)
+    assert vote.vote is VoteValue.ABORT and "unreachable" in vote.reason, vote
+    assert w.seen["prepare given up"] == 1
+    d = decision(w, txn)
+    assert d is not None and d.outcome is Outcome.ABORT, d
     finish(w)

@@ -9,6 +9,7 @@ the default so a red run always names seeds anyone can replay.
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import pytest
 
@@ -74,3 +75,38 @@ def test_the_spark_driver_s_faults_happen() -> None:
         "CHECKPOINT",
     ):
         assert what in seen, what
+
+
+def test_the_network_faults_happen() -> None:
+    """Delays and partitions, and what they lead to, show up across a hundred schedules (the
+    ones a schedule meets rarely -- a participant that exits on an undeliverable message, a
+    prepare given up -- have hand-written scenarios); and a schedule full of them replays
+    exactly."""
+    seeds: Counter[str] = Counter()
+    for seed in range(100):
+        w = world.World(seed)
+        assert w.run().ok, seed
+        seeds.update(w.seen.keys())
+    for what in (
+        "control message delayed",
+        "participant's message delayed",
+        "coordinator's write delayed",
+        "record delayed",
+        "decision ahead of a record produced before it",
+        "vote lands after its decision",
+        "participant cut off from kafka",
+        "participant cut off from store",
+        "participant cut off from both",
+        "participant dropped by the group",
+        "leader cut off from Kafka",
+        "leader loses the control partition",
+        "coordinator's write blocked",
+        "coordinator's write given up",
+        "coordinator killed in a write that still lands",
+        "begin given up",
+        "write given up",
+        "abort given up",
+    ):
+        assert seeds[what] >= 1, what
+    a, b = world.run(54, verbose=True), world.run(54, verbose=True)
+    assert a.trace == b.trace and "cut off from Kafka" in "\n".join(a.trace)

@@ -1,7 +1,8 @@
 """A deterministic simulator for the coordinator and participant state machines.
 
-One ``random.Random(seed)`` drives everything: which process moves next, message delays, record
-arrivals, rebalances, crashes, failovers and sink failures. The very same machines that run in
+One seed drives everything -- through ``random.Random(seed)``, and a second stream for network
+faults: which process moves next, message delays, record arrivals, rebalances, crashes,
+failovers, partitions and sink failures. The very same machines that run in
 production (:class:`twophase.coordinator.machine.CoordinatorMachine`,
 :class:`twophase.participants.machine.ParticipantMachine`) are driven the way their runtimes drive them;
 only Kafka, the consumer group and the sinks are replaced by small in-memory models.
@@ -45,6 +46,46 @@ What is modelled
   in-doubt resolution). Misuse of the SDK contract by the machines is a violation, including a
   control-thread abort of a part the data thread has open.
 
+Network faults
+--------------
+Drawn per seed like the others (most seeds get some; a seed without them runs exactly the
+schedule it ran before they existed: they draw from their own random stream). The clock runs
+about 25 times faster than a real pipeline's (vote timeout 400 ms, real default 10 s).
+
+* Delays: any message -- a control message to each of its readers, a participant's VOTE or
+  APPLIED on its way to the broker, a coordinator's write (the coordinator is blocked in it, as
+  the runtime is in its Kafka transaction), a source record on its way to the consumers -- may
+  arrive up to ``Params.delay_ms`` late (0-900 ms: some outlast the vote timeout). Kafka's
+  guarantee is kept and nothing more: order within one partition (the control topic is one;
+  each source partition is one), none across partitions or topics, nor between readers. So a
+  DECISION can be read before a record produced ahead of it, a VOTE can reach the coordinator
+  after it decided abort on its deadline, two participants see the log at different times.
+* Partitions (``Params.p_cut``, 30-1,500 ms each; they heal by themselves, also after the fault
+  phase, and quiescence waits for that):
+  - a participant cut off from Kafka but not its stores: it reads no control message and no
+    record, sees no rebalance, and its producer holds its VOTEs and APPLIEDs; its sink calls
+    still work (decisions it has read are applied, prepares finish). The group drops it after a
+    session timeout and rebalances; it notices once it reaches Kafka again. A message its
+    producer could not deliver for ``PUBLISH_GIVE_UP_MS`` ends the process (the runtime's send
+    gives up and the control thread fails); it restarts, still cut off until the partition
+    heals.
+  - a participant cut off from one or both stores but not Kafka: the data thread's calls
+    (begin, write, prepare, abort) block and are given up after ``SINK_GIVE_UP_MS`` -- a given-up
+    begin or write leaves the part poisoned (nothing read until the rewind, its prepare fails
+    without touching the sinks: the runtime's ``_failed_txn``), a given-up prepare votes abort,
+    a given-up abort drops the connection (the store rolls an open part back; a prepared one is
+    left in doubt). Commits and aborts of decided parts fail retriably and are retried until the
+    store answers; a sweep that cannot list is skipped; start-up recovery waits for the stores.
+  - both at once.
+  - a coordinator cut off from Kafka (the leader, mostly): it reads nothing, its metadata does
+    not refresh, its write blocks until the partition heals, or is given up after
+    ``PUBLISH_GIVE_UP_MS`` (the transaction is aborted: nothing lands). After its session timeout
+    the standby, if it can, wins the control partition -- a new epoch, which fences whatever the
+    old leader's blocked write still tries -- and the old leader hears of it once it reaches
+    Kafka again, or only from being fenced.
+  A coordinator killed while blocked in a write may still have its write land (the commit had
+  reached the broker), unless a newer epoch has fenced it by then.
+
 What the runtime must do for these results to hold (the simulator's data thread does exactly
 this): call ``WillWrite`` only when no Seek or AbortPart handed over by the control thread is
 waiting (check under the machine lock; a queued PreparePart may wait one batch); drop fetched
@@ -61,7 +102,11 @@ What is not modelled: dead-lettering and poison records, partitions added to an 
 topics deleted, control-topic retention/compaction (the whole log is kept), decode errors,
 real time, clock skew between processes, participants with different sink sets, and Kafka's own
 failure modes beyond the ones above (e.g. a consumer group that loses committed offsets, a
-commit_transaction with an unknown outcome).
+commit_transaction with an unknown outcome, a broker failover). Of the network: a sink call that
+took effect but whose answer was lost (every call either happens or fails), partial partitions
+(an actor that reaches some brokers only), a participant's producer retrying a message it had
+already delivered (duplicates come from re-reads instead), and the participant's control thread
+blocking in a send (its producer queue holds messages and the thread goes on).
 """
 
 from __future__ import annotations
@@ -69,8 +114,8 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections import Counter, deque
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -242,6 +287,12 @@ class Params:
     #: Topics (one partition each) created while the pipeline runs, as a topic_pattern finds
     #: them: the coordinator's metadata and the group see each at its own moment.
     new_topics: int = 0
+    #: Network faults (see "Network faults" above). The longest delay of one message (0: no
+    #: delays), and the chance that a message is delayed at all.
+    delay_ms: int = 0
+    p_delay: float = 0.0
+    #: Partitions between an actor and Kafka or a store.
+    p_cut: float = 0.0
 
     @classmethod
     def calm(cls, participants: int = 3, partitions: int = 4, records: int = 30) -> Params:
@@ -257,6 +308,10 @@ class Params:
         extra = random.Random(rng.random())
         return cls(
             new_topics=extra.choice((0, 0, 1, 2)),
+            # Some delays outlast the vote timeout (400 ms), some are barely there.
+            delay_ms=extra.choice((0, 0, 40, 150, 500, 900)),
+            p_delay=extra.choice((0.05, 0.2, 0.5)),
+            p_cut=extra.choice((0.0, 0.0, 0.003, 0.008)),
             participants=rng.randint(2, 4),
             partitions=rng.randint(2, 6),
             fault_steps=rng.randint(150, 500),
@@ -281,9 +336,49 @@ SWEEP_MS = 300
 SESSION_TIMEOUT_MS = (100, 300)
 LEASE_MS = (50, 200)
 RESTART_MS = (20, 300)
+#: How long a partition lasts. The simulator's clock runs about 25 times faster than the real
+#: pipeline's (its vote timeout is 400 ms, the default 10 s), so this is the chaos suite's 5-60 s
+#: partition, with shorter ones besides: some end within a session timeout, some outlast it, the
+#: vote timeout and both give-ups below.
+CUT_MS = (30, 1500)
+#: A sink call the data thread makes (begin, write, prepare, abort) is retried for this long,
+#: then given up (``participant.sink_retry_s``, 60 s, would be 2,400 ms here: shorter, so that
+#: the give-up paths run in the partitions drawn). Applying a decision is retried for ever.
+SINK_GIVE_UP_MS = 600
+#: A control message the producer cannot deliver (librdkafka retries it until the flush times
+#: out, the runtime retries the send for its budget): the participant process exits; the
+#: coordinator's Kafka transaction is aborted (nothing lands) and reported as failed.
+PUBLISH_GIVE_UP_MS = 1000
 
 
 # -- processes --------------------------------------------------------------------------------
+
+
+class Lag:
+    """How much of the control log one reader's consumer has fetched: each entry reaches it at
+    its own time, never before the one ahead of it (one partition: order is kept)."""
+
+    __slots__ = ("due", "last", "upto")
+
+    def __init__(self, start: int = 0) -> None:
+        self.upto = start  # entries below this one have arrived (or are not read)
+        self.due: int | None = None  # when entry ``upto`` arrives
+        self.last = 0
+
+    def visible(self, w: World) -> int:
+        if not w.p.delay_ms:
+            return len(w.log)
+        while self.upto < len(w.log):
+            if self.due is None:
+                delay = w.delay()
+                if delay:
+                    w.seen["control message delayed"] += 1
+                self.due = max(self.last, w.log_times[self.upto] + delay)
+            if w.now < self.due:
+                break
+            self.last, self.due = self.due, None
+            self.upto += 1
+        return self.upto
 
 
 class Participant:
@@ -305,6 +400,7 @@ class Participant:
         self.alive = True
         self.cursor = world.latest_checkpoint()
         self.replay_end = len(world.log)
+        self.lag = Lag(self.cursor)
         self.caught_up = False
         self.ctl_q: deque[pm.Action] = deque()
         self.ctl_job: Iterator[None] | None = None
@@ -313,7 +409,13 @@ class Participant:
         self.data_job: Iterator[None] | None = None
         self.open_txn: int | None = None
         self.fetch: dict[TP, int] = {}
-        self.outbox: deque[Payload] = deque()
+        #: The producer's queue: (queued at, lands at, message), landing in order.
+        self.outbox: deque[tuple[int, int, Payload]] = deque()
+        #: A sink call of the data thread was given up: nothing is read until the next Seek,
+        #: and a prepare of ``failed_txn`` fails without touching the sinks (the runtime's
+        #: ``_poisoned`` and ``_failed_txn``).
+        self.poisoned = False
+        self.failed_txn: int | None = None
         self.rebalance = 0  # 1: Revoked due, 2: Assigned due
         self.joined = False
         self.next_tick = world.now
@@ -321,7 +423,7 @@ class Participant:
         self.hold_control = False
         self.hold_data = False
         if world.join_early:
-            world.group_join(self)
+            world.join_when_reachable(self)
 
     # -- feeding the machine --
 
@@ -359,7 +461,11 @@ class Participant:
             self.add_control_moves(out)
         if not self.hold_data:
             self.add_data_moves(out)
-        if self.outbox:
+        if (
+            self.outbox
+            and self.outbox[0][1] <= self.world.now
+            and self.name not in self.world.kafka_cuts
+        ):
             out.append((3, self.flush))
 
     def add_control_moves(self, out: list[tuple[int, Callable[[], None]]]) -> None:
@@ -373,7 +479,11 @@ class Participant:
             out.append((2, self.run_retry))
         if not self.caught_up and self.cursor >= self.replay_end:
             out.append((5, self.catch_up))
-        elif self.cursor < len(w.log):
+        elif (
+            self.cursor < len(w.log)
+            and self.name not in w.kafka_cuts
+            and (not w.p.delay_ms or self.cursor < self.lag.visible(w))
+        ):
             out.append((4, self.read))
         if w.now >= self.next_tick:
             out.append((2, self.tick))
@@ -390,12 +500,14 @@ class Participant:
             # until after the batch. A Seek or an abort never may (the batch is stale then).
             if not all(isinstance(a, pm.PreparePart) for a in self.data_q):
                 return
+        if self.name in w.kafka_cuts:
+            return  # poll() returns nothing: no records, no rebalance
         if self.rebalance:
             out.append((w.rebalance_weight, self.poll_rebalance))
-        elif self.machine.ready:
-            hw, index = w.hw, w.index
+        elif self.machine.ready and not self.poisoned:
+            avail, index = w.avail, w.index
             for tp, off in self.fetch.items():
-                if off < hw[index[tp]]:
+                if off < avail[index[tp]]:
                     out.append((4, self.start_batch))
                     break
 
@@ -432,14 +544,25 @@ class Participant:
         self.start_control(self.list_in_doubt(sweep=False))
 
     def list_in_doubt(self, sweep: bool) -> Iterator[None]:
-        parts = self.world.list_in_doubt()
+        w = self.world
+        cut = [s for s in STORES if not w.reaches_store(self.name, s)]
+        if cut and sweep:
+            if w.verbose:
+                w.trace(
+                    f"{self.member_id}.ctl  !! sweep cannot list {','.join(cut)}; next one tries"
+                )
+            return
+        for s in cut:  # start-up recovery waits for every store, however long it takes
+            while not w.reaches_store(self.name, s):
+                yield
+        parts = w.list_in_doubt()
         # What describing the group would say: members until their session expires, crashed
-        # or not.
-        live = frozenset(p.name for p in self.world.members.values())
+        # or not; nothing (None) when the group cannot be described.
+        live = frozenset(p.name for p in w.members.values()) if w.reaches_kafka(self.name) else None
         yield  # the listing takes a while; the data thread goes on meanwhile
         self.feed(pm.InDoubt(parts, sweep=sweep, live=live), data=False)
         if not sweep and not self.joined:
-            self.world.group_join(self)  # the runtime subscribes once recovery is done
+            w.join_when_reachable(self)  # the runtime subscribes once recovery is done
 
     def read(self) -> None:
         env = self.world.log[self.cursor]
@@ -457,6 +580,8 @@ class Participant:
         if isinstance(a, pm.CommitPart | pm.AbortPart):
             for s in a.sinks:
                 try:
+                    if not w.reaches_store(self.name, s):
+                        raise RetriableError(f"{s} unreachable")
                     if isinstance(a, pm.CommitPart):
                         w.stores[s].commit(a.txn, a.participant)
                     else:
@@ -470,10 +595,13 @@ class Participant:
                 yield
             outcome = Outcome.COMMIT if isinstance(a, pm.CommitPart) else Outcome.ABORT
             self.feed(pm.PartApplied(a.txn, a.participant, outcome), data=False)
-        elif isinstance(a, pm.SendVote):
-            self.outbox.append(a.vote)
-        elif isinstance(a, pm.SendApplied):
-            self.outbox.append(a.applied)
+        elif isinstance(a, pm.SendVote | pm.SendApplied):
+            msg = a.vote if isinstance(a, pm.SendVote) else a.applied
+            delay = w.delay()
+            if delay:
+                w.seen["participant's message delayed"] += 1
+            lands = max(self.outbox[-1][1] if self.outbox else 0, w.now + delay)
+            self.outbox.append((w.now, lands, msg))
         elif isinstance(a, pm.Sweep):
             yield from self.list_in_doubt(sweep=True)
         else:
@@ -511,7 +639,7 @@ class Participant:
         recs: list[tuple[int, int]] = []
         for tp, off in sorted(self.fetch.items()):
             i = w.index[tp]
-            avail = w.hw[i] - off
+            avail = w.avail[i] - off
             if avail <= 0 or (batch and w.rng.random() < 0.3):
                 continue
             n = w.rng.randint(1, min(avail, 3))
@@ -519,23 +647,49 @@ class Participant:
             batch[tp] = (off + n - 1, n, 0)
             self.fetch[tp] = off + n
         yield from self.feed_data(pm.WillWrite())
+        if self.poisoned:
+            return  # beginning the part was given up
         txn = self.open_txn
         if txn is None:
             raise SimViolation(f"{self.member_id}: WillWrite left no part open to write into")
         for s in STORES:
             yield
+            if not (yield from self.reach(s, f"write of {txn}")):
+                # The part is lost: read nothing until the rewind its failed prepare brings.
+                self.failed_txn, self.poisoned = txn, True
+                return
             w.stores[s].write(txn, self.name, self.owner, recs)
         yield from self.feed_data(pm.Written(txn, batch))
+
+    def reach(self, store: str, what: str) -> Generator[None, None, bool]:
+        """Wait while ``store`` is cut off (the runtime retries the call); True once it answers,
+        False when the call is given up (SINK_GIVE_UP_MS)."""
+        w = self.world
+        since = w.now
+        while not w.reaches_store(self.name, store):
+            if w.now - since >= SINK_GIVE_UP_MS:
+                w.seen[f"{what.split()[0]} given up"] += 1
+                if w.verbose:
+                    w.trace(f"{self.member_id}.data !! {what} in {store} given up: unreachable")
+                return False
+            yield
+        return True
 
     def data_action(self, a: pm.Action) -> Iterator[None]:
         w = self.world
         if isinstance(a, pm.BeginPart):
             self.open_txn = a.txn
             for s in STORES:
+                if not (yield from self.reach(s, f"begin of {a.txn}")):
+                    self.failed_txn, self.poisoned = a.txn, True
+                    return
                 w.stores[s].begin(a.txn, self.name, self.owner)
                 yield
         elif isinstance(a, pm.PreparePart) and not a.ready:
             yield from self.feed_data(pm.Cut(a.txn))
+        elif isinstance(a, pm.PreparePart) and a.txn == self.failed_txn:
+            # A write of this part was given up: the part is not whole, so it is not prepared.
+            yield from self.feed_data(pm.PrepareFailed(a.txn, "a write of this part failed"))
         elif isinstance(a, pm.PreparePart):
             if a.sinks and self.open_txn != a.txn:
                 raise SimViolation(
@@ -549,6 +703,8 @@ class Participant:
             self.open_txn = None
             for s in a.sinks:
                 try:
+                    if not (yield from self.reach(s, f"prepare of {a.txn}")):
+                        raise PrepareError(f"{s} unreachable")
                     w.stores[s].prepare(a.txn, self.name, self.owner, dict(a.positions))
                 except PrepareError as exc:
                     yield from self.feed_data(pm.PrepareFailed(a.txn, str(exc)))
@@ -557,6 +713,11 @@ class Participant:
             yield from self.feed_data(pm.PrepareDone(a.txn))
         elif isinstance(a, pm.AbortPart):
             for s in a.sinks:
+                if not (yield from self.reach(s, f"abort of {a.txn}")):
+                    # The runtime drops the connection: the store rolls an open part back; a
+                    # prepared one is left to in-doubt resolution, as below.
+                    w.stores[s].abandon(self.owner)
+                    continue
                 # Only a prepared part can fail to abort: this runtime gives up and leaves it
                 # to the machine's in-doubt resolution (the sweep), the harder path to get right.
                 with contextlib.suppress(RetriableError):
@@ -566,13 +727,14 @@ class Participant:
                 self.open_txn = None
         elif isinstance(a, pm.Seek):
             self.fetch = dict(a.offsets)
+            self.poisoned, self.failed_txn = False, None
         else:
             raise SimViolation(f"{self.member_id}: data thread got {a!r}")
 
     # -- the producer --
 
     def flush(self) -> None:
-        self.world.append(self.member_id, self.outbox.popleft())
+        self.world.append(self.member_id, self.outbox.popleft()[2])
 
 
 class Coordinator:
@@ -595,13 +757,33 @@ class Coordinator:
         self.alarmed = False
         self.fenced_writes = 0
         self.hold = False  # hand-written scenarios freeze the coordinator with this
+        self.lag = Lag()
+        #: Events not handled yet and writes not started yet: the runtime handles one event's
+        #: actions in order, each write blocking until Kafka answers.
+        self.events: deque[cm.Event] = deque()
+        self.writes: deque[Payload] = deque()
+        #: The write the process is blocked in: (message, started, lands at, epoch).
+        self.inflight: tuple[Payload, int, int, int] | None = None
         self.feed_partitions()
 
+    def can_lead(self) -> bool:
+        """Whether this process can win the control partition: alive, reaching Kafka, and not
+        blocked in a write (the group's callbacks run in poll(), between writes)."""
+        return self.alive and self.inflight is None and self.world.reaches_kafka(self.name)
+
     def feed(self, event: cm.Event) -> None:
+        self.events.append(event)
+        self.pump()
+
+    def pump(self) -> None:
         w = self.world
-        queue: deque[cm.Event] = deque([event])
-        while queue and self.alive:
-            ev = queue.popleft()
+        while self.alive and self.inflight is None:
+            if self.writes:
+                self.start_write(self.writes.popleft())
+                continue
+            if not self.events:
+                return
+            ev = self.events.popleft()
             actions = self.machine.handle(ev)
             if w.verbose:
                 w.trace(f"{self.label} <- {_show(ev)}")
@@ -609,7 +791,7 @@ class Coordinator:
                     w.trace(f"{' ' * len(self.label)}    -> {_show(a)}")
             for a in actions:
                 if isinstance(a, cm.Publish):
-                    queue.append(self.publish(a.payload))
+                    self.writes.append(a.payload)
                 elif isinstance(a, cm.Alarm):
                     self.alarmed = a.active
                     w.alarms.append((self.label, a))
@@ -625,14 +807,42 @@ class Coordinator:
             ):
                 w.missing_alarm = f"{self.label}: {self.failed_run} aborts in a row and no alarm"
 
-    def publish(self, payload: Payload) -> cm.Event:
+    def start_write(self, payload: Payload) -> None:
+        """Publish ``payload``: at once, or -- delayed, or cut off from Kafka -- blocked until
+        it lands or is given up (:meth:`finish_write`)."""
         w = self.world
-        if self.epoch != w.epoch:
+        delay = w.delay()
+        if not delay and w.reaches_kafka(self.name):
+            self.events.append(self.publish(payload, self.epoch))
+            return
+        self.inflight = (payload, w.now, w.now + delay, self.epoch)
+        w.seen["coordinator's write delayed" if delay else "coordinator's write blocked"] += 1
+        if w.verbose:
+            w.trace(f"{self.label} .. {_show(payload)} in flight for {delay} ms")
+
+    def finish_write(self) -> None:
+        """The blocked write ends: it lands (or is fenced, or fails) -- or, cut off from Kafka
+        for PUBLISH_GIVE_UP_MS, the transaction is aborted and nothing lands."""
+        assert self.inflight is not None
+        w = self.world
+        payload, _, _, epoch = self.inflight
+        self.inflight = None
+        if w.reaches_kafka(self.name):
+            self.feed(self.publish(payload, epoch))
+            return
+        w.seen["coordinator's write given up"] += 1
+        if w.verbose:
+            w.trace(f"{self.label} !! {_show(payload)} given up: Kafka unreachable")
+        self.feed(cm.PublishFailed(payload, w.now, "transaction timed out: Kafka unreachable"))
+
+    def publish(self, payload: Payload, epoch: int) -> cm.Event:
+        w = self.world
+        if epoch != w.epoch:
             self.fenced_writes += 1
             return cm.PublishFailed(payload, w.now, "producer fenced", fenced=True)
         if w.fault(w.p.p_publish_fail):
             return cm.PublishFailed(payload, w.now, "transaction aborted: broker timeout")
-        w.append(self.label, payload, epoch=self.epoch)
+        w.append(self.label, payload, epoch=epoch)
         if isinstance(payload, Decision):
             if payload.outcome is Outcome.COMMIT:
                 self.failed_run = 0
@@ -657,6 +867,7 @@ class Coordinator:
         self.alarmed = False
         self.cursor = w.latest_checkpoint()
         self.replay_end = len(w.log)
+        self.lag = Lag(self.cursor)
         self.reading = True
         if w.verbose:
             w.trace(f"== {self.label} wins leadership (epoch {self.epoch})")
@@ -669,11 +880,22 @@ class Coordinator:
         w = self.world
         if self.hold:
             return
-        if self.reading and self.cursor < len(w.log):
+        kafka = self.name not in w.kafka_cuts
+        if self.inflight is not None:  # blocked in a write
+            _, started, lands, _ = self.inflight
+            if w.now >= (lands if kafka else started + PUBLISH_GIVE_UP_MS):
+                out.append((5, self.finish_write))
+            return
+        if (
+            self.reading
+            and self.cursor < len(w.log)
+            and kafka
+            and self.cursor < self.lag.visible(w)
+        ):
             out.append((5, self.read))
         if w.now >= self.next_tick:
             out.append((3, self.tick))
-        if self.lost_at is not None and w.now >= self.lost_at:
+        if self.lost_at is not None and w.now >= self.lost_at and kafka:
             out.append((2, self.lose))
 
     def read(self) -> None:
@@ -687,7 +909,7 @@ class Coordinator:
     def tick(self) -> None:
         w = self.world
         self.next_tick = w.now + TICK_MS
-        if w.rng.random() < 0.1:
+        if w.rng.random() < 0.1 and w.reaches_kafka(self.name):  # the metadata refresh
             self.feed_partitions()
         self.feed(cm.Tick(w.now))
 
@@ -719,6 +941,16 @@ class Result:
         )
 
 
+@dataclass(slots=True)
+class KafkaCut:
+    """An actor cut off from Kafka until ``until``; after ``session`` ms its group drops it."""
+
+    start: int
+    until: int
+    session: int
+    dropped: bool = False
+
+
 class World:
     def __init__(
         self, seed: int, verbose: bool = False, wire: bool = False, params: Params | None = None
@@ -734,6 +966,7 @@ class World:
         self.faults_on = True
         self.log: list[Envelope] = []
         self.log_epochs: list[int] = []
+        self.log_times: list[int] = []
         self.log_view = LogView()
         self.checkpoints: list[int] = []
         self.msg_id = 0
@@ -745,6 +978,20 @@ class World:
         self.group_sees = self.coord_sees = self.p.partitions
         self.topic_rng = random.Random(seed + 1_000_003)
         self.hw = [0] * self.total
+        #: Records consumers can fetch, per partition (``hw`` less those still on their way),
+        #: and when each of the others arrives, in order.
+        self.avail = [0] * self.total
+        self.arriving: list[deque[int]] = [deque() for _ in range(self.total)]
+        self.in_transit = 0
+        #: Network faults draw from their own stream: a schedule without them is what it was.
+        self.net = random.Random(seed + 2_000_003)
+        self.kafka_cuts: dict[str, KafkaCut] = {}  # actor name -> its cut
+        self.store_cuts: dict[tuple[str, str], int] = {}  # (participant name, store) -> until
+        #: Writes of dead coordinators that reached the broker: (lands at, epoch, label, message).
+        self.landing: list[tuple[int, int, str, Payload]] = []
+        #: How often each network fault and its consequences came up (the tests check that
+        #: they do).
+        self.seen: Counter[str] = Counter()
         self.records_left = self.p.records
         self.group_offsets: dict[TP, int] = {}
         self.generation = 0
@@ -796,6 +1043,28 @@ class World:
     def fault(self, p: float) -> bool:
         return self.faults_on and p > 0 and self.rng.random() < p
 
+    def delay(self) -> int:
+        """How late one message (control or data) arrives."""
+        p = self.p
+        if not (self.faults_on and p.delay_ms) or self.net.random() >= p.p_delay:
+            return 0
+        return self.net.randint(1, p.delay_ms)
+
+    def reaches_kafka(self, name: str) -> bool:
+        return name not in self.kafka_cuts
+
+    def reaches_store(self, name: str, store: str) -> bool:
+        return (name, store) not in self.store_cuts
+
+    def join_when_reachable(self, proc: Participant) -> None:
+        """Subscribe: the group sees the member once its consumer reaches Kafka."""
+        cut = self.kafka_cuts.get(proc.name)
+        if cut is None:
+            self.group_join(proc)
+            return
+        proc.joined = True
+        self.rejoins.append((cut.until + self.net.randint(0, 50), proc))
+
     def latest_checkpoint(self) -> int:
         return self.checkpoints[-1] if self.checkpoints else 0
 
@@ -806,6 +1075,11 @@ class World:
             self.checkpoints.append(len(self.log))
         self.log.append(env)
         self.log_epochs.append(epoch)
+        self.log_times.append(self.now)
+        if isinstance(payload, Vote) and payload.txn in self.log_view.decisions:
+            self.seen["vote lands after its decision"] += 1
+        if isinstance(payload, Decision) and self.in_transit:
+            self.seen["decision ahead of a record produced before it"] += 1
         if isinstance(payload, Decision):
             first = self.log_view.decisions.get(payload.txn)
             if first is not None and (first.outcome, first.parts, first.positions) != (
@@ -864,15 +1138,25 @@ class World:
 
     # -- faults --
 
-    def crash_participant(self, proc: Participant) -> None:
+    def crash_participant(self, proc: Participant, why: str = "") -> None:
+        """kill -9; or, with ``why``, the process exits on an error it cannot go on after."""
         if self.verbose:
-            self.trace(f"!! crash {proc.member_id}")
+            self.trace(
+                f"!! {'crash' if not why else 'exit'} {proc.member_id}{': ' + why if why else ''}"
+            )
         proc.alive = False
+        if why:
+            self.seen["participant exits"] += 1
         for s in self.stores.values():
             s.abandon(proc.owner)
-        sent = self.rng.randint(0, len(proc.outbox))
+        # Cut off, it sent nothing: its queue dies with it.
+        sent = (
+            self.rng.randint(0, len(proc.outbox))
+            if not why and self.reaches_kafka(proc.name)
+            else 0
+        )
         if sent:
-            self.ghosts.append((proc.member_id, deque(list(proc.outbox)[:sent])))
+            self.ghosts.append((proc.member_id, deque(m for _, _, m in list(proc.outbox)[:sent])))
         if proc.joined:
             self.departures.append(
                 (self.now + self.rng.randint(*SESSION_TIMEOUT_MS), proc.member_id)
@@ -897,6 +1181,11 @@ class World:
         if self.verbose:
             self.trace(f"!! crash {c.label}")
         c.alive = False
+        if c.inflight is not None and self.reaches_kafka(c.name) and self.net.random() < 0.5:
+            # The commit of its Kafka transaction reached the broker before the process died.
+            payload, _, lands, epoch = c.inflight
+            self.landing.append((lands, epoch, c.label, payload))
+            self.seen["coordinator killed in a write that still lands"] += 1
         if self.leader is c:
             self.leader = None
             self.lease_expiry = self.now + self.rng.randint(*LEASE_MS)
@@ -905,7 +1194,7 @@ class World:
     def depose(self) -> None:
         """The standby takes over while the leader still runs (a long pause, a partition)."""
         old = self.leader
-        standby = next((c for c in self.coordinators if c is not old and c.alive), None)
+        standby = next((c for c in self.coordinators if c is not old and c.can_lead()), None)
         if old is None or standby is None:
             return
         if self.verbose:
@@ -913,6 +1202,106 @@ class World:
         if self.rng.random() < 0.5:
             old.lost_at = self.now + self.rng.randint(0, 500)
         standby.acquire()
+
+    def cut_off(self) -> None:
+        """A partition: a participant cut off from Kafka, from one or both stores, or both; or a
+        coordinator (the leader, mostly) cut off from Kafka. Heals by itself."""
+        n = self.net
+        until = self.now + n.randint(*CUT_MS)
+        if n.random() < 0.25:
+            c = self.leader if self.leader is not None and n.random() < 0.8 else None
+            name = c.name if c is not None else n.choice(self.coordinators).name
+            self.seen["leader cut off from Kafka" if c else "coordinator cut off from Kafka"] += 1
+            self.cut_kafka(name, until, n.randint(*LEASE_MS))
+            return
+        name = n.choice(self.participants).name
+        what = n.choice(("kafka", "store", "store", "both"))
+        self.seen[f"participant cut off from {what}"] += 1
+        if what != "store":
+            self.cut_kafka(name, until, n.randint(*SESSION_TIMEOUT_MS))
+        if what != "kafka":
+            for s in n.choice((("pg",), ("mongo",), STORES)):
+                self.store_cuts[(name, s)] = max(until, self.store_cuts.get((name, s), 0))
+                if self.verbose:
+                    self.trace(f"!! {name} cut off from {s} until {until}")
+
+    def cut_kafka(self, name: str, until: int, session: int) -> None:
+        old = self.kafka_cuts.get(name)
+        if old is not None:
+            old.until = max(old.until, until)
+        else:
+            self.kafka_cuts[name] = KafkaCut(self.now, until, session)
+        if self.verbose:
+            self.trace(f"!! {name} cut off from Kafka until {self.kafka_cuts[name].until}")
+
+    def network(self) -> None:
+        """Records arriving, partitions healing, and what a partition leads to: a group that
+        drops the member it cannot hear, a producer that gives up."""
+        if not (self.in_transit or self.store_cuts or self.kafka_cuts or self.landing):
+            return
+        now = self.now
+        if self.in_transit:
+            for i, q in enumerate(self.arriving):
+                while q and q[0] <= now:
+                    q.popleft()
+                    self.avail[i] += 1
+                    self.in_transit -= 1
+        for key in [k for k, until in self.store_cuts.items() if until <= now]:
+            del self.store_cuts[key]
+            if self.verbose:
+                self.trace(f"!! {key[0]} reaches {key[1]} again")
+        for name, cut in list(self.kafka_cuts.items()):
+            if cut.until <= now:
+                del self.kafka_cuts[name]
+                if self.verbose:
+                    self.trace(f"!! {name} reaches Kafka again")
+            elif not cut.dropped and now >= cut.start + cut.session:
+                cut.dropped = True
+                self.session_lost(name, cut)
+        for proc in self.participants:
+            if (
+                proc.alive
+                and proc.outbox
+                and not self.reaches_kafka(proc.name)
+                and now - proc.outbox[0][0] >= PUBLISH_GIVE_UP_MS
+            ):
+                self.crash_participant(proc, why="a control message could not be delivered")
+        if self.landing:
+            due = [x for x in self.landing if x[0] <= now]
+            self.landing = [x for x in self.landing if x[0] > now]
+            for _, epoch, label, payload in due:
+                self.seen[
+                    f"dead coordinator's write {'lands' if epoch == self.epoch else 'fenced'}"
+                ] += 1
+                if epoch == self.epoch:  # else the new leader's producer fenced it
+                    self.append(label, payload, epoch=epoch)
+                    if isinstance(payload, Decision) and payload.outcome is Outcome.COMMIT:
+                        for pos in payload.positions:
+                            self.group_offsets[(pos.topic, pos.partition)] = pos.offset
+
+    def session_lost(self, name: str, cut: KafkaCut) -> None:
+        """No heartbeat for a session timeout: the group goes on without the member."""
+        if name.startswith("C"):
+            c = self.coordinators[int(name[1:])]
+            if self.leader is not c or not c.alive:
+                return
+            self.seen["leader loses the control partition"] += 1
+            if self.verbose:
+                self.trace(f"!! {c.label} loses the control partition (no heartbeat)")
+            # It hears of it once it reaches Kafka again -- or only from being fenced.
+            c.lost_at = cut.until + self.net.randint(0, 100) if self.net.random() < 0.5 else None
+            standby = next((x for x in self.coordinators if x is not c and x.can_lead()), None)
+            if standby is not None:
+                standby.acquire()  # the new epoch fences whatever the old leader still writes
+            else:
+                self.leader, self.lease_expiry = None, self.now
+            return
+        proc = self.participants[int(name[1:])]
+        if proc.alive and proc.member_id in self.members:
+            self.seen["participant dropped by the group"] += 1
+            del self.members[proc.member_id]
+            self.rebalance_group(f"{proc.member_id} unreachable")
+            self.rejoins.append((cut.until + self.net.randint(0, 100), proc))
 
     # -- the scheduler --
 
@@ -941,7 +1330,15 @@ class World:
 
     def produce(self) -> None:
         self.records_left -= 1
-        self.hw[self.rng.randrange(self.total)] += 1
+        i = self.rng.randrange(self.total)
+        self.hw[i] += 1
+        delay, q = self.delay(), self.arriving[i]
+        if not delay and not q:
+            self.avail[i] += 1
+        else:  # in order within the partition; other partitions and topics go their own pace
+            self.seen["record delayed"] += 1
+            q.append(max(q[-1] if q else 0, self.now + delay))
+            self.in_transit += 1
 
     def maybe_fault(self) -> None:
         p = self.p
@@ -957,6 +1354,8 @@ class World:
             self.rebalance_group("random")
         if self.members and r.random() < p.p_kick * 10:
             self.kick(self.members[r.choice(sorted(self.members))])
+        if p.p_cut and self.net.random() < p.p_cut * 10:
+            self.cut_off()
         if r.random() < p.p_duplicate * 10:
             readers: list[Any] = [x for x in live if x.caught_up] + [
                 c for c in self.coordinators if c.alive and c.reading and c.cursor > c.replay_end
@@ -969,6 +1368,7 @@ class World:
     def timers(self) -> None:
         """Things that happen at a time: session timeouts, restarts, lease expiry."""
         now = self.now
+        self.network()
         if self.departures and any(t <= now for t, _ in self.departures):
             gone = [m for t, m in self.departures if t <= now]
             self.departures = [(t, m) for t, m in self.departures if t > now]
@@ -982,14 +1382,14 @@ class World:
                 if proc.alive and proc.member_id not in self.members:
                     if self.verbose:
                         self.trace(f"!! {proc.member_id} notices it was dropped from the group")
-                    self.group_join(proc)
+                    self.join_when_reachable(proc)
         if self.restarts and any(t <= now for t, _ in self.restarts):
             due = [n for t, n in self.restarts if t <= now]
             self.restarts = [(t, n) for t, n in self.restarts if t > now]
             for n in due:
                 self.restart(n)
         if self.leader is None and (self.lease_expiry is None or now >= self.lease_expiry):
-            alive = [c for c in self.coordinators if c.alive]
+            alive = [c for c in self.coordinators if c.can_lead()]
             if alive:
                 self.lease_expiry = None
                 self.rng.choice(alive).acquire()
@@ -1021,6 +1421,8 @@ class World:
 
     def done(self) -> bool:
         if self.records_left or self.restarts or self.departures or self.ghosts or self.rejoins:
+            return False
+        if self.kafka_cuts or self.store_cuts or self.landing:
             return False
         if any(self.group_offsets.get(self.tp(p), 0) != hw for p, hw in enumerate(self.hw)):
             return False
@@ -1087,11 +1489,22 @@ class World:
             bits.append(f"pending {sorted(self.log_view.pending)}")
         leader = self.leader
         bits.append(f"leader {leader.label + ' ' + leader.machine.phase.value if leader else None}")
+        if self.kafka_cuts or self.store_cuts:
+            bits.append(f"cut off: {sorted(self.kafka_cuts)} {sorted(self.store_cuts)}")
         return "; ".join(bits)
 
     # -- the guarantees --
 
     def check(self) -> None:
+        # Fencing: once a leader of some epoch has written, no older epoch's write lands.
+        newest = -1
+        for i, epoch in enumerate(self.log_epochs):
+            if epoch >= 0:
+                if epoch < newest:
+                    raise SimViolation(
+                        f"(5) log #{i} written by epoch {epoch} after epoch {newest}"
+                    )
+                newest = epoch
         tps = [self.tp(p) for p in range(self.total)]
         prev = {tp: 0 for tp in tps}
         decided: dict[int, Decision] = {}
