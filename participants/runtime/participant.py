@@ -810,6 +810,9 @@ class ParticipantRuntime:
             raise
         except (SinkError, RetriableError) as exc:
             log.error("could not open a part, it will be aborted and re-read: %s", exc)
+            # Its prepare must fail here: the sinks that never began it would be asked to
+            # prepare a part they do not know.
+            self._failed_txn = part_txn
             self._poisoned = True
             self._pause()
             return
@@ -934,7 +937,10 @@ class ParticipantRuntime:
             # librdkafka keeps a partition's pause flag across unassign/assign: one paused before
             # the rebalance would otherwise never be fetched again while _paused says False.
             consumer.resume(self._assignment)
+        # The open part went with the rebalance: a failed write of it no longer fails the
+        # next part, which may be begun under the same transaction number.
         self._paused = self._poisoned = False
+        self._failed_txn = None
         self._held.clear()
         self._run([a for a in actions if not isinstance(a, Seek)], Thread.DATA)
 
@@ -942,6 +948,7 @@ class ParticipantRuntime:
         self._run(self._feed(Revoked()), Thread.DATA)
         self._assignment = []
         self._paused = self._poisoned = False
+        self._failed_txn = None
         self._held.clear()
         consumer.unassign()
 
