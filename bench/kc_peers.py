@@ -94,7 +94,6 @@ from harness.debezium import rest
 __all__ = [
     "JDBC_CLASS",
     "MONGO_CLASS",
-    "delete_topics",
     "enveloped",
     "jdbc_config",
     "kc_jdbc_run",
@@ -205,23 +204,11 @@ def enveloped(source: tp.Source) -> tp.Source:
         if copied != source.records:
             raise RuntimeError(f"{topic}: copied {copied} of {source.records} records")
     except BaseException:
-        delete_topics(source.bootstrap, [topic])
+        tp.delete_topics(source.bootstrap, [topic])
         raise
     finally:
         consumer.close()
     return tp.Source(source.bootstrap, topic, source.records, source.partitions)
-
-
-def delete_topics(bootstrap: str, topics: list[str]) -> None:
-    """Delete ``topics`` and wait for the broker's answer: a request left in an AdminClient
-    that is dropped at once may never be sent (``tp.Source.delete`` leaves topics behind)."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    for topic, future in admin.delete_topics(topics, operation_timeout=30).items():
-        try:
-            future.result()
-        except KafkaException as exc:
-            if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
-                log.warning("topic %s not deleted: %s", topic, exc)
 
 
 # -- connector settings -----------------------------------------------------------------------
@@ -488,7 +475,7 @@ def section(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[s
     try:
         framed = enveloped(source)
     except BaseException:
-        delete_topics(bootstrap, [source.topic])
+        tp.delete_topics(bootstrap, [source.topic])
         raise
     try:
         pg = alternate(
@@ -502,7 +489,7 @@ def section(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[s
             },
         )
     finally:
-        delete_topics(bootstrap, [source.topic, framed.topic])
+        tp.delete_topics(bootstrap, [source.topic, framed.topic])
 
     say(f"kc_peers: producing {args.mongo_records:,} records")
     msource = tp.Source.create(bootstrap, args.mongo_records, "kcmongo")
@@ -518,7 +505,7 @@ def section(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[s
             },
         )
     finally:
-        delete_topics(bootstrap, [msource.topic])
+        tp.delete_topics(bootstrap, [msource.topic])
 
     med = {k: float(statistics.median(v)) for k, v in (pg | mongo).items()}
     # The connector's rate from its consumer group stable and every partition assigned: the

@@ -20,6 +20,7 @@ at least all of them.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import shutil
@@ -34,7 +35,7 @@ from typing import Any
 
 import orjson
 import psycopg
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 from psycopg import sql
@@ -43,6 +44,8 @@ from harness import Cluster, Scenario, control_summary, produce
 from twophase.config import load_config
 from twophase.kafka import create_topics
 from twophase.retry import KAFKA
+
+log = logging.getLogger(__name__)
 
 #: Participants per pipeline run: one per core of the reference machine.
 PARTICIPANTS = 2
@@ -73,7 +76,19 @@ class Source:
         return cls(bootstrap, topic, records, partitions)
 
     def delete(self) -> None:
-        AdminClient({"bootstrap.servers": self.bootstrap}).delete_topics([self.topic])
+        delete_topics(self.bootstrap, [self.topic])
+
+
+def delete_topics(bootstrap: str, topics: list[str]) -> None:
+    """Delete ``topics`` and wait for the broker's answer: a request left in an AdminClient
+    that is dropped at once may never be sent (topics were left behind that way)."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for topic, future in admin.delete_topics(topics, operation_timeout=30).items():
+        try:
+            future.result()
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
+                log.warning("topic %s not deleted: %s", topic, exc)
 
 
 @dataclass
