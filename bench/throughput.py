@@ -356,6 +356,8 @@ def _cleanup(s: Scenario, sinks: set[str]) -> None:
             conn.execute(f"DROP TABLE IF EXISTS {s.table}")
     if "mongo" in sinks:
         _drop_mongo(s)
+    cfg = load_config(s.config_path)
+    delete_topics(s.bootstrap, [cfg.control_topic, cfg.dead_letter_topic])
     shutil.rmtree(s.workdir, ignore_errors=True)
 
 
