@@ -136,6 +136,16 @@ def _quiet_logs(c: Cluster, names: list[str]) -> None:
         assert "Traceback" not in text, f"{name}:\n{text[-4000:]}"
 
 
+def _settled_exactly(s: Scenario, c: Cluster, produced: int, names: list[str]) -> None:
+    """Wait for the ``produced`` records exactly once in every sink with nothing left prepared
+    or staged, and check that the processes ``names`` are alive with clean logs."""
+    report = settle(s, c, set(range(produced)), 180, apply_timeout_s=90)
+    print(summary_json(report))
+    for sink, r in report.items():
+        assert r.ok and r.distinct == produced, f"{sink}: {r}"
+    _quiet_logs(c, names)
+
+
 def test_sessions_of_a_participant_terminated_while_its_part_is_prepared(
     tmp_path: Path, pg_dsn: str, kafka_bootstrap: str
 ) -> None:
@@ -187,11 +197,7 @@ def test_sessions_of_a_participant_terminated_while_its_part_is_prepared(
             wait_until(lambda: gid not in _prepared(admin, s, "p-0"), 120, f"{gid} to be decided")
         produced = feeder.stop()
         feeder = None
-        report = settle(s, c, set(range(produced)), 180, apply_timeout_s=90)
-        print(summary_json(report))
-        for sink, r in report.items():
-            assert r.ok and r.distinct == produced, f"{sink}: {r}"
-        _quiet_logs(c, ["coord-0", "p-0", "p-1"])
+        _settled_exactly(s, c, produced, ["coord-0", "p-0", "p-1"])
     finally:
         if feeder is not None:
             with contextlib.suppress(RuntimeError, KafkaException):
@@ -273,11 +279,7 @@ def test_connection_limit_exhausted_while_records_flow(
         fillers = []
         produced = feeder.stop()
         feeder = None
-        report = settle(s, c, set(range(produced)), 180, apply_timeout_s=90)
-        print(summary_json(report))
-        for sink, r in report.items():
-            assert r.ok and r.distinct == produced, f"{sink}: {r}"
-        _quiet_logs(c, ["coord-0", "p-0"])
+        _settled_exactly(s, c, produced, ["coord-0", "p-0"])
     finally:
         for conn in fillers:
             conn.close()

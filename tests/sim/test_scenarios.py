@@ -7,7 +7,7 @@ from twophase.coordinator.machine import Phase
 from twophase.participants import machine as pm
 from twophase.protocol.messages import Decision, Outcome, Prepare, Vote, VoteValue
 
-from .world import ABORTED, COMMITTED, PREPARED, STORES, Params, Participant, World
+from .world import ABORTED, COMMITTED, PREPARED, STORES, Coordinator, Params, Participant, World
 
 
 def calm(seed: int, **kw: int) -> World:
@@ -45,6 +45,18 @@ def at_fresh_prepare(w: World, after_commits: int = 1) -> int:
     msg = w.log[-1].payload
     assert isinstance(msg, Prepare)
     return msg.txn
+
+
+def voted_and_held(seed: int) -> tuple[World, int, Coordinator]:
+    """A calm world at a fresh PREPARE whose every vote is in, the leader held before it
+    decides: the world, the txn and the held leader."""
+    w = calm(seed)
+    txn = at_fresh_prepare(w)
+    leader = w.leader
+    assert leader is not None
+    leader.hold = True
+    w.run_until(lambda: all_voted(w, txn))
+    return w, txn, leader
 
 
 def all_voted(w: World, txn: int) -> bool:
@@ -103,12 +115,7 @@ def test_rebalance_mid_cycle_aborts_and_data_lands_once() -> None:
 
 
 def test_participant_crash_after_vote_before_decision() -> None:
-    w = calm(5)
-    txn = at_fresh_prepare(w)
-    leader = w.leader
-    assert leader is not None
-    leader.hold = True
-    w.run_until(lambda: all_voted(w, txn))
+    w, txn, leader = voted_and_held(5)
     victim = voter_with_data(w, txn)
     w.crash_participant(victim)
     leader.hold = False
@@ -122,12 +129,7 @@ def test_participant_crash_after_vote_before_decision() -> None:
 
 
 def test_coordinator_crash_after_prepare_is_presumed_abort() -> None:
-    w = calm(3)
-    txn = at_fresh_prepare(w)
-    leader = w.leader
-    assert leader is not None
-    leader.hold = True
-    w.run_until(lambda: all_voted(w, txn))
+    w, txn, leader = voted_and_held(3)
     prepared = [(txn, v.participant) for v in votes(w, txn) if v.sinks]
     assert prepared
     w.crash_coordinator(leader)
@@ -140,12 +142,7 @@ def test_coordinator_crash_after_prepare_is_presumed_abort() -> None:
 
 
 def test_crash_mid_apply_finishes_the_commit() -> None:
-    w = calm(9)
-    txn = at_fresh_prepare(w)
-    leader = w.leader
-    assert leader is not None
-    leader.hold = True
-    w.run_until(lambda: all_voted(w, txn))
+    w, txn, leader = voted_and_held(9)
     victim = voter_with_data(w, txn)
     key = (txn, victim.name)
     w.stores["mongo"].fail_next = 10**6  # pg commits, mongo keeps timing out
@@ -217,12 +214,7 @@ def test_participant_cut_off_from_a_store_commits_when_it_heals() -> None:
     """The reverse: a participant reaches Kafka but not one of its stores when the commit
     decision comes. The other store commits at once, this one when the partition heals; the
     sweeps of the others leave the part of a live member alone meanwhile."""
-    w = calm(22)
-    txn = at_fresh_prepare(w)
-    leader = w.leader
-    assert leader is not None
-    leader.hold = True
-    w.run_until(lambda: all_voted(w, txn))
+    w, txn, leader = voted_and_held(22)
     victim = voter_with_data(w, txn)
     key = (txn, victim.name)
     healed = w.now + 800
