@@ -13,9 +13,8 @@
 Each ends with every record exactly once in every sink and nothing left prepared or staged
 (``harness.verify``), every process still the one the test started, and no traceback logged.
 
-The participant's sessions are told apart by ``application_name`` (the PostgreSQL sink sets
-``twophase/<pipeline>/<sink>``) and, between two participants of one pipeline, by their client
-ports: the TCP sockets the participant's process holds (``/proc``).
+The participant's sessions are told apart by ``application_name``: the PostgreSQL sink sets
+``twophase/<pipeline>/<sink>/<participant>``.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import psycopg
 import pytest
@@ -78,39 +76,16 @@ class _Feeder:
         return self.produced
 
 
-def _socket_inodes(pid: int) -> set[int]:
-    out = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        with contextlib.suppress(OSError):
-            target = fd.readlink().name
-            if target.startswith("socket:["):
-                out.add(int(target[8:-1]))
-    return out
-
-
-def _client_ports(pid: int, server_port: int) -> set[int]:
-    """Local ports of the TCP connections process ``pid`` holds to ``server_port``."""
-    inodes = _socket_inodes(pid)
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(FileNotFoundError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                cols = line.split()
-                local, remote, inode = cols[1], cols[2], int(cols[9])
-                if inode in inodes and int(remote.rsplit(":", 1)[1], 16) == server_port:
-                    ports.add(int(local.rsplit(":", 1)[1], 16))
-    return ports
-
-
 def _sessions(
-    conn: psycopg.Connection[Any], s: Scenario, ports: set[int] | None = None
-) -> list[tuple[int, int]]:
-    """(pid, client_port) of the pipeline's PostgreSQL sessions (of ``ports`` when given)."""
+    conn: psycopg.Connection[Any], s: Scenario, participant: str | None = None
+) -> list[int]:
+    """Backend pids of the pipeline's PostgreSQL sessions (of ``participant`` when given): the
+    sink names them ``twophase/<pipeline>/<sink>/<participant>``."""
     rows = conn.execute(
-        "SELECT pid, client_port FROM pg_stat_activity WHERE application_name = %s",
-        (f"twophase/{s.name}/pg",),
+        "SELECT pid FROM pg_stat_activity WHERE application_name LIKE %s",
+        (f"twophase/{s.name}/pg/{participant or '%'}",),
     ).fetchall()
-    return [r for r in rows if ports is None or r[1] in ports]
+    return [int(r[0]) for r in rows]
 
 
 def _prepared(conn: psycopg.Connection[Any], s: Scenario, participant: str) -> list[str]:
@@ -123,10 +98,6 @@ def _prepared(conn: psycopg.Connection[Any], s: Scenario, participant: str) -> l
 
 def _txn_of(gid: str) -> int:
     return int(gid.split("~")[1])
-
-
-def _pg_port(s: Scenario) -> int:
-    return urlsplit(s.pg_dsn).port or 5432
 
 
 def _quiet_logs(c: Cluster, names: list[str]) -> None:
@@ -178,14 +149,13 @@ def test_sessions_of_a_participant_terminated_while_its_part_is_prepared(
             assert gids, "p-0's part was decided before the fault"
             gid = gids[-1]
             txn = _txn_of(gid)
-            ports = _client_ports(c.procs["p-0"].pid, _pg_port(s))
-            victims = _sessions(admin, s, ports)
+            victims = _sessions(admin, s, "p-0")
             # The prepared part's own connection, the admin one, and any idle or open one.
-            assert len(victims) >= 2, (victims, ports, _sessions(admin, s))
-            for pid, _port in victims:
+            assert len(victims) >= 2, (victims, _sessions(admin, s))
+            for pid in victims:
                 admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
             wait_until(
-                lambda: not {v[0] for v in victims} & {r[0] for r in _sessions(admin, s)},
+                lambda: not set(victims) & set(_sessions(admin, s)),
                 10,
                 "the terminated sessions to be gone",
             )
@@ -254,7 +224,7 @@ def test_connection_limit_exhausted_while_records_flow(
         # until the full server holds none of the pipeline's sessions.
         control = fillers[0]
         for _ in range(20):
-            ended = [pid for pid, _ in _sessions(control, s)]
+            ended = _sessions(control, s)
             for pid in ended:
                 control.execute("SELECT pg_terminate_backend(%s)", (pid,))
             time.sleep(0.2)

@@ -42,7 +42,7 @@ def _source(kafka_bootstrap: str, records: int) -> Iterator[tp.Source]:
     try:
         yield src
     finally:
-        kc_peers.delete_topics(kafka_bootstrap, [src.topic])
+        tp.delete_topics(kafka_bootstrap, [src.topic])
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_debezium_jdbc_sink_upserts_exactly_the_records(source: tp.Source, tmp_p
     try:
         r = kc_peers.kc_jdbc_run(framed, tmp_path, timeout_s=RUN_TIMEOUT_S)
     finally:
-        kc_peers.delete_topics(source.bootstrap, [framed.topic])
+        tp.delete_topics(source.bootstrap, [framed.topic])
     _exact(r, "pg", RECORDS)
 
 
