@@ -13,7 +13,8 @@ Sections (``--only`` picks some):
 * ``latency``    -- PREPARE->DECISION per cycle at a 1 s interval with 1, 2, 4, 8, 16
   participants.
 * ``spark``      -- the coordinated ``foreachBatch`` writer vs plain ``foreachPartition`` +
-  psycopg COPY of the same rows (:mod:`bench.spark_writer`, in its own process).
+  psycopg COPY of the same rows, and vs Delta Lake's idempotent ``foreachBatch`` appends
+  (``txnAppId`` / ``txnVersion``) (:mod:`bench.spark_writer`, in its own process).
 * ``avro``       -- the same records in Avro through the schema registry vs as JSON, each read
   by a PostgreSQL-only exactly-once pipeline (:mod:`bench.avro`).
 * ``cdc``        -- Debezium change events of three tables (40% creates, 50% updates, 10%
@@ -71,6 +72,7 @@ TARGETS = {
     "iceberg_commit_p99_ms": ("<=", 500),
     # Against the connectors' rate from every partition assigned (the pipeline's clock starts
     # at a participant ready, past its group join): the stricter of the two timings.
+    "spark_over_delta": (">=", 0.9),
     "eo_over_kc_jdbc_from_assigned": (">=", 3),
     "mongo_over_kc_mongo_from_assigned": (">=", 1),
 }
@@ -242,10 +244,13 @@ def spark(args: argparse.Namespace, _env: dict[str, str], work: Path) -> dict[st
     got = json.loads(result.read_text())
     coordinated = got["rows_per_s"]["coordinated"]
     plain = got["rows_per_s"]["plain-rows"]
+    delta = got["rows_per_s"]["delta"]
     return {
         "spark_coordinated_rows_per_s": round(coordinated),
         "spark_plain_rows_per_s": round(plain),
         "spark_ratio": round(coordinated / plain, 3),
+        "spark_delta_rows_per_s": round(delta),
+        "spark_over_delta": round(coordinated / delta, 3),
         "_runs": got["runs"],
     }
 
@@ -372,6 +377,7 @@ def targets(res: dict[str, Any]) -> dict[str, Any]:
         "cdc_over_plain": res.get("cdc_over_plain"),
         "iceberg_over_append": res.get("iceberg_over_append"),
         "iceberg_commit_p99_ms": res.get("iceberg_commit_p99_ms"),
+        "spark_over_delta": res.get("spark_over_delta"),
         "eo_over_kc_jdbc_from_assigned": res.get("eo_over_kc_jdbc_from_assigned"),
         "mongo_over_kc_mongo_from_assigned": res.get("mongo_over_kc_mongo_from_assigned"),
     }
