@@ -779,6 +779,39 @@ def test_write_retried_after_connection_loss_stages_each_record_once(
     assert {d["_id"]: d["v"] for d in db.target.find()} == {0: 9, 1: 7, 2: 8}
 
 
+def test_a_retried_write_the_target_judges_differently_aborts_the_part_at_prepare(
+    make_sink: MakeSink, db: Database[Doc], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The class: a write whose reply was lost is retried, and the retry stages a different set
+    of the same records (the target refused one on the first try and takes it on the second).
+    Its chunk is not taken for the first try's duplicate: the staged count no longer matches,
+    and the prepare aborts the part (re-read later) instead of counting a record as staged in
+    a chunk that lacks it."""
+    db.target.create_index("u", unique=True)
+    db.target.insert_one({"_id": "other", "u": 2})  # refuses the record with u=2, for now
+    sink = make_sink()
+    part = PartId("p1", 1, "w1")
+    batch = [rec(i, {"u": i}) for i in range(5)]
+    real_insert = Collection.insert_many
+
+    def lost_reply(self: Collection[Doc], docs: list[Any], **kw: Any) -> Any:
+        real_insert(self, docs, **kw)
+        raise AutoReconnect("connection reset by peer (injected, after the insert)")
+
+    sink.begin(part)
+    monkeypatch.setattr(Collection, "insert_many", lost_reply)
+    with pytest.raises(RetriableSinkError):
+        sink.write(part, batch)
+    monkeypatch.setattr(Collection, "insert_many", real_insert)
+    db.target.delete_one({"_id": "other"})
+    assert sink.write(part, batch) == []  # the same call again: now nothing is refused
+    with pytest.raises(AbortTransactionError, match="staged entries"):
+        sink.prepare(part, {(TOPIC, 0): 5})
+    sink.abort(part)
+    assert db.target.count_documents({}) == 0
+    assert db["target__twophase_staging"].count_documents({}) == 0
+
+
 # -- bad input ----------------------------------------------------------------------------------
 
 

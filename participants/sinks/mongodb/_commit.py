@@ -1,13 +1,14 @@
 """The commit and recovery path: staged documents move into the target in chunked MongoDB
 transactions, under a commit lease; an abort flips the marker and removes the staged documents.
 
-Staged documents are applied to the target with ``replace_one(upsert=True)`` by ``_id`` inside
-MongoDB transactions that also delete them from staging and advance the marker's ``applied``
-counter; the last one flips the marker to ``committed`` and raises the stored committed
-positions (``$max``) -- data, marker and positions in one local transaction. MongoDB
-transactions have size and time limits, so a large part is applied in chunks of
-``commit_chunk_size`` documents (and at most ``commit_chunk_bytes``); a part that fits in one
-chunk commits in a single transaction. Because ``_id`` s are deterministic, every chunk is atomic
+Staged chunks (:mod:`._staging`) are applied to the target -- ``insert_many`` in insert mode,
+by ``_id`` otherwise (``replace_one(upsert=True)``, or an update with ``version_field`` or
+``partial``) -- inside MongoDB transactions that also delete them from staging and advance the
+marker's ``applied`` counter; the last one flips the marker to ``committed`` and raises the
+stored committed positions (``$max``) -- data, marker and positions in one local transaction.
+MongoDB transactions have size and time limits, so a large part is applied as many whole
+staged chunks per transaction as fit ``commit_chunk_size`` documents and
+``commit_chunk_bytes``; a part that fits in one chunk commits in a single transaction. Because ``_id`` s are deterministic, every chunk is atomic
 and a chunk only ever applies documents it removes from staging in the same transaction, a commit
 that crashes between chunks resumes where it stopped (from any process) and the result is still
 exactly once. The package docstring tells why the lease exists and how it is taken over.
@@ -63,9 +64,12 @@ class _InTargetAlready(Exception):
 #: usually finishes within seconds, so waiting out the whole lease would waste most of it; one
 #: cheap marker read per second per waiter notices the commit (or an expired lease) promptly.
 _LEASE_POLL_S = 1.0
-#: Staged documents per cursor batch of a commit's read: a few chunk documents fill a
-#: transaction (documents staged one per record, before packing, come 100 at a time).
-_STAGED_BATCH = 100
+#: Staged documents per cursor batch of a commit's read: one chunk document usually fills a
+#: transaction, and one more says whether it is the last (each reply is read whole: a larger
+#: batch would read chunks the transaction does not apply). Parts staged one document per
+#: record, before packing, are read two at a time too: slower, and only while upgrading.
+_STAGED_BATCH = 2
+_ID_KEY = {"_id": 1}
 #: Releasing leases on close() only spares other processes the wait for expiry; a shutdown never
 #: waits longer than this for it.
 _LEASE_RELEASE_TIMEOUT_S = 5.0
@@ -480,7 +484,12 @@ class Committer:
             target.with_options(codec_options=RAW).insert_many(docs, ordered=True, session=session)
         except BulkWriteError as exc:
             errors = exc.details.get("writeErrors", [])
-            if not errors or any(e.get("code") != DUPLICATE_KEY for e in errors):
+            # Only the _id index says the document is there already; another unique index's
+            # refusal is the target refusing the document, as before (keyPattern: MongoDB 4.4+).
+            if not errors or any(
+                e.get("code") != DUPLICATE_KEY or e.get("keyPattern", _ID_KEY) != _ID_KEY
+                for e in errors
+            ):
                 raise
             self._replacing.add(self.store.pk(part))
             raise _InTargetAlready(

@@ -1,19 +1,21 @@
 """The write path: every record becomes one staged entry, and a write's entries are stored in
 ``staging_collection`` packed into chunk documents::
 
-    {_id: "<pk>|#<seq>", part: "<pk>", seq: <first entry's seq>, n: <entries>,
+    {_id: "<pk>|#<seq>.<crc32>", part: "<pk>", seq: <first entry's seq>, n: <entries>,
      entries: [{_id: "<pk>|<topic:partition:offset>", part, seq, doc: <the target document>}, ...]}
 
 where ``pk = "<sink name>:<part token>"``. ``doc`` already carries its final, deterministic
 ``_id`` (:mod:`._documents`). A chunk document holds at most ``commit_chunk_size`` entries and
-``commit_chunk_bytes`` (never more than 12 MiB, under MongoDB's 16 MiB document limit), so the
-commit applies whole chunk documents, one or more per transaction. Packing is what makes staging
-cheap: the server indexes, writes and later deletes one document per chunk instead of one per
-record -- three writes per record were 90% of the sink's cost. Staging is a plain
-``insert_many(ordered=False)`` with write concern majority; a retried write packs the same
-records from the same seq into the same ``_id`` s and the duplicates are ignored. Nothing of
-the part is in the target collection yet. (Parts staged by versions before packing, one
-document per record, are read as chunks of one entry.)
+``commit_chunk_bytes`` (at most 12 MiB, under MongoDB's 16 MiB document limit; a larger entry
+is a chunk of its own), so the commit applies whole chunk documents, one or more per
+transaction. Packing is what makes staging cheap: the server indexes, writes and later deletes
+one document per chunk instead of one per record -- three writes per record were 90% of the
+sink's cost. Staging is a plain ``insert_many(ordered=False)`` with write concern majority; a
+retried write packs the same records into the same ``_id`` s and the duplicates are ignored
+(:func:`pack`). Nothing of the part is in the target collection yet. Parts staged by versions
+before packing, one document per record, are read as chunks of one entry; a part staged by
+this version cannot be committed by an older one, so upgrade a pipeline's participants
+together.
 
 When the target can refuse a document by itself -- it has a validator or a unique index besides
 ``_id`` -- the part's documents are first tried on it in a MongoDB transaction that is then
@@ -25,6 +27,7 @@ value can still meet at commit, which then fails naming the document.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -53,8 +56,12 @@ PACK_BYTES_MAX = 12 * 1024 * 1024
 
 def pack(pk: str, staged: Sequence[RawBSONDocument], docs: int, size: int) -> list[RawBSONDocument]:
     """``staged`` entries (in seq order) as chunk documents of at most ``docs`` entries and
-    ``size`` bytes each (an entry larger than that alone); the same entries from the same seq
-    always pack into the same ``_id`` s."""
+    ``size`` bytes each (an entry larger than that alone). A chunk's ``_id`` names its first
+    seq and a checksum of its entries: the same entries always pack into the same ``_id`` s (a
+    retried write's chunks are duplicates), and a retry that packs other entries from the same
+    seq -- the target refused a record on one try and not on the other -- makes new ones, so
+    the prepare's count of staged entries tells (and the part is aborted and re-read) instead
+    of one record being counted as staged in a chunk that holds another."""
     size = min(size, PACK_BYTES_MAX)
     out: list[RawBSONDocument] = []
     group: list[RawBSONDocument] = []
@@ -62,7 +69,10 @@ def pack(pk: str, staged: Sequence[RawBSONDocument], docs: int, size: int) -> li
 
     def close() -> None:
         first = int(group[0]["seq"])
-        body = {"_id": f"{pk}|#{first}", "part": pk, "seq": first, "n": len(group)}
+        crc = 0
+        for entry in group:
+            crc = zlib.crc32(entry.raw, crc)
+        body = {"_id": f"{pk}|#{first}.{crc:08x}", "part": pk, "seq": first, "n": len(group)}
         out.append(RawBSONDocument(bson.encode({**body, "entries": group})))
 
     for entry in staged:
@@ -122,7 +132,8 @@ class OpenStaging:
     strict_of: dict[str, bool] = field(default_factory=dict)
 
     def write(self, records: Sequence[Record]) -> list[Rejected]:
-        """Stage one document per record; a retried call stages each of them once."""
+        """Stage one entry per record, packed into chunk documents; a retried call stages each of
+        them once."""
         sink = self.store.sink
         batch = tuple(r.record_id for r in records)
         # A retry of a failed call gets the same seqs (its documents may be staged already);

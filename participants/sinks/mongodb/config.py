@@ -68,7 +68,7 @@ class MongoSinkConfig(SinkConfig):
     connect_timeout_s: float = Field(10.0, gt=0)
     #: How long to wait for a writable primary -- longer than a typical election (~10 s).
     server_selection_timeout_s: float = Field(15.0, gt=0)
-    #: One round trip; must exceed the slowest single operation (a chunk's bulk replace).
+    #: One round trip; must exceed the slowest single operation (a chunk's bulk write).
     socket_timeout_s: float = Field(120.0, gt=0)
     #: Waiting for majority acknowledgement; after it the write is retried, not lost.
     write_concern_timeout_s: float = Field(60.0, gt=0)

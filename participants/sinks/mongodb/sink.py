@@ -131,7 +131,7 @@ class MongoSink(sdk.BatchingSink):
                     f"prepare: part {part.token} has {stored} staged entries, expected {op.staged}",
                     sink=self.name,
                 )
-            # The count is this sink's own: a record written twice is staged once.
+            # The count is this sink's own: a retried write's records are staged once.
             result = store.markers.update_one(
                 {"_id": op.pk, "state": {"$in": [s for s in expect if s is not None]}},
                 {
@@ -247,7 +247,8 @@ class MongoSink(sdk.BatchingSink):
         return rejected
 
     def stage(self, part: sdk.PartId, records: Sequence[sdk.Record]) -> Sequence[sdk.Rejected]:
-        """Stage one document per record; a retried call stages each of them once."""
+        """Stage one entry per record, packed into chunk documents; a retried call stages each of
+        them once."""
         op = self._open_staging.get(part)
         if op is None:
             raise sdk.AbortTransactionError(
