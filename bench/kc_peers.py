@@ -185,7 +185,10 @@ def enveloped(source: tp.Source) -> tp.Source:
     try:
         while eof < source.partitions:
             for m in consumer.consume(10_000, 1.0):
-                if m.error() is not None:
+                err = m.error()
+                if err is not None:
+                    if err.code() != KafkaError._PARTITION_EOF:
+                        raise RuntimeError(f"copying {source.topic}: {err}")
                     eof += 1
                     continue
                 value = head + (m.value() or b"null") + b"}"

@@ -244,13 +244,13 @@ def spark(args: argparse.Namespace, _env: dict[str, str], work: Path) -> dict[st
     got = json.loads(result.read_text())
     coordinated = got["rows_per_s"]["coordinated"]
     plain = got["rows_per_s"]["plain-rows"]
-    delta = got["rows_per_s"]["delta"]
+    delta = got["rows_per_s"].get("delta")  # None when its side was left out (--sides)
     return {
         "spark_coordinated_rows_per_s": round(coordinated),
         "spark_plain_rows_per_s": round(plain),
         "spark_ratio": round(coordinated / plain, 3),
-        "spark_delta_rows_per_s": round(delta),
-        "spark_over_delta": round(coordinated / delta, 3),
+        "spark_delta_rows_per_s": round(delta) if delta else None,
+        "spark_over_delta": round(coordinated / delta, 3) if delta else None,
         "_runs": got["runs"],
     }
 

@@ -145,9 +145,9 @@ def test_full_disk_under_the_files_sink_aborts_parts_and_resumes(
     raw = s.config()
     raw["participant"] = {"sweep_interval_ms": 5_000, "sink_retry_s": SINK_RETRY_S}
     s.config_path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    _mount_tmpfs(s.files_path, TMPFS_SIZE)
     c = Cluster(s)
     produced = 0
+    _mount_tmpfs(s.files_path, TMPFS_SIZE)  # unmounted by the finally below, whatever happens
     try:
         c.start("coordinator", "coord-0")
         c.start("participant", "p-0")

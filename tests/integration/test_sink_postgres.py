@@ -1145,7 +1145,8 @@ def test_connections_stay_bounded_while_parts_wait_for_decisions(
         "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
         (f"twophase/{env.pipeline}/{sink.name}/{sink.context.participant}",),
     )[0][0]
-    assert connections <= 1 + 4 + 2, "admin + held prepared parts + idle"
+    # >= 1: the name matched (PostgreSQL keeps 63 bytes of it; a longer one would count 0).
+    assert 1 <= connections <= 1 + 4 + 2, "admin + held prepared parts + idle"
     assert sink.in_doubt() == parts
     for pid in parts:
         sink.commit(pid)
