@@ -473,6 +473,19 @@ def section(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[s
 
         return go
 
+    def versus(
+        sink: str, source: tp.Source, peer: str, run_peer: Callable[[], tp.RunResult]
+    ) -> dict[str, list[float]]:
+        """The ``sink``-only exactly-once pipeline and a peer, alternating."""
+        pipeline = f"{sink}_pipeline"
+
+        def run_pipeline() -> tp.RunResult:
+            return tp.pipeline_run(source, work, mode="exactly_once", sinks={sink})
+
+        return alternate(
+            args.runs, {pipeline: side(pipeline, run_pipeline), peer: side(peer, run_peer)}
+        )
+
     say(f"kc_peers: producing {args.records:,} records and their enveloped copy")
     source = tp.Source.create(bootstrap, args.records, "kcjdbc")
     try:
@@ -481,32 +494,14 @@ def section(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[s
         tp.delete_topics(bootstrap, [source.topic])
         raise
     try:
-        pg = alternate(
-            args.runs,
-            {
-                "pg_pipeline": side(
-                    "pg_pipeline",
-                    lambda: tp.pipeline_run(source, work, mode="exactly_once", sinks={"pg"}),
-                ),
-                "kc_jdbc": side("kc_jdbc", lambda: kc_jdbc_run(framed, work)),
-            },
-        )
+        pg = versus("pg", source, "kc_jdbc", lambda: kc_jdbc_run(framed, work))
     finally:
         tp.delete_topics(bootstrap, [source.topic, framed.topic])
 
     say(f"kc_peers: producing {args.mongo_records:,} records")
     msource = tp.Source.create(bootstrap, args.mongo_records, "kcmongo")
     try:
-        mongo = alternate(
-            args.runs,
-            {
-                "mongo_pipeline": side(
-                    "mongo_pipeline",
-                    lambda: tp.pipeline_run(msource, work, mode="exactly_once", sinks={"mongo"}),
-                ),
-                "kc_mongo": side("kc_mongo", lambda: kc_mongo_run(msource, work)),
-            },
-        )
+        mongo = versus("mongo", msource, "kc_mongo", lambda: kc_mongo_run(msource, work))
     finally:
         tp.delete_topics(bootstrap, [msource.topic])
 
