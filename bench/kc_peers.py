@@ -506,31 +506,33 @@ def section(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[s
         tp.delete_topics(bootstrap, [msource.topic])
 
     med = {k: float(statistics.median(v)) for k, v in (pg | mongo).items()}
-    # The connector's rate from its consumer group stable and every partition assigned: the
-    # pipeline's clock starts at a participant ready, past its own group join, so this is the
-    # figure to set beside it; the headline ratio (from RUNNING) is timed as bench.iceberg_kc's.
-    jdbc_assigned = _median_from_assigned(details["kc_jdbc"])
-    mongo_assigned = _median_from_assigned(details["kc_mongo"])
     return {
-        "peer_kc_jdbc_records_per_s": round(med["kc_jdbc"]),
-        "eo_over_kc_jdbc": round(med["pg_pipeline"] / med["kc_jdbc"], 3),
+        **_versus_fields("kc_jdbc", "eo_over_kc_jdbc", med, "pg_pipeline", details),
         "kc_jdbc_pg_pipeline_records_per_s": round(med["pg_pipeline"]),
-        "peer_kc_jdbc_records_per_s_from_assigned": (
-            None if jdbc_assigned is None else round(jdbc_assigned)
-        ),
-        "eo_over_kc_jdbc_from_assigned": (
-            None if jdbc_assigned is None else round(med["pg_pipeline"] / jdbc_assigned, 3)
-        ),
-        "peer_kc_mongo_records_per_s": round(med["kc_mongo"]),
-        "mongo_over_kc_mongo": round(med["mongo_pipeline"] / med["kc_mongo"], 3),
+        **_versus_fields("kc_mongo", "mongo_over_kc_mongo", med, "mongo_pipeline", details),
         "kc_mongo_pipeline_records_per_s": round(med["mongo_pipeline"]),
-        "peer_kc_mongo_records_per_s_from_assigned": (
-            None if mongo_assigned is None else round(mongo_assigned)
-        ),
-        "mongo_over_kc_mongo_from_assigned": (
-            None if mongo_assigned is None else round(med["mongo_pipeline"] / mongo_assigned, 3)
-        ),
         "_runs": details,
+    }
+
+
+def _versus_fields(
+    peer: str,
+    ratio: str,
+    med: dict[str, float],
+    side: str,
+    details: dict[str, list[dict[str, Any]]],
+) -> dict[str, Any]:
+    """A peer's median rate and the ``side`` pipeline's ratio over it, by both timings. The
+    connector's rate from its consumer group stable and every partition assigned: the
+    pipeline's clock starts at a participant ready, past its own group join, so this is the
+    figure to set beside it; the headline ratio (from RUNNING) is timed as bench.iceberg_kc's."""
+    rate, pipeline = med[peer], med[side]
+    assigned = _median_from_assigned(details[peer])
+    return {
+        f"peer_{peer}_records_per_s": round(rate),
+        ratio: round(pipeline / rate, 3),
+        f"peer_{peer}_records_per_s_from_assigned": None if assigned is None else round(assigned),
+        f"{ratio}_from_assigned": None if assigned is None else round(pipeline / assigned, 3),
     }
 
 

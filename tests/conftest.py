@@ -127,6 +127,18 @@ def schema_registry_url(stack_env: dict[str, str]) -> str:
 
 
 @pytest.fixture(scope="session")
+def connect_url() -> str:
+    """The stack's Kafka Connect worker (``make stack-up`` with ``TWOPHASE_STACK_CONNECT=1``,
+    or ``bash stack/connect.sh up``); fails, never skips, when it is down."""
+    from harness import debezium
+
+    try:
+        return debezium.connect_url()
+    except debezium.ConnectDown as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="session")
 def spark_jars(stack_env: dict[str, str]) -> list[str]:
     """The Spark Kafka connector and what it needs beyond pyspark, for ``spark.jars``."""
     jars = _setting(stack_env, "TWOPHASE_SPARK_JARS").split(",")

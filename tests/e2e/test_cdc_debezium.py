@@ -51,13 +51,9 @@ CATCH_UP_S = 180.0
 
 @pytest.fixture
 def source(
-    pg_dsn: str, kafka_bootstrap: str, unique_name: str
+    pg_dsn: str, kafka_bootstrap: str, unique_name: str, connect_url: str
 ) -> Iterator[debezium.DebeziumSource]:
-    try:
-        url = debezium.connect_url()
-    except debezium.ConnectDown as exc:
-        pytest.fail(str(exc), pytrace=False)
-    src = debezium.DebeziumSource(url, pg_dsn, kafka_bootstrap, unique_name)
+    src = debezium.DebeziumSource(connect_url, pg_dsn, kafka_bootstrap, unique_name)
     src.create_database()
     try:
         yield src

@@ -756,23 +756,35 @@ def test_retried_write_does_not_duplicate(make_sink: MakeSink, db: Database[Doc]
     assert db.target.count_documents({}) == 5
 
 
+def write_losing_its_reply(
+    monkeypatch: pytest.MonkeyPatch,
+    sink: MongoSink,
+    part: PartId,
+    batch: list[Record],
+    landed: Callable[[list[Any]], list[Any]],
+) -> None:
+    """``sink.write`` whose staging insert reaches the server with the documents ``landed``
+    picks, then loses its connection: the write fails retriably, as the runtime sees it."""
+    real_insert = Collection.insert_many
+
+    def lossy(self: Collection[Doc], docs: list[Any], **kw: Any) -> Any:
+        real_insert(self, landed(docs), **kw)
+        raise AutoReconnect("connection reset by peer (injected)")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Collection, "insert_many", lossy)
+        with pytest.raises(RetriableSinkError):
+            sink.write(part, batch)
+
+
 def test_write_retried_after_connection_loss_stages_each_record_once(
     make_sink: MakeSink, db: Database[Doc], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sink = make_sink(mode="upsert", key=["k"], commit_chunk_size=4)
     part = PartId("p1", 1, "w1")
     batch = [rec(i, {"k": i % 3, "v": i}) for i in range(10)]
-    real_insert = Collection.insert_many
-
-    def half_then_drop(self: Collection[Doc], docs: list[Any], **kw: Any) -> Any:
-        real_insert(self, docs[: len(docs) // 2], **kw)
-        raise AutoReconnect("connection reset by peer (injected)")
-
     sink.begin(part)
-    monkeypatch.setattr(Collection, "insert_many", half_then_drop)
-    with pytest.raises(RetriableSinkError):
-        sink.write(part, batch)
-    monkeypatch.setattr(Collection, "insert_many", real_insert)
+    write_losing_its_reply(monkeypatch, sink, part, batch, lambda docs: docs[: len(docs) // 2])
     assert sink.write(part, batch) == []  # the runtime retries the same call
     sink.prepare(part, {(TOPIC, 0): 10})  # the staged count matches: nothing lost or doubled
     sink.commit(part)
@@ -792,17 +804,8 @@ def test_a_retried_write_the_target_judges_differently_aborts_the_part_at_prepar
     sink = make_sink()
     part = PartId("p1", 1, "w1")
     batch = [rec(i, {"u": i}) for i in range(5)]
-    real_insert = Collection.insert_many
-
-    def lost_reply(self: Collection[Doc], docs: list[Any], **kw: Any) -> Any:
-        real_insert(self, docs, **kw)
-        raise AutoReconnect("connection reset by peer (injected, after the insert)")
-
     sink.begin(part)
-    monkeypatch.setattr(Collection, "insert_many", lost_reply)
-    with pytest.raises(RetriableSinkError):
-        sink.write(part, batch)
-    monkeypatch.setattr(Collection, "insert_many", real_insert)
+    write_losing_its_reply(monkeypatch, sink, part, batch, lambda docs: docs)
     db.target.delete_one({"_id": "other"})
     assert sink.write(part, batch) == []  # the same call again: now nothing is refused
     with pytest.raises(AbortTransactionError, match="staged entries"):

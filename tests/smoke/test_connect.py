@@ -28,14 +28,6 @@ pytestmark = [pytest.mark.stack, pytest.mark.connect]
 EVENTS_TIMEOUT_S = 120.0
 
 
-@pytest.fixture(scope="session")
-def connect_url() -> str:
-    try:
-        return debezium.connect_url()
-    except debezium.ConnectDown as exc:
-        pytest.fail(str(exc), pytrace=False)
-
-
 @pytest.fixture
 def source(
     connect_url: str, pg_dsn: str, kafka_bootstrap: str, unique_name: str

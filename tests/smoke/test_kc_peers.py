@@ -17,7 +17,6 @@ import pytest
 
 from bench import kc_peers
 from bench import throughput as tp
-from harness import debezium
 
 pytestmark = [pytest.mark.stack, pytest.mark.connect]
 
@@ -27,14 +26,6 @@ RECORDS = 2_000
 MONGO_RECORDS = 1_000
 #: From the tasks RUNNING to done: a JDBC run takes ~5 s here, a MongoDB run 3-30 s.
 RUN_TIMEOUT_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def connect_url() -> str:
-    try:
-        return debezium.connect_url()
-    except debezium.ConnectDown as exc:
-        pytest.fail(str(exc), pytrace=False)
 
 
 def _source(kafka_bootstrap: str, records: int) -> Iterator[tp.Source]:

@@ -8,10 +8,10 @@ marker's ``applied`` counter; the last one flips the marker to ``committed`` and
 stored committed positions (``$max``) -- data, marker and positions in one local transaction.
 MongoDB transactions have size and time limits, so a large part is applied as many whole
 staged chunks per transaction as fit ``commit_chunk_size`` documents and
-``commit_chunk_bytes``; a part that fits in one chunk commits in a single transaction. Because ``_id`` s are deterministic, every chunk is atomic
-and a chunk only ever applies documents it removes from staging in the same transaction, a commit
-that crashes between chunks resumes where it stopped (from any process) and the result is still
-exactly once. The package docstring tells why the lease exists and how it is taken over.
+``commit_chunk_bytes``; a part that fits in one chunk commits in a single transaction. Because
+``_id`` s are deterministic, every chunk is atomic and a chunk only ever applies documents it
+removes from staging in the same transaction, a commit that crashes between chunks resumes
+where it stopped (from any process) and the result is still exactly once. The package docstring tells why the lease exists and how it is taken over.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ _LEASE_POLL_S = 1.0
 #: batch would read chunks the transaction does not apply). Parts staged one document per
 #: record, before packing, are read two at a time too: slower, and only while upgrading.
 _STAGED_BATCH = 2
+#: The ``keyPattern`` of a duplicate key error from the ``_id`` index.
 _ID_KEY = {"_id": 1}
 #: Releasing leases on close() only spares other processes the wait for expiry; a shutdown never
 #: waits longer than this for it.
