@@ -7,6 +7,10 @@
 #
 #   stack.sh up | down | status | restart-kafka [--kill] | restart-pg [--kill] | restart-mongo [--kill]
 #   stack.sh restart-minio [--kill]
+#   stack.sh start SERVICE...            only these of kafka pg mongo registry minio, e.g. a
+#                                        private Kafka for a test; writes stack.env as up does
+#   stack.sh kill-broker N | stop-broker N [--kill] | start-broker N | restart-broker N [--kill]
+#                                        one Kafka node (N = 1..TWOPHASE_KAFKA_BROKERS)
 #   stack.sh kafka-run CLASS [ARGS...]   run a Kafka tool, e.g.
 #       stack.sh kafka-run org.apache.kafka.tools.consumer.group.ConsumerGroupCommand \
 #           --bootstrap-server 127.0.0.1:9092 --describe --all-groups
@@ -15,6 +19,13 @@
 #   TWOPHASE_STACK_DIR   data, logs, pid files, stack.env   (default <repo>/.stack)
 #   TWOPHASE_CACHE_DIR   maven repo, jars, SecantusDB venv  (default ~/.cache/twophase)
 #   TWOPHASE_KAFKA_PORT (9092)  TWOPHASE_KAFKA_CONTROLLER_PORT (9093)
+#   TWOPHASE_KAFKA_BROKERS (1)  1, or 3: three combined broker+controller nodes, node N on
+#       TWOPHASE_KAFKA_PORT + 100*(N-1) and TWOPHASE_KAFKA_CONTROLLER_PORT + 100*(N-1)
+#       (9092/9093, 9192/9193, 9292/9293), replication factor 3, min.insync.replicas 2.
+#       Give it to every stack.sh command of that stack (down stops either layout).
+#   TWOPHASE_KAFKA_EXTRA_LISTENERS   one broker only: NAME:listen_port:advertised_port[,...],
+#       e.g. P0:29192:29292 = a PLAINTEXT listener P0 on 127.0.0.1:29192 that advertises
+#       127.0.0.1:29292 (a proxy there forwarding to 29192 stays in every client connection)
 #   TWOPHASE_PG_PORT (55432)    TWOPHASE_MONGO_PORT (27018)
 #   TWOPHASE_REGISTRY_PORT (8081)   TWOPHASE_REGISTRY_HEAP (256m)
 #   TWOPHASE_MINIO_PORT (9000)  MinIO's S3 API (its console is off)
@@ -40,6 +51,7 @@ CONTROLLER_PORT=${TWOPHASE_KAFKA_CONTROLLER_PORT:-9093}
 PG_PORT=${TWOPHASE_PG_PORT:-55432}
 MONGO_PORT=${TWOPHASE_MONGO_PORT:-27018}
 KAFKA_HEAP=${TWOPHASE_KAFKA_HEAP:-1g}
+KAFKA_BROKERS=${TWOPHASE_KAFKA_BROKERS:-1}
 REGISTRY_PORT=${TWOPHASE_REGISTRY_PORT:-8081}
 # Idle at ~230 MB RSS with this heap; the stack's schemas are tiny.
 REGISTRY_HEAP=${TWOPHASE_REGISTRY_HEAP:-256m}
@@ -87,6 +99,8 @@ die() { printf 'stack: error: %s\n' "$*" >&2; exit 1; }
 case "$STACK_DIR$CACHE_DIR" in
   *[[:space:]\'\"\\]*) die "TWOPHASE_STACK_DIR/TWOPHASE_CACHE_DIR must not contain spaces or quotes" ;;
 esac
+[[ $KAFKA_BROKERS == 1 || $KAFKA_BROKERS == 3 ]] ||
+  die "TWOPHASE_KAFKA_BROKERS=$KAFKA_BROKERS: want 1 or 3"
 [[ -n $SPARK_VERSION ]] || die "could not read the pyspark==X pin from $REPO/pyproject.toml"
 [[ -n $REGISTRY_VERSION ]] || die "could not read <apicurio.version> from $HERE/registry/pom.xml"
 
@@ -204,10 +218,119 @@ fetch_jars() { # pom dest extra-mvn-args...
 
 # ---------------------------------------------------------------------------- Kafka
 
+# One combined broker+controller by default. TWOPHASE_KAFKA_BROKERS=3: three combined nodes, a
+# 3-voter controller quorum, node N (1..3) on TWOPHASE_KAFKA_PORT + 100*(N-1) and
+# TWOPHASE_KAFKA_CONTROLLER_PORT + 100*(N-1) (defaults 9092/9093, 9192/9193, 9292/9293: a
+# stride of 100 keeps every client port clear of every controller port).
+KAFKA_NODE_STRIDE=100
+
 KAFKA_PID=$RUN_DIR/kafka.pid
 KAFKA_PROPS=$KAFKA_DIR/server.properties
 
-kafka_pid() { live_pid "$KAFKA_PID" "kafka.Kafka $KAFKA_PROPS"; }
+# Sets NODE_NAME, NODE_DIR, NODE_PROPS, NODE_PID, NODE_LOG, NODE_PORT and NODE_CONTROLLER_PORT
+# for node $1 of layout $2 (default: the configured one). Layout 1 keeps the one broker's
+# paths (kafka/, run/kafka.pid, logs/kafka.log); layout 3 has kafka/node-N, kafka-N.{pid,log}.
+kafka_node() { # node [layout]
+  local layout=${2:-$KAFKA_BROKERS}
+  NODE_PORT=$((KAFKA_PORT + KAFKA_NODE_STRIDE * ($1 - 1)))
+  NODE_CONTROLLER_PORT=$((CONTROLLER_PORT + KAFKA_NODE_STRIDE * ($1 - 1)))
+  if ((layout == 1)); then
+    NODE_NAME=kafka NODE_DIR=$KAFKA_DIR NODE_PID=$KAFKA_PID NODE_LOG=$KAFKA_LOG
+  else
+    NODE_NAME=kafka-$1 NODE_DIR=$KAFKA_DIR/node-$1 NODE_PID=$RUN_DIR/kafka-$1.pid
+    NODE_LOG=$LOG_DIR/kafka-$1.log
+  fi
+  NODE_PROPS=$NODE_DIR/server.properties
+}
+
+# The pid of the node kafka_node chose, when it runs.
+kafka_node_pid() { live_pid "$NODE_PID" "kafka.Kafka $NODE_PROPS"; }
+
+# The pid of the one broker (of node 1 of three) when every node runs; fails otherwise.
+kafka_pid() {
+  local n pid=
+  for ((n = KAFKA_BROKERS; n >= 1; n--)); do
+    kafka_node "$n"
+    pid=$(kafka_node_pid) || return 1
+  done
+  printf '%s\n' "$pid"
+}
+
+# Every node's client address: what stack.env's TWOPHASE_KAFKA_BOOTSTRAP names.
+kafka_bootstrap() {
+  local n out=
+  for ((n = 1; n <= KAFKA_BROKERS; n++)); do
+    kafka_node "$n"
+    out+="${out:+,}127.0.0.1:$NODE_PORT"
+  done
+  printf '%s' "$out"
+}
+
+# TWOPHASE_KAFKA_EXTRA_LISTENERS=NAME:listen_port:advertised_port[,...] (one broker only): more
+# PLAINTEXT listeners on 127.0.0.1:listen_port that advertise 127.0.0.1:advertised_port, so a
+# client that bootstraps through a proxy (Toxiproxy) on advertised_port forwarding to
+# listen_port is told to come back through that proxy, and only that client's traffic passes
+# it. Parsed into the tails of listeners, advertised.listeners and the protocol map.
+EXTRA_LISTENERS='' EXTRA_ADVERTISED='' EXTRA_PROTOCOLS='' EXTRA_PORTS=()
+kafka_parse_extra_listeners() {
+  local spec=${TWOPHASE_KAFKA_EXTRA_LISTENERS:-} entry name lport aport names=' ' ports=' '
+  local -a entries
+  EXTRA_LISTENERS='' EXTRA_ADVERTISED='' EXTRA_PROTOCOLS='' EXTRA_PORTS=()
+  [[ -n $spec ]] || return 0
+  local var="TWOPHASE_KAFKA_EXTRA_LISTENERS=$spec"
+  ((KAFKA_BROKERS == 1)) || die "$var: extra listeners work with one broker only (TWOPHASE_KAFKA_BROKERS=$KAFKA_BROKERS)"
+  [[ $spec != ,* && $spec != *, && $spec != *,,* ]] || die "$var: an empty entry; want NAME:listen_port:advertised_port[,...]"
+  IFS=, read -r -a entries <<<"$spec"
+  for entry in "${entries[@]}"; do
+    [[ $entry =~ ^([A-Z][A-Z0-9_]*):([0-9]{1,5}):([0-9]{1,5})$ ]] ||
+      die "$var: '$entry' is not NAME:listen_port:advertised_port (NAME in capitals, e.g. P0:29192:29292)"
+    name=${BASH_REMATCH[1]} lport=$((10#${BASH_REMATCH[2]})) aport=$((10#${BASH_REMATCH[3]}))
+    case $name in
+      PLAINTEXT | CONTROLLER) die "$var: $name is a listener of the stack's own; choose another name" ;;
+    esac
+    [[ $names != *" $name "* ]] || die "$var: listener $name is named twice"
+    ((lport >= 1 && lport <= 65535 && aport >= 1 && aport <= 65535)) || die "$var: '$entry' has a port outside 1-65535"
+    ((lport != KAFKA_PORT && lport != CONTROLLER_PORT)) ||
+      die "$var: listen port $lport is TWOPHASE_KAFKA_PORT's or TWOPHASE_KAFKA_CONTROLLER_PORT's"
+    [[ $ports != *" $lport "* ]] || die "$var: listen port $lport is used twice"
+    names+="$name " ports+="$lport "
+    EXTRA_LISTENERS+=",$name://127.0.0.1:$lport"
+    EXTRA_ADVERTISED+=",$name://127.0.0.1:$aport"
+    EXTRA_PROTOCOLS+=",$name:PLAINTEXT"
+    EXTRA_PORTS+=("$name:$lport")
+  done
+}
+
+# Nodes of the other layout still running in this stack dir would clash on ports: say which
+# setting is off instead of failing on a busy port.
+kafka_check_layout() {
+  local other=3 n
+  ((KAFKA_BROKERS == 1)) || other=1
+  for ((n = 1; n <= other; n++)); do
+    kafka_node "$n" "$other"
+    if kafka_node_pid >/dev/null; then
+      die "a $other-broker Kafka runs in $STACK_DIR ($NODE_NAME); set TWOPHASE_KAFKA_BROKERS=$other, or stop it first with \`stack.sh down\`"
+    fi
+  done
+}
+
+kafka_require_ports() { # nodes...
+  local n p
+  for n in "$@"; do
+    kafka_node "$n"
+    if ((KAFKA_BROKERS == 1)); then
+      require_port_free "$KAFKA_PORT" "Kafka (TWOPHASE_KAFKA_PORT)"
+      require_port_free "$CONTROLLER_PORT" "the Kafka controller (TWOPHASE_KAFKA_CONTROLLER_PORT)"
+      for p in ${EXTRA_PORTS[@]+"${EXTRA_PORTS[@]}"}; do
+        require_port_free "${p#*:}" "Kafka's listener ${p%%:*} (TWOPHASE_KAFKA_EXTRA_LISTENERS)"
+      done
+    else
+      local plus=$((KAFKA_NODE_STRIDE * (n - 1)))
+      require_port_free "$NODE_PORT" "Kafka node $n (TWOPHASE_KAFKA_PORT + $plus)"
+      require_port_free "$NODE_CONTROLLER_PORT" "Kafka node $n's controller (TWOPHASE_KAFKA_CONTROLLER_PORT + $plus)"
+    fi
+  done
+}
 
 kafka_jars() {
   fetch_jars "$HERE/kafka/pom.xml" "$KAFKA_JARS" -Dkafka.version="$KAFKA_VERSION"
@@ -219,52 +342,129 @@ kafka_java() { # main-class args...
     -Dtwophase.log.level=WARN -Dtwophase.log.target=SYSTEM_ERR -cp "$KAFKA_JARS/*" "$@"
 }
 
-kafka_start() {
-  local pid
-  if pid=$(kafka_pid); then
-    log "kafka: already running (pid $pid)"
-    return 0
-  fi
+# Writes $NODE_PROPS for node $1 (after kafka_node $1), on every start so port changes apply.
+kafka_render() { # node
+  local voters='' rf=1 min_isr=1 n
+  for ((n = 1; n <= KAFKA_BROKERS; n++)); do
+    voters+="${voters:+,}$n@127.0.0.1:$((CONTROLLER_PORT + KAFKA_NODE_STRIDE * (n - 1)))"
+  done
+  # Three brokers: every replicated topic survives one broker down and still takes acks=all.
+  ((KAFKA_BROKERS == 1)) || rf=3 min_isr=2
+  mkdir -p "$NODE_DIR/data"
+  sed -e "s|@NODE_ID@|$1|g" -e "s|@VOTERS@|$voters|g" \
+    -e "s|@KAFKA_PORT@|$NODE_PORT|g" -e "s|@CONTROLLER_PORT@|$NODE_CONTROLLER_PORT|g" \
+    -e "s|@EXTRA_LISTENERS@|$EXTRA_LISTENERS|g" -e "s|@EXTRA_ADVERTISED@|$EXTRA_ADVERTISED|g" \
+    -e "s|@EXTRA_PROTOCOLS@|$EXTRA_PROTOCOLS|g" \
+    -e "s|@REPLICATION_FACTOR@|$rf|g" -e "s|@MIN_ISR@|$min_isr|g" \
+    -e "s|@DATA_DIR@|$NODE_DIR/data|g" "$HERE/kafka/server.properties.in" >"$NODE_PROPS"
+}
+
+# Formats the storage of those of nodes $@ that have none, with the cluster id the other
+# nodes already have (every node of a cluster must share it), else a new one.
+kafka_format() { # nodes...
+  local n cluster_id=''
+  for ((n = 1; n <= KAFKA_BROKERS; n++)); do
+    kafka_node "$n"
+    [[ -f $NODE_DIR/data/meta.properties ]] || continue
+    cluster_id=$(sed -n 's/^cluster\.id=//p' "$NODE_DIR/data/meta.properties")
+    [[ -n $cluster_id ]] && break
+  done
+  # Side by side: each is a JVM start, seconds on a busy machine.
+  local -A formatting=()
+  for n in "$@"; do
+    kafka_node "$n"
+    [[ -f $NODE_DIR/data/meta.properties ]] && continue
+    [[ -n $cluster_id ]] || cluster_id=$(kafka_java kafka.tools.StorageTool random-uuid | tail -n1)
+    log "$NODE_NAME: formatting storage (cluster id $cluster_id)"
+    kafka_java kafka.tools.StorageTool format --cluster-id "$cluster_id" \
+      --config "$NODE_PROPS" >>"$NODE_LOG" 2>&1 9>&- &
+    formatting[$n]=$!
+  done
+  for n in "${!formatting[@]}"; do
+    kafka_node "$n"
+    wait "${formatting[$n]}" || { show_log_tail "$NODE_LOG"; die "$NODE_NAME: storage format failed"; }
+  done
+}
+
+kafka_start() { # [node]: every node, or node $1 only
+  local n pid todo=()
+  kafka_parse_extra_listeners
+  kafka_check_layout
+  for ((n = 1; n <= KAFKA_BROKERS; n++)); do
+    [[ -z ${1:-} || $1 == "$n" ]] || continue
+    kafka_node "$n"
+    if pid=$(kafka_node_pid); then
+      log "$NODE_NAME: already running (pid $pid)"
+    else
+      todo+=("$n")
+    fi
+  done
+  ((${#todo[@]} > 0)) || return 0
   need_java
   kafka_jars
-  require_port_free "$KAFKA_PORT" "Kafka (TWOPHASE_KAFKA_PORT)"
-  require_port_free "$CONTROLLER_PORT" "the Kafka controller (TWOPHASE_KAFKA_CONTROLLER_PORT)"
-  mkdir -p "$KAFKA_DIR/data"
-  sed -e "s|@KAFKA_PORT@|$KAFKA_PORT|g" -e "s|@CONTROLLER_PORT@|$CONTROLLER_PORT|g" \
-    -e "s|@DATA_DIR@|$KAFKA_DIR/data|g" "$HERE/kafka/server.properties.in" >"$KAFKA_PROPS"
-  if [[ ! -f $KAFKA_DIR/data/meta.properties ]]; then
-    local cluster_id
-    cluster_id=$(kafka_java kafka.tools.StorageTool random-uuid | tail -n1)
-    log "kafka: formatting storage (cluster id $cluster_id)"
-    kafka_java kafka.tools.StorageTool format --cluster-id "$cluster_id" \
-      --config "$KAFKA_PROPS" >>"$KAFKA_LOG" 2>&1 || { show_log_tail "$KAFKA_LOG"; die "kafka: storage format failed"; }
-  fi
-  touch "$KAFKA_LOG"
-  local offset
-  offset=$(stat -c %s "$KAFKA_LOG")
-  # -Xmx stays modest: the machine has 2 cores and 24 GiB shared with Spark and the tests.
-  spawn "$KAFKA_LOG" "$KAFKA_PID" java -Xms256m -Xmx"$KAFKA_HEAP" -XX:+UseG1GC \
-    -XX:MaxGCPauseMillis=20 -XX:+ExitOnOutOfMemoryError -Djava.awt.headless=true \
-    -Dlog4j2.configurationFile="$HERE/kafka/log4j2.properties" \
-    -cp "$KAFKA_JARS/*" kafka.Kafka "$KAFKA_PROPS"
-  pid=$(head -n1 "$KAFKA_PID")
-  local i
+  kafka_require_ports "${todo[@]}"
+  for n in "${todo[@]}"; do
+    kafka_node "$n"
+    kafka_render "$n"
+  done
+  kafka_format "${todo[@]}"
+  # Every node is spawned before any is waited for: a node of three is "started" only once a
+  # majority of the controller quorum runs.
+  local -A offset=()
+  for n in "${todo[@]}"; do
+    kafka_node "$n"
+    touch "$NODE_LOG"
+    offset[$n]=$(stat -c %s "$NODE_LOG")
+    # -Xmx stays modest: the machine has 2 cores and 24 GiB shared with Spark and the tests.
+    spawn "$NODE_LOG" "$NODE_PID" java -Xms256m -Xmx"$KAFKA_HEAP" -XX:+UseG1GC \
+      -XX:MaxGCPauseMillis=20 -XX:+ExitOnOutOfMemoryError -Djava.awt.headless=true \
+      -Dlog4j2.configurationFile="$HERE/kafka/log4j2.properties" \
+      -cp "$KAFKA_JARS/*" kafka.Kafka "$NODE_PROPS"
+  done
+  for n in "${todo[@]}"; do
+    kafka_node "$n"
+    kafka_wait "${offset[$n]}"
+  done
+}
+
+# Waits for the node kafka_node chose to serve; $1: its log's size before it was spawned.
+kafka_wait() { # log-offset
+  local pid i
+  pid=$(head -n1 "$NODE_PID")
   for ((i = 0; i < START_TIMEOUT * 5; i++)); do
-    kill -0 "$pid" 2>/dev/null || { show_log_tail "$KAFKA_LOG"; die "kafka: exited during start-up (log: $KAFKA_LOG)"; }
+    kill -0 "$pid" 2>/dev/null || { show_log_tail "$NODE_LOG"; die "$NODE_NAME: exited during start-up (log: $NODE_LOG)"; }
     # "Kafka Server started" is logged once the broker is registered and unfenced, i.e. it
     # serves produce/fetch; the offset skips lines from earlier runs in the same log.
-    if port_open "$KAFKA_PORT" && tail -c +"$((offset + 1))" "$KAFKA_LOG" | grep -q 'Kafka Server started'; then
-      log "kafka: up on 127.0.0.1:$KAFKA_PORT (pid $pid, log $KAFKA_LOG)"
+    if port_open "$NODE_PORT" && tail -c +"$(($1 + 1))" "$NODE_LOG" | grep -q 'Kafka Server started'; then
+      log "$NODE_NAME: up on 127.0.0.1:$NODE_PORT (pid $pid, log $NODE_LOG)"
       return 0
     fi
     sleep 0.2
   done
-  show_log_tail "$KAFKA_LOG"
-  die "kafka: not answering on 127.0.0.1:$KAFKA_PORT after ${START_TIMEOUT}s (log: $KAFKA_LOG)"
+  show_log_tail "$NODE_LOG"
+  die "$NODE_NAME: not answering on 127.0.0.1:$NODE_PORT after ${START_TIMEOUT}s (log: $NODE_LOG)"
 }
 
-kafka_stop() { # [KILL]
-  stop_pid "$KAFKA_PID" "kafka.Kafka $KAFKA_PROPS" kafka "${1:-TERM}"
+# Every node of either layout (so `down` leaves none behind after a change of
+# TWOPHASE_KAFKA_BROKERS), or node $2 of the configured one. All are signalled before any is
+# waited for: a node's controlled shutdown needs the controller quorum, which the others are.
+kafka_stop() { # [signal] [node]
+  local signal=${1:-TERM} spec pid pids=() pidfiles=()
+  local specs=("1:1" "3:1" "3:2" "3:3")
+  [[ -z ${2:-} ]] || specs=("$KAFKA_BROKERS:$2")
+  for spec in "${specs[@]}"; do
+    kafka_node "${spec#*:}" "${spec%%:*}"
+    if pid=$(kafka_node_pid); then
+      log "$NODE_NAME: stopping pid $pid"
+      kill "-$signal" "$pid" 2>/dev/null || true
+      pids+=("$pid")
+    fi
+    pidfiles+=("$NODE_PID")
+  done
+  for pid in ${pids[@]+"${pids[@]}"}; do
+    wait_exit "$pid" "$STOP_TIMEOUT"
+  done
+  rm -f "${pidfiles[@]}"
 }
 
 # ---------------------------------------------------------------------------- PostgreSQL
@@ -710,10 +910,10 @@ env_lines() {
   cat <<EOF
 TWOPHASE_STACK_DIR='$STACK_DIR'
 TWOPHASE_CACHE_DIR='$CACHE_DIR'
-TWOPHASE_KAFKA_BOOTSTRAP='127.0.0.1:$KAFKA_PORT'
+TWOPHASE_KAFKA_BOOTSTRAP='$(kafka_bootstrap)'
 TWOPHASE_KAFKA_VERSION='$KAFKA_VERSION'
 TWOPHASE_KAFKA_JARS_DIR='$KAFKA_JARS'
-TWOPHASE_KAFKA_LOG='$KAFKA_LOG'
+TWOPHASE_KAFKA_LOG='$(kafka_node 1 && printf '%s' "$NODE_LOG")'
 TWOPHASE_PG_DSN='$PG_DSN'
 TWOPHASE_PG_BIN='$PG_BIN'
 TWOPHASE_PG_LOG='$PG_LOG'
@@ -735,6 +935,19 @@ TWOPHASE_S3_REGION='$MINIO_REGION'
 TWOPHASE_MINIO_VERSION='$MINIO_VERSION'
 TWOPHASE_MINIO_LOG='$MINIO_LOG'
 EOF
+  # Only when set, so the default stack's file stays as it was.
+  if ((KAFKA_BROKERS > 1)); then
+    local n nodes=''
+    for ((n = 1; n <= KAFKA_BROKERS; n++)); do
+      kafka_node "$n"
+      nodes+="${nodes:+,}$n=127.0.0.1:$NODE_PORT"
+    done
+    # Node id = address; node N's log is logs/kafka-N.log (TWOPHASE_KAFKA_LOG is node 1's).
+    printf "TWOPHASE_KAFKA_BROKERS='%s'\nTWOPHASE_KAFKA_NODES='%s'\n" "$KAFKA_BROKERS" "$nodes"
+  fi
+  if [[ -n ${TWOPHASE_KAFKA_EXTRA_LISTENERS:-} ]]; then
+    printf "TWOPHASE_KAFKA_EXTRA_LISTENERS='%s'\n" "$TWOPHASE_KAFKA_EXTRA_LISTENERS"
+  fi
 }
 
 write_env() {
@@ -766,10 +979,13 @@ cmd_up() {
   # Fetch everything first, so a registry failure stops us before anything is started.
   need_java
   # Ports first: a clash found after Kafka started would leave a half-up stack.
-  kafka_pid >/dev/null || {
-    require_port_free "$KAFKA_PORT" "Kafka (TWOPHASE_KAFKA_PORT)"
-    require_port_free "$CONTROLLER_PORT" "the Kafka controller (TWOPHASE_KAFKA_CONTROLLER_PORT)"
-  }
+  kafka_parse_extra_listeners
+  kafka_check_layout
+  local n
+  for ((n = 1; n <= KAFKA_BROKERS; n++)); do
+    kafka_node "$n"
+    kafka_node_pid >/dev/null || kafka_require_ports "$n"
+  done
   pg_pid >/dev/null || require_port_free "$PG_PORT" "PostgreSQL (TWOPHASE_PG_PORT)"
   mongo_pid >/dev/null || require_port_free "$MONGO_PORT" "SecantusDB (TWOPHASE_MONGO_PORT)"
   registry_pid >/dev/null || require_port_free "$REGISTRY_PORT" "the schema registry (TWOPHASE_REGISTRY_PORT)"
@@ -819,7 +1035,11 @@ status_line() { # name pid port log
 }
 
 cmd_status() {
-  status_line kafka "$(kafka_pid || true)" "$KAFKA_PORT" "$KAFKA_LOG"
+  local n
+  for ((n = 1; n <= KAFKA_BROKERS; n++)); do
+    kafka_node "$n"
+    status_line "$NODE_NAME" "$(kafka_node_pid || true)" "$NODE_PORT" "$NODE_LOG"
+  done
   status_line postgres "$(pg_pid || true)" "$PG_PORT" "$PG_LOG"
   status_line mongo "$(mongo_pid || true)" "$MONGO_PORT" "$MONGO_LOG"
   status_line registry "$(registry_pid || true)" "$REGISTRY_PORT" "$REGISTRY_LOG"
@@ -852,6 +1072,38 @@ restart() { # service [--kill]
   write_env
 }
 
+# Starts only the services named (a test's private Kafka, say); writes stack.env as up does.
+cmd_start() { # service...
+  local s services="kafka pg mongo registry minio"
+  (($# > 0)) || die "usage: stack.sh start SERVICE... ($services)"
+  for s in "$@"; do
+    [[ " $services " == *" $s "* ]] || die "stack.sh start: unknown service '$s' (one of: $services)"
+  done
+  lock
+  for s in "$@"; do
+    "${s}_start"
+    if [[ $s == mongo ]]; then reaper_start; fi
+  done
+  write_env
+}
+
+# One Kafka node: kill-broker N | stop-broker N [--kill] | start-broker N | restart-broker N [--kill].
+broker_cmd() { # stop|start|restart command node [--kill]
+  local signal=TERM
+  [[ ${3:-} =~ ^[1-9]$ ]] && (($3 <= KAFKA_BROKERS)) ||
+    die "usage: stack.sh $2 N, N = 1..$KAFKA_BROKERS (TWOPHASE_KAFKA_BROKERS=$KAFKA_BROKERS)"
+  case "${4:-}" in
+    "") ;;
+    --kill) signal=KILL ;;
+    *) die "usage: stack.sh $2 N [--kill]" ;;
+  esac
+  set -- "$1" "$3"
+  lock
+  kafka_check_layout
+  if [[ $1 != start ]]; then kafka_stop "$signal" "$2"; fi
+  if [[ $1 != stop ]]; then kafka_start "$2"; fi
+}
+
 main() {
   case "${1:-}" in
     up) cmd_up ;;
@@ -861,6 +1113,10 @@ main() {
     restart-pg) restart pg "${2:-}" ;;
     restart-mongo) restart mongo "${2:-}" ;;
     restart-minio) restart minio "${2:-}" ;;
+    start) shift; cmd_start "$@" ;;
+    kill-broker) broker_cmd stop "$1" "${2:-}" --kill ;;
+    stop-broker | restart-broker) broker_cmd "${1%-broker}" "$1" "${2:-}" "${3:-}" ;;
+    start-broker) broker_cmd start "$1" "${2:-}" ;;
     kafka-run)
       shift
       [[ $# -ge 1 ]] || die "usage: stack.sh kafka-run CLASS [ARGS...]"

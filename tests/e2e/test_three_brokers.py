@@ -1,0 +1,210 @@
+"""A pipeline on a three-broker Kafka keeps committing, with no operator action, while the
+broker that matters is SIGKILLed: first the leader of the control topic's partition (where the
+decisions are written), then the broker holding the coordinator's transaction state (its
+transaction coordinator). It ends exact: every record once in PostgreSQL, nothing prepared.
+
+The test runs its own stack (``TWOPHASE_KAFKA_BROKERS=3 stack.sh start kafka pg`` in a private
+stack dir, ports 41092/41192/41292, controllers +1, PostgreSQL 41432), so the shared stack is
+neither needed nor touched. Three nodes tolerate one down at a time: the first killed node is
+started again, and back in every in-sync replica set, before the second kill.
+
+With replication factor 1 (or the broker defaults of a one-node stack) the first kill leaves
+the control partition without a leader and commits stop: the resume bound fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient
+
+from harness import Cluster, Scenario, produce, wait_until
+from harness.kafka_nodes import TRANSACTION_STATE_TOPIC, leader_of, txn_coordinator_of
+from tests.conftest import read_stack_env
+from tests.e2e.e2e_support import caught_up, settle, start
+from twophase.config import load_config
+from twophase.kafka import create_topics
+
+pytestmark = pytest.mark.stack
+
+STACK_SH = Path(__file__).resolve().parents[2] / "stack" / "stack.sh"
+#: Every topic of the pipeline: one broker down leaves two in-sync replicas (the stack's
+#: min.insync.replicas), so acks=all writes go on.
+REPLICATION_FACTOR = 3
+#: Starting three JVMs (or one again) on the shared 2-core machine has taken over a minute.
+STACK_TIMEOUT_S = 300
+#: Commits must have caught up with what was produced after a kill within this: the cluster
+#: fences the dead node after broker.session.timeout.ms (9 s) and elects new leaders, the
+#: clients find them, a cycle in flight may time out on its vote (10 s) and is retried.
+RESUME_BOUND_S = 90.0
+#: The restarted node catches up a few MB of replicas.
+ISR_TIMEOUT_S = 120.0
+BATCH = 1000
+
+
+def _stack_env(stack_dir: Path) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "TWOPHASE_STACK_DIR": str(stack_dir),
+        "TWOPHASE_KAFKA_BROKERS": "3",
+        "TWOPHASE_KAFKA_PORT": "41092",
+        "TWOPHASE_KAFKA_CONTROLLER_PORT": "41093",
+        "TWOPHASE_PG_PORT": "41432",
+        "TWOPHASE_KAFKA_HEAP": "384m",
+    }
+    env.pop("TWOPHASE_KAFKA_EXTRA_LISTENERS", None)
+    return env
+
+
+def _stack(stack_dir: Path, *args: str) -> None:
+    result = subprocess.run(
+        ["bash", str(STACK_SH), *args],
+        env=_stack_env(stack_dir),
+        capture_output=True,
+        text=True,
+        timeout=STACK_TIMEOUT_S,
+    )
+    assert result.returncode == 0, f"stack.sh {' '.join(args)}: {result.stderr}"
+
+
+@pytest.fixture(scope="module")
+def three_brokers() -> Iterator[dict[str, str]]:
+    # Not pytest's tmp_path: PostgreSQL runs as the postgres OS user, which needs o+x on
+    # every parent directory, and pytest's are 0700.
+    stack_dir = Path(tempfile.mkdtemp(prefix="twophase-3b-"))
+    stack_dir.chmod(0o755)
+    try:
+        _stack(stack_dir, "start", "kafka", "pg")
+        yield read_stack_env(stack_dir / "stack.env")
+    finally:
+        # A throwaway stack: SIGKILL the nodes rather than wait for controlled shutdowns.
+        for command in ("kill-broker 1", "kill-broker 2", "kill-broker 3", "down"):
+            subprocess.run(
+                ["bash", str(STACK_SH), *command.split()],
+                env=_stack_env(stack_dir),
+                capture_output=True,
+                timeout=STACK_TIMEOUT_S,
+            )
+        shutil.rmtree(stack_dir, ignore_errors=True)
+
+
+def _full_isr(bootstrap: str, topics: list[str]) -> bool:
+    meta = AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=10)
+    for topic in topics:
+        tm = meta.topics.get(topic)
+        if tm is None or tm.error is not None:
+            return False
+        if any(len(p.isrs) < REPLICATION_FACTOR for p in tm.partitions.values()):
+            return False
+    return True
+
+
+def _quietly(pred: Callable[[], bool]) -> Callable[[], bool]:
+    def probe() -> bool:
+        try:
+            return pred()
+        except (KafkaException, LookupError):  # a request met the dead node: ask again
+            return False
+
+    return probe
+
+
+def test_commits_go_on_while_the_brokers_that_matter_are_killed(
+    three_brokers: dict[str, str], tmp_path: Path
+) -> None:
+    bootstrap = three_brokers["TWOPHASE_KAFKA_BOOTSTRAP"]
+    assert len(bootstrap.split(",")) == 3, bootstrap
+    s = Scenario(
+        name=f"tb-{uuid.uuid4().hex[:6]}",
+        bootstrap=bootstrap,
+        pg_dsn=three_brokers["TWOPHASE_PG_DSN"],
+        mongo_uri="",
+        workdir=tmp_path,
+        partitions=2,
+        interval_ms=300,
+        mongo=False,
+        files=False,
+    )
+    s.extra = {
+        "control": {"hmac_key": s.hmac_key, "replication_factor": REPLICATION_FACTOR},
+        "sources": [
+            {"topic": s.topic, "partitions": s.partitions, "replication_factor": REPLICATION_FACTOR}
+        ],
+        "dead_letter": {"replication_factor": REPLICATION_FACTOR},
+    }
+    s.write()
+    s.prepare_stores()
+    cfg = load_config(s.config_path)
+    create_topics(cfg)
+    watched = [
+        cfg.control_topic,
+        s.topic,
+        f"{s.name}.dlq",
+        "__consumer_offsets",
+        TRANSACTION_STATE_TOPIC,
+    ]
+
+    cluster = Cluster(s)
+    env = {"TWOPHASE__PARTICIPANT__SWEEP_INTERVAL_MS": "1000"}
+    start(cluster, "coordinator", "coord-0")
+    start(cluster, "participant", "p-0", env)
+    start(cluster, "participant", "p-1", env)
+    t0 = time.monotonic()
+    try:
+        produce(s.bootstrap, s.topic, 0, BATCH)
+        settle(s, cluster, set(range(BATCH)), 120)
+        # The pipeline's own topics are replicated as configured, the internal ones by the
+        # broker defaults: else the kills below would prove nothing.
+        assert _full_isr(bootstrap, watched)
+
+        def kill_and_resume(node: int, what: str, batch: int) -> None:
+            _stack(Path(three_brokers["TWOPHASE_STACK_DIR"]), "kill-broker", str(node))
+            killed = time.monotonic()
+            produce(s.bootstrap, s.topic, batch * BATCH, BATCH)
+            try:
+                wait_until(
+                    _quietly(lambda: caught_up(s)),
+                    RESUME_BOUND_S,
+                    f"commits to catch up after killing node {node} ({what})",
+                    every_s=1.0,
+                )
+            except TimeoutError:
+                for name in cluster.procs:
+                    print(f"===== {name}\n{cluster.log_tail(name, 40)}")
+                raise
+            print(f"node {node} ({what}) killed: caught up in {time.monotonic() - killed:.1f}s")
+
+        # (1) The leader of the control topic's partition: decisions and votes move.
+        control_leader = leader_of(bootstrap, cfg.control_topic, 0)
+        kill_and_resume(control_leader, "control partition leader", 1)
+        assert leader_of(bootstrap, cfg.control_topic, 0) not in (control_leader, -1)
+
+        _stack(Path(three_brokers["TWOPHASE_STACK_DIR"]), "start-broker", str(control_leader))
+        wait_until(
+            _quietly(lambda: _full_isr(bootstrap, watched)),
+            ISR_TIMEOUT_S,
+            f"node {control_leader} back in every in-sync replica set",
+        )
+
+        # (2) The node holding the coordinator's transaction state: its Kafka transactions move
+        # to a new transaction coordinator.
+        txn_node = txn_coordinator_of(bootstrap, cfg.transactional_id)
+        kill_and_resume(txn_node, "transaction coordinator", 2)
+        assert txn_coordinator_of(bootstrap, cfg.transactional_id) not in (txn_node, -1)
+
+        reports = settle(s, cluster, set(range(3 * BATCH)), 120)
+        for name, report in reports.items():
+            assert report.ok, (name, report)
+        assert all(cluster.alive(n) for n in cluster.procs), "a process died"
+        print(f"nodes killed: {control_leader}, then {txn_node}; {time.monotonic() - t0:.0f}s")
+    finally:
+        cluster.stop_all()
