@@ -8,6 +8,7 @@ down FAILS with the command to run: a skipped service test would be a test that 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import shlex
 import socket
@@ -101,6 +102,56 @@ def mongo_uri(stack_env: dict[str, str]) -> str:
     _require_listening(f"{parts.hostname}:{parts.port or 27017}", "SecantusDB")
     _require_mongo_reaper(stack_env)
     return uri
+
+
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.failed and report.when in ("setup", "call"):
+        item.stash[_FAILED] = True
+    return report
+
+
+@pytest.fixture(autouse=True)
+def _roll_back_what_a_failed_test_left_prepared(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that fails while one of its parts is prepared leaves the transaction in the
+    shared PostgreSQL (its processes are gone, nobody decides it), and a prepared transaction
+    anywhere in the server holds back every new logical replication slot: a later Debezium test
+    would fail for this one. After a failed test (its own fixtures already torn down: autouse
+    comes first, so it leaves last), roll back what was prepared in the stack's PostgreSQL
+    while it ran. Passing tests are left alone: what they leave is theirs to assert on."""
+    started = datetime.datetime.now(datetime.UTC)
+    yield
+    if not request.node.stash.get(_FAILED, False):
+        return
+    path = stack_env_path()
+    if not path.exists():
+        return
+    dsn = read_stack_env(path).get("TWOPHASE_PG_DSN")
+    if not dsn:
+        return
+    import psycopg  # late: most tests never get here
+    from psycopg import sql
+
+    try:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+            gids = [
+                str(row[0])
+                for row in conn.execute(
+                    "SELECT gid FROM pg_prepared_xacts WHERE prepared >= %s", (started,)
+                )
+            ]
+            for gid in gids:
+                with contextlib.suppress(psycopg.Error):  # decided meanwhile
+                    conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+    except psycopg.Error as exc:
+        print(f"could not roll back what {request.node.nodeid} left prepared: {exc}")
+        return
+    if gids:
+        print(f"rolled back {len(gids)} transaction(s) {request.node.nodeid} left prepared")
 
 
 def _require_mongo_reaper(env: dict[str, str]) -> None:
