@@ -79,15 +79,15 @@ connect_start() {
   mkdir -p "$CONNECT_DIR"
   cat >"$CONNECT_PROPS" <<EOF
 # Written by stack/connect.sh on every start.
-bootstrap.servers=127.0.0.1:$KAFKA_PORT
+bootstrap.servers=$(kafka_bootstrap)
 group.id=$CONNECT_GROUP
 config.storage.topic=_${CONNECT_GROUP}-configs
 offset.storage.topic=_${CONNECT_GROUP}-offsets
 status.storage.topic=_${CONNECT_GROUP}-status
-# One broker.
-config.storage.replication.factor=1
-offset.storage.replication.factor=1
-status.storage.replication.factor=1
+# One replica per broker (TWOPHASE_KAFKA_BROKERS: 1 or 3).
+config.storage.replication.factor=$KAFKA_BROKERS
+offset.storage.replication.factor=$KAFKA_BROKERS
+status.storage.replication.factor=$KAFKA_BROKERS
 # Connectors that want another converter say so in their own config.
 key.converter=org.apache.kafka.connect.json.JsonConverter
 value.converter=org.apache.kafka.connect.json.JsonConverter
