@@ -1,4 +1,5 @@
-"""``make chaos``: kill -9 faults on a live pipeline, then an independent check of every sink.
+"""``make chaos``: kill -9 and network faults on a live pipeline, then an independent check of
+every sink.
 
 One pipeline (PostgreSQL + MongoDB + Parquet files), two coordinators (leader + standby) and three
 participants run as real processes on the local stack (``$TWOPHASE_STACK_DIR/stack.env``), while
@@ -10,7 +11,12 @@ records are produced over the whole fault phase. Faults come in *episodes* of 1-
 * the leading coordinator dies at a random moment or at a crash point (after_prepare_sent,
   mid_decision, after_decision), or the standby is killed;
 * once each (not in ``--short``): the Kafka broker and PostgreSQL crash and restart
-  (``stack.sh restart-kafka --kill``, ``restart-pg --kill``).
+  (``stack.sh restart-kafka --kill``, ``restart-pg --kill``);
+* network episodes: every process reaches Kafka, PostgreSQL and MongoDB through Toxiproxy
+  proxies of its own (``stack/toxiproxy.sh``, ``harness/toxiproxy.py``), and one link at a time
+  gets latency, a bandwidth limit, connection resets, or is cut for 5-60 s (refused, or a silent
+  blackhole) -- a participant cut from Kafka but not PostgreSQL and the reverse, the leader cut
+  from Kafka, a participant cut from MongoDB half-way through a chunked commit.
 
 Every dead process is restarted after a short delay, as a supervisor would. The next episode
 starts once the pipeline has recovered (commits again; bounded), so faults land on a working
@@ -18,19 +24,21 @@ pipeline rather than on one still stalled by the previous fault. At the end the 
 quiescence (committed group offsets == end offsets, every sink settled), reads the source topic
 and every sink directly (``harness.verify``: ids per sink, never the product's own
 bookkeeping) and writes ``chaos/results/latest.json``. Exit status 0 only when no sink lost,
-duplicated or left anything behind.
+duplicated or left anything behind and no process exited unexpectedly.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import itertools
 import json
 import math
 import os
 import random
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -43,7 +51,9 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import yaml
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from pymongo import MongoClient
 
 from harness import (
     Cluster,
@@ -55,6 +65,7 @@ from harness import (
     record,
     verify,
 )
+from harness.toxiproxy import ToxiproxyError, ToxiproxyServer
 from twophase.config import load_config
 from twophase.kafka import create_topics
 
@@ -80,6 +91,9 @@ RECOVERY_MAX_S = 75.0
 STACK_RECOVERY_MAX_S = 120.0
 #: Rough length of one episode, to spread production over the fault phase.
 EPISODE_EST_S = 32.0
+#: The same for a network episode: 5-60 s of fault, a few seconds of recovery (5-10 s with
+#: --short).
+NET_EPISODE_EST_S = (45.0, 15.0)
 
 
 def log(msg: str) -> None:
@@ -110,16 +124,25 @@ COORDINATOR_FAULTS = (
 class Episode:
     faults: list[Fault] = field(default_factory=list)
     stack: str = ""  # kafka | pg: a crash-restart of that service instead
+    net: NetFault | None = None  # a network fault instead
 
 
-def make_plan(faults: int, seed: int, short: bool) -> list[Episode]:
+def make_plan(
+    faults: int, seed: int, short: bool, net_faults: int = 0, kafka_net: bool = True
+) -> list[Episode]:
     rng = random.Random(seed)
     if short:
-        # Every path once: a participant at a crash point, one at a random time, the leader.
-        return [
+        # Every path once: a participant at a crash point, one at a random time, the leader;
+        # then a participant cut from PostgreSQL, and one cut from MongoDB mid-commit (or from
+        # Kafka, when the broker has the per-process listeners).
+        plan = [
             Episode([Fault("participant", "after_vote"), Fault("leader")]),
             Episode([Fault("participant", "mid_commit", 2), Fault("participant")]),
         ]
+        if net_faults:
+            plan.insert(1, Episode(net=NET_FAULTS[2]))
+            plan.append(Episode(net=NET_FAULTS[0] if kafka_net else NET_FAULTS[6]))
+        return plan
     episodes: list[Episode] = []
     left = faults
     pi = ci = 0
@@ -145,7 +168,181 @@ def make_plan(faults: int, seed: int, short: bool) -> list[Episode]:
     # The broker and the database crash once each, at about 40% and 70% of the run.
     episodes.insert(round(len(episodes) * 0.4), Episode(stack="kafka"))
     episodes.insert(round(len(episodes) * 0.7), Episode(stack="pg"))
+    # Network episodes spread evenly between the others, the named cases first.
+    usable = [f for f in NET_FAULTS if kafka_net or f.service != "kafka"]
+    nets = [Episode(net=usable[k % len(usable)]) for k in range(net_faults)]
+    base = len(episodes)
+    for k, ep in enumerate(nets):
+        episodes.insert(round((k + 1) * base / (len(nets) + 1)) + k, ep)
     return episodes
+
+
+# -- network faults ----------------------------------------------------------------------------
+
+#: Every process reaches each service through a Toxiproxy proxy of its own. Ports: the API at
+#: KAFKA_PORT + NET_PORT_OFFSET, then per process i (coord-0, coord-1, p-0..2) Kafka's proxy
+#: (the port its broker listener advertises) at +10+i, that listener at +20+i, PostgreSQL's
+#: proxy at +30+i and MongoDB's at +40+i: fixed, because the broker's listeners are.
+NET_PORT_OFFSET = 300
+NET_PROCESSES = ("coord-0", "coord-1", "p-0", "p-1", "p-2")
+NET_SERVICES = ("kafka", "pg", "mongo")
+#: A cut or a degraded link lasts this long (issue #21: 5-60 s); --short keeps to the low end.
+NET_DURATION_S = (5.0, 60.0)
+SHORT_NET_DURATION_S = (5.0, 10.0)
+#: Added latency (ms) and bandwidth (KB/s) of the degraded-link episodes.
+NET_LATENCY_MS = (100, 2000)
+NET_BANDWIDTH_KBPS = (16, 128)
+#: MongoDB cut mid-commit: the chunk size of the chaos pipeline's MongoDB sink, so that a part
+#: of a few hundred records is applied in several chunk transactions (the default 1000 would
+#: commit the parts of this run in one), the latency put on the participants' MongoDB links
+#: while the run looks for a part half applied (it widens the window), and how long it looks.
+MONGO_CHUNK = 50
+MID_COMMIT_LATENCY_MS = 200
+MID_COMMIT_WAIT_S = 40.0
+
+
+@dataclass
+class NetFault:
+    kind: str  # latency | bandwidth | reset_peer | partition | blackhole
+    role: str  # participant | leader
+    service: str  # kafka | pg | mongo
+    case: str = ""  # a named case of issue #21, for the log
+    mid_commit: bool = False  # mongo: cut only once a participant is half-way through a commit
+
+
+#: The named cases of issue #21, then degraded links; the full run cycles through these.
+NET_FAULTS = (
+    NetFault("partition", "participant", "kafka", "participant_cut_from_kafka_not_pg"),
+    NetFault("latency", "participant", "pg"),
+    NetFault("partition", "participant", "pg", "participant_cut_from_pg_not_kafka"),
+    NetFault("bandwidth", "participant", "kafka"),
+    NetFault("blackhole", "leader", "kafka", "leader_cut_from_kafka"),
+    NetFault("latency", "leader", "kafka"),
+    NetFault("partition", "participant", "mongo", "participant_cut_from_mongo_mid_commit", True),
+    NetFault("reset_peer", "participant", "pg"),
+    NetFault("blackhole", "participant", "kafka", "participant_cut_from_kafka_not_pg"),
+    NetFault("latency", "participant", "mongo"),
+    NetFault("partition", "leader", "kafka", "leader_cut_from_kafka"),
+    NetFault("reset_peer", "participant", "kafka"),
+    NetFault("blackhole", "participant", "pg", "participant_cut_from_pg_not_kafka"),
+    NetFault("bandwidth", "participant", "mongo"),
+)
+
+
+class Net:
+    """The Toxiproxy server of the run and one proxy per process and service."""
+
+    def __init__(self, s: Scenario, kafka_port: int, kafka: bool) -> None:
+        self.s = s
+        self.kafka = kafka  # Kafka through proxies too (the broker has the listeners)
+        self.base = kafka_port + NET_PORT_OFFSET
+        self.server = ToxiproxyServer(self.base, s.workdir / "toxiproxy")
+        self.api = self.server.api
+        self.pg = _host_port(s.pg_dsn.split("@", 1)[1].split("/", 1)[0])
+        self.mongo = _host_port(s.mongo_uri.split("//", 1)[1].split("/", 1)[0])
+
+    def port(self, service: str, name: str, listener: bool = False) -> int:
+        return net_port(self.base, service, name, listener)
+
+    def listeners(self) -> str:
+        return kafka_listeners(self.base - NET_PORT_OFFSET)
+
+    def start(self) -> None:
+        self.server.start()
+        self.api.reset()
+        existing = self.api.proxies()
+        for n in NET_PROCESSES:
+            for service in NET_SERVICES:
+                if service == "kafka" and not self.kafka:
+                    continue
+                proxy = f"{n}-{service}"
+                if proxy in existing:
+                    self.api.delete(proxy)
+                upstream = {
+                    "kafka": f"127.0.0.1:{self.port('kafka', n, True)}",
+                    "pg": f"{self.pg[0]}:{self.pg[1]}",
+                    "mongo": f"{self.mongo[0]}:{self.mongo[1]}",
+                }[service]
+                self.api.create(proxy, f"127.0.0.1:{self.port(service, n)}", upstream)
+
+    def stop(self) -> None:
+        # The server goes anyway; its proxies die with it.
+        with contextlib.suppress(ToxiproxyError):
+            self.api.reset()
+        self.server.stop()
+
+    def env(self, name: str) -> dict[str, str]:
+        """The addresses process ``name`` uses (``${ENV:...}`` in its config)."""
+        pg = f"127.0.0.1:{self.port('pg', name)}"
+        mongo = f"127.0.0.1:{self.port('mongo', name)}"
+        return {
+            "CHAOS_KAFKA": f"127.0.0.1:{self.port('kafka', name)}"
+            if self.kafka
+            else self.s.bootstrap,
+            "CHAOS_PG_DSN": self.s.pg_dsn.replace(f"{self.pg[0]}:{self.pg[1]}", pg, 1),
+            "CHAOS_MONGO_URI": _direct(
+                self.s.mongo_uri.replace(f"{self.mongo[0]}:{self.mongo[1]}", mongo, 1)
+            ),
+        }
+
+
+def net_port(base: int, service: str, name: str, listener: bool = False) -> int:
+    i = NET_PROCESSES.index(name)
+    return base + {"kafka": 10, "pg": 30, "mongo": 40}[service] + 10 * listener + i
+
+
+def kafka_listeners(kafka_port: int) -> str:
+    """``TWOPHASE_KAFKA_EXTRA_LISTENERS`` for a broker on ``kafka_port`` (see stack/stack.sh):
+    per process, a listener on its port that advertises the port of that process's proxy."""
+    base = kafka_port + NET_PORT_OFFSET
+    return ",".join(
+        f"CHAOS_{n.upper().replace('-', '_')}:{net_port(base, 'kafka', n, True)}:"
+        f"{net_port(base, 'kafka', n)}"
+        for n in NET_PROCESSES
+    )
+
+
+def _host_port(hp: str) -> tuple[str, int]:
+    host, _, port = hp.rpartition(":")
+    return host, int(port)
+
+
+def _direct(uri: str) -> str:
+    """With ``replicaSet`` alone pymongo connects to the members the server's ``hello`` names
+    -- its own address, past the proxy; ``directConnection`` keeps it on the proxy (a
+    single-node replica set, transactions included)."""
+    return uri + ("&" if "?" in uri else "/?") + "directConnection=true"
+
+
+def _direct_env(s: Scenario) -> dict[str, str]:
+    return {
+        "CHAOS_KAFKA": s.bootstrap,
+        "CHAOS_PG_DSN": s.pg_dsn,
+        "CHAOS_MONGO_URI": _direct(s.mongo_uri),
+    }
+
+
+def _use_env_addresses(s: Scenario, mongo_chunk: int | None) -> None:
+    """Rewrite the pipeline's config so that every process takes its addresses from its own
+    environment (``${ENV:...}``): one config file, a proxy per process."""
+    cfg = yaml.safe_load(s.config_path.read_text())
+    cfg["kafka"]["bootstrap_servers"] = "${ENV:CHAOS_KAFKA}"
+    for sink in cfg["sinks"]:
+        if sink["type"] == "postgres":
+            sink["dsn"] = "${ENV:CHAOS_PG_DSN}"
+        elif sink["type"] == "mongodb":
+            sink["uri"] = "${ENV:CHAOS_MONGO_URI}"
+            if mongo_chunk:
+                sink["commit_chunk_size"] = mongo_chunk
+    s.config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 # -- processes ---------------------------------------------------------------------------------
@@ -170,9 +367,11 @@ class Member:
 
 
 class Chaos:
-    def __init__(self, s: Scenario, rng: random.Random) -> None:
+    def __init__(self, s: Scenario, rng: random.Random, net: Net | None = None) -> None:
         self.s = s
         self.rng = rng
+        self.net = net
+        self.net_faults: list[dict[str, Any]] = []
         self.cluster = Cluster(s)
         self.arm_dir = s.workdir / "arm"
         self.arm_dir.mkdir(parents=True, exist_ok=True)
@@ -198,7 +397,10 @@ class Chaos:
         m.kill_at = m.restart_at = None
         m.started = self.now()
         self._arm_file(name).unlink(missing_ok=True)
-        self.cluster.start(role, name, {"TWOPHASE_CRASH_FILE": str(self._arm_file(name))})
+        addresses = self.net.env(name) if self.net else _direct_env(self.s)
+        self.cluster.start(
+            role, name, {"TWOPHASE_CRASH_FILE": str(self._arm_file(name)), **addresses}
+        )
 
     def _arm_file(self, name: str) -> Path:
         return self.arm_dir / name
@@ -401,10 +603,153 @@ class Chaos:
             ),
         )
         rec["recovery_s"] = round(self.now() - started, 1)
+        rec["first_commit_after_s"] = self._first_commit_after(faulted)
         if not hit:
             rec["not_recovered"] = True
             log(f"episode {i}: no {RECOVERY_COMMITS} commits within {bound:.0f}s; going on")
         self.episodes.append(rec)
+
+    def _first_commit_after(self, t: float) -> float | None:
+        first = next((c for c in self.commit_times if c >= t), None)
+        return None if first is None else round(first - t, 1)
+
+    def run_net_episode(self, i: int, f: NetFault, short: bool) -> None:
+        """One network fault on one process's link to one service, then the recovery.
+
+        ``recovery_s`` counts from the end of the fault (the link healed) until the pipeline
+        has committed RECOVERY_COMMITS times with every process up, like a kill episode's."""
+        assert self.net is not None
+        started = self.now()
+        rec: dict[str, Any] = {"i": i, "t": round(started, 1), "net": f.kind}
+        rec.update({"service": f.service, "role": f.role, **({"case": f.case} if f.case else {})})
+        if f.role == "leader":
+            self.idle(60, lambda: self.leader() is not None)
+            target = self.leader()
+        else:
+            live = [n for n, m in self.members.items() if m.role == "participant" and self.alive(n)]
+            target = self.rng.choice(live) if live else None
+        if target is None:
+            log(f"episode {i}: no live {f.role} for a network fault; skipped")
+            rec["skipped"] = True
+            self.episodes.append(rec)
+            return
+        duration = self.rng.uniform(*(SHORT_NET_DURATION_S if short else NET_DURATION_S))
+        if f.mid_commit:
+            target = self._mid_commit(target, rec)
+        proxy = f"{target}-{f.service}"
+        api = self.net.api
+        detail: dict[str, Any] = {}
+        if f.kind == "latency":
+            ms = self.rng.randint(*NET_LATENCY_MS)
+            detail = {"latency_ms": ms}
+            api.add_toxic(proxy, "latency", {"latency": ms, "jitter": ms // 10})
+        elif f.kind == "bandwidth":
+            kbps = self.rng.randint(*NET_BANDWIDTH_KBPS)
+            detail = {"rate_kbps": kbps}
+            api.add_toxic(proxy, "bandwidth", {"rate": kbps})
+        elif f.kind == "reset_peer":
+            # Every connection is reset (RST) once it has lived this long, over and over.
+            ms = self.rng.randint(0, 2000)
+            detail = {"reset_after_ms": ms}
+            api.add_toxic(proxy, "reset_peer", {"timeout": ms})
+        elif f.kind == "blackhole":
+            # A silent partition: nothing gets through and nothing is refused or closed; what
+            # was sent arrives when the link heals (as TCP would retransmit it). Toxiproxy's
+            # `timeout` toxic drops the bytes instead, which no network does, so: a latency
+            # longer than the fault, both ways, removed at the end.
+            for stream in ("upstream", "downstream"):
+                api.add_toxic(
+                    proxy, "latency", {"latency": 600_000}, name=f"hold_{stream}", stream=stream
+                )
+        else:  # partition: open connections closed, new ones refused
+            api.set_enabled(proxy, False)
+        cut = self.now()
+        rec.update({"target": target, **detail})
+        log(
+            f"episode {i}: {f.kind} on {proxy} for {duration:.0f}s"
+            f"{f' ({f.case})' if f.case else ''} {detail or ''}"
+        )
+        self.idle(duration)
+        api.heal(proxy)
+        healed = self.now()
+        rec["fault_s"] = round(healed - cut, 1)
+        # Whether the pipeline went on committing without the process (or its link) meanwhile.
+        rec["commits_during_fault"] = sum(1 for c in self.commit_times if cut <= c < healed)
+        self.net_faults.append(
+            {
+                "t": round(cut, 1),
+                "target": target,
+                "role": "coordinator" if f.role == "leader" else "participant",
+                "how": f.kind,
+                "service": f.service,
+                "seconds": rec["fault_s"],
+                **({"case": f.case} if f.case else {}),
+                **detail,
+            }
+        )
+        log(f"episode {i}: {proxy} healed after {rec['fault_s']}s")
+        hit = self.idle(
+            RECOVERY_MAX_S,
+            lambda: (
+                self.all_alive()
+                and self.commits_since(max(self.last_start(), healed)) >= RECOVERY_COMMITS
+            ),
+        )
+        rec["recovery_s"] = round(self.now() - healed, 1)
+        rec["first_commit_after_s"] = self._first_commit_after(healed)
+        if not hit:
+            rec["not_recovered"] = True
+            log(
+                f"episode {i}: no {RECOVERY_COMMITS} commits within {RECOVERY_MAX_S:.0f}s of the heal"
+            )
+        self.episodes.append(rec)
+
+    def _mid_commit(self, fallback: str, rec: dict[str, Any]) -> str:
+        """Wait (bounded) until a participant is half-way through applying a part in MongoDB
+        -- its marker prepared, leased by it, some chunks applied and not all -- and return it.
+        Read from MongoDB directly (the markers, see participants/sinks/mongodb), so the cut
+        that follows lands inside a chunked commit, not near one. The participants' MongoDB
+        links are slowed meanwhile, which makes parts and the window larger."""
+        assert self.net is not None
+        api = self.net.api
+        parts = [n for n, m in self.members.items() if m.role == "participant"]
+        for p in parts:
+            api.add_toxic(f"{p}-mongo", "latency", {"latency": MID_COMMIT_LATENCY_MS}, name="slow")
+        client: MongoClient[dict[str, Any]] = MongoClient(
+            _direct(self.s.mongo_uri), serverSelectionTimeoutMS=5000
+        )
+        markers = client[self.s.table]["twophase_parts"]
+        found: dict[str, Any] = {}
+
+        def half_applied() -> bool:
+            doc = markers.find_one(
+                {
+                    "kind": "part",
+                    "state": "prepared",
+                    "applied": {"$gt": 0},
+                    "lease_holder": {"$in": parts},
+                },
+                {"lease_holder": 1, "applied": 1, "records": 1, "txn": 1},
+            )
+            if doc is not None and doc["applied"] < doc.get("records", 0):
+                found.update(doc)
+                return True
+            return False
+
+        try:
+            self.idle(MID_COMMIT_WAIT_S, half_applied)
+        finally:
+            client.close()
+            for p in parts:
+                # The target's stays until its link heals: the cut follows at once.
+                if p != found.get("lease_holder"):
+                    api.remove_toxic(f"{p}-mongo", "slow")
+        if not found:
+            log(f"no participant half-way through a MongoDB commit in {MID_COMMIT_WAIT_S:.0f}s")
+            rec["mid_commit"] = None
+            return fallback
+        rec["mid_commit"] = {k: found[k] for k in ("txn", "applied", "records")}
+        return str(found["lease_holder"])
 
     def _stack_restart(self, service: str) -> dict[str, Any]:
         log(f"crash-restarting {service}: stack.sh restart-{service} --kill")
@@ -543,23 +888,78 @@ def _mix(faults: list[dict[str, Any]]) -> dict[str, int]:
     return dict(sorted(mix.items()))
 
 
+def _kafka_listeners(net: Net, restart: bool) -> bool:
+    """Whether the broker has the per-process listeners Kafka's proxies forward to; with
+    ``restart``, restart it (cleanly) with them when it has not. A Kafka client learns the
+    broker's address from metadata, so a proxy in front of the bootstrap address alone would be
+    bypassed: each process needs a listener advertising its own proxy's port."""
+    spec = net.listeners()
+    ports = [net.port("kafka", n, True) for n in NET_PROCESSES]
+    if not all(_listening(p) for p in ports) and restart:
+        log("restarting Kafka with a listener per process (TWOPHASE_KAFKA_EXTRA_LISTENERS)")
+        rc = subprocess.run(
+            ["bash", str(REPO / "stack" / "stack.sh"), "restart-kafka"],
+            env={**os.environ, "TWOPHASE_KAFKA_EXTRA_LISTENERS": spec},
+            stdout=subprocess.DEVNULL,
+        ).returncode
+        if rc != 0:  # a three-broker stack, say: stack.sh said why on stderr
+            log(f"stack.sh restart-kafka with the listeners failed (rc {rc}); no Kafka link faults")
+    if not all(_listening(p) for p in ports):
+        return False
+    # The broker's crash-restart later in the run must keep them.
+    os.environ["TWOPHASE_KAFKA_EXTRA_LISTENERS"] = spec
+    return True
+
+
+def _kinds(chaos: Chaos) -> dict[str, int]:
+    """How many faults of each kind: kills, crash points, stack restarts, network faults."""
+    kinds: dict[str, int] = collections.Counter(f["how"] for f in chaos.faults)
+    for e in chaos.episodes:
+        if e.get("stack"):
+            kinds[f"{e['stack']['service']}_crash_restart"] += 1
+    kinds.update(f["how"] for f in chaos.net_faults)
+    return dict(sorted(kinds.items()))
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
-    plan = make_plan(args.faults, args.seed, args.short)
     name = f"chaos-{uuid.uuid4().hex[:6]}"
     workdir = Path(args.workdir) if args.workdir else RESULTS / name
     # The product's default commit settings (1 s interval, 10 s vote timeout).
     s = Scenario.on_stack(name, workdir, partitions=6, interval_ms=1000, vote_timeout_ms=10_000)
     s.write()
     s.prepare_stores()
+    net: Net | None = None
+    if args.net_faults:
+        kafka_port = int(s.bootstrap.split(",")[0].rsplit(":", 1)[1])
+        net = Net(s, kafka_port, kafka=False)
+        # --short does not restart a broker others test against: Kafka's links are cut only
+        # when the stack was started with the listeners.
+        net.kafka = _kafka_listeners(net, restart=not args.short)
+        try:
+            net.start()
+        except BaseException:
+            net.stop()
+            raise
     create_topics(load_config(s.config_path))
+    plan = make_plan(
+        args.faults, args.seed, args.short, args.net_faults, kafka_net=bool(net and net.kafka)
+    )
+    # Small chunks only where a cut mid-commit needs them: they cost MongoDB throughput.
+    mid_commit = any(e.net and e.net.mid_commit for e in plan)
+    _use_env_addresses(s, mongo_chunk=MONGO_CHUNK if mid_commit else None)
     n_faults = sum(len(e.faults) for e in plan)
-    est = sum(EPISODE_EST_S * (1.5 if e.stack else 1) for e in plan)
+    n_net = sum(1 for e in plan if e.net)
+    est = sum(
+        NET_EPISODE_EST_S[args.short] if e.net else EPISODE_EST_S * (1.5 if e.stack else 1)
+        for e in plan
+    )
     log(
         f"pipeline {name}: {args.records} records, {len(plan)} episodes, {n_faults} planned "
-        f"kills; logs in {workdir / 'logs'}"
+        f"kills, {n_net} network faults (Kafka links: {bool(net and net.kafka)}); "
+        f"logs in {workdir / 'logs'}"
     )
-    chaos = Chaos(s, random.Random(args.seed + 1))
+    chaos = Chaos(s, random.Random(args.seed + 1), net)
     for c in ("coord-0", "coord-1"):
         chaos.start(c, "coordinator")
     for i in range(3):
@@ -575,7 +975,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         chaos.idle(120, lambda: len(chaos.commit_times) >= 2)
         feeder.start()
         for i, ep in enumerate(plan):
-            chaos.run_episode(i, ep)
+            if ep.net is not None:
+                chaos.run_net_episode(i, ep.net, args.short)
+            else:
+                chaos.run_episode(i, ep)
         # A planned kill can be lost (its target died of something else first): top up.
         extra = 0
         target = n_faults if args.short else args.faults
@@ -630,6 +1033,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         phases["settled_s"] = round(time.monotonic() - started, 1)
     finally:
         chaos.cluster.stop_all()
+        if net is not None:
+            net.stop()
     after_stop = verify(s, expected)
     control = control_summary(s)
     sinks = {k: {**_counts(r), "rows": r.rows, "distinct": r.distinct} for k, r in reports.items()}
@@ -645,7 +1050,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         failures.append("the sinks never settled")
     if source_dups:
         failures.append(f"{source_dups} source records repeat an id (producer problem)")
-    recov = [e["recovery_s"] for e in chaos.episodes if not e.get("stack")]
+    if chaos.unexpected:
+        names = ", ".join(f"{u['target']} rc={u['rc']} at {u['t']}s" for u in chaos.unexpected)
+        failures.append(f"{len(chaos.unexpected)} unexpected process exits: {names}")
+    recov = [e["recovery_s"] for e in chaos.episodes if not e.get("stack") and not e.get("net")]
+    net_recov = [e["recovery_s"] for e in chaos.episodes if e.get("net") and "recovery_s" in e]
     commits = sorted(chaos.commit_times)
     gaps = [b - a for a, b in itertools.pairwise(commits)]
     return {
@@ -655,13 +1064,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "sinks": sinks,
         "failures": failures,
         "fault_mix": _mix(chaos.faults),
+        "network_faults": len(chaos.net_faults),
+        "network_fault_mix": dict(
+            sorted(
+                collections.Counter(
+                    f"{f['role']}:{f['how']}:{f['service']}" for f in chaos.net_faults
+                ).items()
+            )
+        ),
+        "fault_kinds": _kinds(chaos),
+        "kafka_links_faulted": bool(net and net.kafka),
         "stack_restarts": [e["stack"] for e in chaos.episodes if e.get("stack")],
         "unexpected_exits": chaos.unexpected,
         "episodes": len(chaos.episodes),
         "episode_recovery_s": {
             "median": statistics.median(recov) if recov else None,
             "max": max(recov) if recov else None,
-            "not_recovered_in_bound": sum(1 for e in chaos.episodes if e.get("not_recovered")),
+            "not_recovered_in_bound": sum(
+                1 for e in chaos.episodes if e.get("not_recovered") and not e.get("net")
+            ),
+            # From the heal of the link (kills: from the episode's start).
+            "network": {
+                "median": statistics.median(net_recov) if net_recov else None,
+                "max": max(net_recov) if net_recov else None,
+                "not_recovered_in_bound": sum(
+                    1 for e in chaos.episodes if e.get("not_recovered") and e.get("net")
+                ),
+            },
         },
         "longest_commit_gap_s": round(max(gaps), 1) if gaps else None,
         "offsets_caught_up": caught_up,
@@ -678,6 +1107,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "workdir": str(workdir),
         "episode_log": chaos.episodes,
         "fault_log": chaos.faults,
+        "network_fault_log": chaos.net_faults,
     }
 
 
@@ -692,11 +1122,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, help="fault plan seed (default: random)")
     ap.add_argument("--short", action="store_true", help="4 faults on 20k records (make test)")
     ap.add_argument("--settle", type=float, help="bound on the final catch-up, seconds")
+    ap.add_argument(
+        "--net-faults",
+        type=int,
+        help="network fault episodes (Toxiproxy), default 10 (2 with --short)",
+    )
+    ap.add_argument("--no-net", action="store_true", help="no network faults (kills only)")
+    ap.add_argument(
+        "--print-listeners",
+        action="store_true",
+        help="print the TWOPHASE_KAFKA_EXTRA_LISTENERS a stack needs for Kafka's proxies and exit",
+    )
     ap.add_argument("--workdir", default="", help="default chaos/results/<pipeline>")
     ap.add_argument("--out", default=str(RESULTS / "latest.json"))
     args = ap.parse_args(argv)
+    if args.print_listeners:
+        # Before `stack.sh up`: the port it will use (its default is 9092).
+        print(kafka_listeners(int(os.environ.get("TWOPHASE_KAFKA_PORT", "9092"))))
+        return 0
     if args.records is None:
         args.records = 20_000 if args.short else 200_000
+    if args.no_net:
+        args.net_faults = 0
+    elif args.net_faults is None:
+        args.net_faults = 2 if args.short else 10
     if args.settle is None:
         args.settle = 240.0 if args.short else 600.0
     if args.seed is None:
