@@ -23,6 +23,7 @@ from twophase.participants.sdk import (
     AbortTransactionError,
     Held,
     PartId,
+    RawShape,
     Record,
     Rejected,
     Sink,
@@ -234,7 +235,14 @@ def write_batch(
     routes = _Routes(sinks)
     msgs, untaken = routes.split(msgs)
     targeting = [s for s in sinks if _makes_targets(s)]
-    raw_mode = reads_raw(sinks, decoder) and not routes.routed and not targeting
+    # Raw values go to the sinks only when no sink needs open_targets for them: one that makes
+    # targets but says these values need none (its targets follow records' own schemas, which
+    # plain JSON values do not carry) keeps the raw path.
+    raw_mode = (
+        reads_raw(sinks, decoder)
+        and not routes.routed
+        and not any(_targets_raw(s, decoder.raw_shape) for s in targeting)
+    )
     decoded = decoder.decode_batch(msgs, max_record_bytes, decode=not raw_mode)
     letters = _Letters(dlq, txn)
     for m in untaken:
@@ -296,17 +304,22 @@ def write_batch(
     held: dict[tuple[str, int], int] = {}
     remaining: list[Record] = decoded.records
     if raw_mode:
-        batch = decoded.raw_batch()
-        if checked:
-            # Several sinks reading raw values: the checks need the records (decoded once,
-            # shared with every sink's write through the batch).
-            every = batch.records()
-            for sink in checked:
+        batch = decoded.raw_batch().with_messages(decoded.kept)
+        every: list[Record] | None = None
+        for sink in checked:
+            # A sink that checks raw values itself does; for the others the records are decoded
+            # once, shared with every sink's write through the batch.
+            check_raw = getattr(sink, "check_raw", None)
+            rejected = check_raw(batch) if check_raw is not None else None
+            if rejected is None:
+                if every is None:
+                    every = batch.records()
                 rejected = sink.check(every)
-                if rejected:
-                    ids, gone = refuse(sink, rejected)
-                    size -= gone
-                    batch = batch.without(ids)
+            if rejected:
+                ids, gone = refuse(sink, rejected)
+                size -= gone
+                batch = batch.without(ids)
+                if every is not None:
                     every = [r for r in every if r.record_id not in ids]
         for i, sink in enumerate(sinks):
             rejected = retry(partial(sink.write_raw, part, batch), f"txn={txn} write {sink.name}")
@@ -394,6 +407,12 @@ def _makes_targets(sink: Sink) -> bool:
     if says is not None:
         return bool(says)
     return getattr(type(sink), "open_targets", Sink.open_targets) is not Sink.open_targets
+
+
+def _targets_raw(sink: Sink, shape: RawShape | None) -> bool:
+    """:meth:`Sink.makes_targets_for` of a sink that makes targets (True when it cannot say)."""
+    says = getattr(sink, "makes_targets_for", None)
+    return True if says is None or shape is None else bool(says(shape))
 
 
 class _Letters:

@@ -15,6 +15,8 @@ in a pipeline's ``sinks[].type``.
   (:mod:`twophase.participants.sdk.schema`).
 * :class:`TargetTemplate` -- a target name per record (``table: ${topic}``), for sinks that
   route records to many tables or collections (:mod:`twophase.participants.sdk.routing`).
+* :mod:`twophase.participants.sdk.rawjson` -- raw JSON values into Arrow (``pyarrow.json``) by
+  the runtime's decoding rules, for sinks with a raw path (imported on its own).
 * :mod:`twophase.participants.sdk.values` -- the value conversions the built-in sinks share
   (``docs/types.md``), so a record meets the same rule in every sink.
 * :mod:`twophase.participants.sdk.testkit` -- the conformance kit, a pytest plugin (imported on its own:

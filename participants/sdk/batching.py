@@ -249,7 +249,8 @@ class BatchingSink(Sink):
         def stage() -> tuple[Sequence[Rejected], int]:
             staged = self.stage_raw(part, batch) if len(batch) else []
             if staged is not None:
-                return staged, len(batch)
+                # Values that turned out to be no record were skipped: not counted as staged.
+                return staged, len(batch) - len(batch.known_undecodable())
             records = batch.records()
             return (self.stage(part, records) if records else []), len(records)
 
@@ -260,7 +261,8 @@ class BatchingSink(Sink):
         offers it when :meth:`~twophase.participants.sdk.Sink.accepts_raw` says so). Stage
         every value exactly as :meth:`stage` would stage its record and return the refusals;
         or stage nothing and return None, and the batch is decoded and given to :meth:`stage`.
-        Atomic, like :meth:`stage`. Default: None."""
+        A value ``batch.record(i)`` finds to be no record is skipped (the runtime
+        dead-letters it). Atomic, like :meth:`stage`. Default: None."""
         return None
 
     def _write(

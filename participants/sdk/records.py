@@ -189,7 +189,8 @@ class RawBatch:
     """
 
     __slots__ = (
-        "_coords", "_decode", "_decoded", "_ids", "_index", "_schemas", "shape", "values",
+        "_coords", "_decode", "_decoded", "_ids", "_index", "_messages", "_schemas", "shape",
+        "values",
     )  # fmt: skip
 
     def __init__(
@@ -202,6 +203,7 @@ class RawBatch:
         shape: RawShape = PLAIN_JSON,
         coords: Callable[[int], tuple[str, bytes | None]] | None = None,
         schemas: Callable[[int], str | None] | None = None,
+        messages: Sequence[Any] | None = None,
     ) -> None:
         self.values = values
         self._decode = decode
@@ -214,6 +216,49 @@ class RawBatch:
         #: Position in the first batch -> the message's (topic, key).
         self._coords = coords
         self._schemas = schemas
+        #: The first batch's messages (``topic()``, ``partition()``, ``offset()``,
+        #: ``timestamp()``), for :meth:`origins`.
+        self._messages = messages
+
+    def with_messages(self, messages: Sequence[Any]) -> RawBatch:
+        """This batch knowing its values' messages (the first batch's, in order)."""
+        return RawBatch(
+            self.values,
+            self._decode,
+            self._decoded,
+            self._index,
+            shape=self.shape,
+            coords=self._coords,
+            schemas=self._schemas,
+            messages=messages,
+        )
+
+    def origins(
+        self, *, positions: bool = True
+    ) -> tuple[list[str], list[int], list[int], list[int]] | None:
+        """Per value, its message's topic, partition, offset and timestamp (ms, as
+        :attr:`Record.timestamp_ms`), without decoding; None when the batch does not know its
+        messages (a sink then decodes, or asks :meth:`record`). ``positions`` False: the
+        partitions and offsets are left out (empty lists)."""
+        if self._messages is None:
+            return None
+        index, msgs = self._index, self._messages
+        if index != range(len(msgs)):
+            msgs = [msgs[at] for at in index]
+        return (
+            [m.topic() or "" for m in msgs],
+            [m.partition() or 0 for m in msgs] if positions else [],
+            [m.offset() or 0 for m in msgs] if positions else [],
+            [m.timestamp()[1] for m in msgs],
+        )
+
+    def known_undecodable(self) -> list[int]:
+        """Positions (in this batch) of the values found not to be records so far (by an
+        earlier sink's :meth:`record`), which a sink skips without asking again."""
+        if not self._decoded:
+            return []
+        bad = self.undecodable()
+        return [i for i, at in enumerate(self._index) if at in bad] if bad else []
 
     def writer_schema(self, schema_id: int) -> str | None:
         """The Avro text of registry schema ``schema_id`` (``RawShape.format`` ``"avro"``),
@@ -245,6 +290,7 @@ class RawBatch:
             shape=self.shape,
             coords=self._coords,
             schemas=self._schemas,
+            messages=self._messages,
         )
 
     def __len__(self) -> int:

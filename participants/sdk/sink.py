@@ -109,7 +109,10 @@ values that are more than the record: Debezium change events, keys that add fiel
 sink of a pipeline accepts the source's raw values, the runtime skips decoding and calls
 ``write_raw`` with a :class:`RawBatch`; all the rules of ``write`` hold for it, and every value
 must be either stored or asked for with ``RawBatch.record`` (which is how the runtime learns
-what to dead-letter as undecodable).
+what to dead-letter as undecodable). Such a sink that has a :meth:`check` also overrides
+:meth:`check_raw`, or the runtime decodes every batch for the check; and one that makes targets
+says, with :meth:`makes_targets_for`, which raw values need none (then it keeps its raw path).
+:mod:`twophase.participants.sdk.rawjson` reads JSON values into Arrow by the runtime's rules.
 
 **Housekeeping** (optional; defaults do nothing, and are right for a store that needs nothing):
 
@@ -262,6 +265,13 @@ class Sink(abc.ABC):
         constraint, a unique index) stay in :meth:`write`, where the runtime retracts them."""
         return ()
 
+    def check_raw(self, batch: RawBatch) -> Sequence[Rejected] | None:
+        """:meth:`check` of a batch whose values are still JSON bytes (asked instead of it when
+        the runtime gives the sinks raw values): the same refusals, for the records
+        ``batch.record(i)`` gives; values that are no record are skipped. None: decode the
+        batch and ask :meth:`check` (the default)."""
+        return None
+
     def open_targets(self, part: PartId, records: Sequence[Record]) -> Sequence[Rejected | Held]:
         """Make ready, inside the open ``part``, the targets ``records`` need (create, evolve);
         return the records whose target never can take them (:class:`Rejected`) and those
@@ -277,6 +287,14 @@ class Sink(abc.ABC):
         that makes targets only under some options (``auto_create``) says so here, so that
         without them it keeps its raw path."""
         return type(self).open_targets is not Sink.open_targets
+
+    def makes_targets_for(self, shape: RawShape) -> bool:
+        """True when :meth:`open_targets` may have something to do for records read from raw
+        values of ``shape`` (asked after setup, of sinks that :attr:`makes_targets`). False lets
+        the runtime give this sink raw values without asking :meth:`open_targets` (a sink whose
+        targets follow records' own schemas: plain JSON values carry none). Default:
+        :attr:`makes_targets`."""
+        return self.makes_targets
 
     def accepts_raw(self) -> bool:
         """True when :meth:`write_raw` is faster than decoding first (asked after setup), for

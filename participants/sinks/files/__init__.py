@@ -12,6 +12,8 @@ its store operations are the steps below. The package, by concern:
   :func:`read_dataset`;
 * :mod:`._layout` -- the directories and the ``flock`` that tells a live writer from a dead one;
 * :mod:`._staging` -- the write path: buffers, data files, ``PREPARED.json``;
+* :mod:`._raw` -- the raw path of inferred Parquet: JSON values into the same Arrow columns
+  without decoding them (``docs/types.md``);
 * :mod:`._publish` -- the commit path: staged files to their targets, never overwriting;
 * :mod:`._manifests` -- the commit markers and their retention;
 * :mod:`.sink` -- :class:`FileSink`, the store operations built from them.

@@ -30,7 +30,10 @@ from twophase.participants.sinks.files.config import SOURCE_COLUMNS, FileSinkCon
 if TYPE_CHECKING:
     from twophase.participants.sinks.files._typed import Typing
 
-__all__ = ["Encoder", "Refused", "encoder_for", "refusal"]
+__all__ = ["EMPTY_ROW", "Encoder", "Refused", "encoder_for", "refusal"]
+
+#: Why an empty object is refused by Parquet without ``source_columns``.
+EMPTY_ROW = "empty object: a Parquet row needs a column (or set source_columns)"
 
 
 def refusal(record: Record, reason: str, field_name: str | None) -> Rejected:
@@ -161,7 +164,7 @@ class ParquetEncoder(Encoder):
         if source:
             _source_clash(value)
         elif not value:
-            raise Refused("empty object: a Parquet row needs a column (or set source_columns)")
+            raise Refused(EMPTY_ROW)
         # A value of n levels is at least 2n bytes of JSON: most records skip the walk.
         if (record.size == 0 or record.size > 2 * MAX_NESTING) and deeper_than(value, MAX_NESTING):
             raise Refused(f"nested deeper than {MAX_NESTING} levels")

@@ -99,15 +99,17 @@ class OutputGroups:
 
     def key(self, record: Record) -> Group | str:
         """The output group of ``record``, or why it has none."""
+        return self.key_of(record.topic, record.timestamp_ms)
+
+    def key_of(self, topic: str, ts: int) -> Group | str:
+        """The output group of a record of ``topic`` with timestamp ``ts``, or why it has none."""
         mode = self.mode
         if mode == "none":
             return (None, None)
-        topic = record.topic
         if topic in (".", "..", STATE_DIR) or not topic or not _TOPIC_CHARS.issuperset(topic):
             return f"topic {topic!r} cannot name a directory of this sink"
         if mode == "topic":
             return (topic, None)
-        ts = record.timestamp_ms
         day = ts // _DAY_MS
         if ts < 0 or day > _LAST_DAY:
             # No date names it: the null partition; ``_timestamp_ms`` keeps the exact value.
@@ -184,6 +186,19 @@ class OpenFiles:
             self._flush(key, buf)
         self.rejected += len(rejected)
         return rejected
+
+    def write_chunks(self, chunks: Mapping[Key, Any | None], rejected: int) -> None:
+        """Buffer chunks made without records (the raw path), each of one output file, in
+        the order :meth:`write` would have made them (None: every record of that file was
+        refused); ``rejected``: how many records were refused."""
+        for key, chunk in chunks.items():
+            buf = self.buffers.setdefault(key, Buffer())
+            if chunk is not None:
+                self._append(key, buf, chunk)
+        while self.buffered > self.buffered_limit:
+            key, buf = max(self.buffers.items(), key=lambda kv: kv[1].rows)
+            self._flush(key, buf)
+        self.rejected += rejected
 
     def flush_all(self) -> None:
         """Write every buffer that holds records (the prepare)."""

@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -21,8 +22,10 @@ from twophase.participants.sdk.staging import (
     rename_durable,
     write_json_atomic,
 )
+from twophase.participants.sinks.files._arrow import Columns
 from twophase.participants.sinks.files._datasets import DatasetSchemas, PartSchemas
 from twophase.participants.sinks.files._encoders import (
+    EMPTY_ROW,
     ParquetEncoder,
     Refused,
     encoder_for,
@@ -38,16 +41,33 @@ from twophase.participants.sinks.files._layout import (
 )
 from twophase.participants.sinks.files._manifests import Manifests, manifest_positions
 from twophase.participants.sinks.files._publish import Publisher
+from twophase.participants.sinks.files._raw import RawReader
 from twophase.participants.sinks.files._schema import Mismatch
-from twophase.participants.sinks.files._staging import OpenFiles, OutputGroups, read_prepared
+from twophase.participants.sinks.files._staging import (
+    Key,
+    OpenFiles,
+    OutputGroups,
+    read_prepared,
+)
 from twophase.participants.sinks.files._typed import Typing, schema_from_json
 from twophase.participants.sinks.files.config import FileSinkConfig
 from twophase.retry import DISK_FULL_RETRY_S
 
 __all__ = ["FileSink"]
 
+#: Milliseconds in a day: records of one day share an output file (``partition_by``).
+_DAY_MS = 86_400_000
 _FATAL_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.EXDEV})
 _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+@dataclass(slots=True)
+class _Judged:
+    """A raw batch as :meth:`FileSink.stage` would take its records: the refusals, and per
+    output file (in the order ``stage`` meets them) a chunk, or None when all were refused."""
+
+    refused: list[sdk.Rejected]
+    chunks: dict[Key, Columns | None]
 
 
 class FileSink(sdk.BatchingSink):
@@ -80,6 +100,11 @@ class FileSink(sdk.BatchingSink):
         self._decide_lock = threading.Lock()
         self._publisher = Publisher(self.base, self.name, self.log)
         self._manifests = Manifests(self._layout.dir("manifests"), context.pipeline, self.name)
+        #: The raw path (:mod:`._raw`): inferred Parquet, every record judged alike.
+        raw = config.format == "parquet" and config.schema_ is None and not config.op_column
+        self._raw = RawReader(config.source_columns) if raw else None
+        #: The last batch judged by :meth:`check_raw`, for the :meth:`stage_raw` that follows.
+        self._judged: tuple[list[bytes], _Judged | None] | None = None
 
     # -- errors --
 
@@ -328,6 +353,121 @@ class FileSink(sdk.BatchingSink):
             except (Mismatch, Refused) as exc:
                 rejected.append(refusal(record, str(exc), exc.field_name))
         return rejected
+
+    # -- the raw path: JSON values into Arrow without decoding (:mod:`._raw`) --
+
+    def accepts_raw(self) -> bool:
+        """Inferred Parquet (no ``schema``, no ``op_column``): the values are read into Arrow
+        by :class:`~._raw.RawReader`, each batch exactly as its decoded records would be or,
+        when that cannot be vouched for, decoded."""
+        return self._raw is not None
+
+    def makes_targets_for(self, shape: sdk.RawShape) -> bool:
+        """Plain JSON values carry no schema, so their datasets need nothing opened."""
+        return shape != sdk.PLAIN_JSON and self.makes_targets
+
+    def check_raw(self, batch: sdk.RawBatch) -> Sequence[sdk.Rejected] | None:
+        """:meth:`check` of raw values: the same refusals, found by the reading that
+        :meth:`stage_raw` then uses; None when the batch is to be decoded."""
+        judged = self._judge(batch)
+        self._judged = (batch.values, judged)
+        return None if judged is None else judged.refused
+
+    def stage_raw(self, part: sdk.PartId, batch: sdk.RawBatch) -> Sequence[sdk.Rejected] | None:
+        op = self._open_files.get(part)
+        if op is None:
+            raise sdk.AbortTransactionError(f"part {part.token} is not open here", sink=self.name)
+        cached, self._judged = self._judged, None
+        judged = None
+        if cached is not None and cached[0] is batch.values and not batch.known_undecodable():
+            judged = cached[1]  # the batch check_raw read, and no sink has found a bad value
+        if judged is None:
+            judged = self._judge(batch)
+            if judged is None:
+                return None
+        with self._fs("write", part, sdk.AbortTransactionError):
+            op.write_chunks(judged.chunks, len(judged.refused))
+        return judged.refused
+
+    def _judge(self, batch: sdk.RawBatch) -> _Judged | None:
+        """What :meth:`stage` would make of the batch's records: the refusals, and one chunk of
+        inferred columns per output file, each read from the values of that file alone (as
+        :meth:`Encoder.encode` infers per file of one write); None: decode the batch."""
+        source = self.config.source_columns
+        if self._raw is None or (origins := batch.origins(positions=source)) is None:
+            return None
+        topics, partitions, offsets, stamps = origins
+        skip = set(batch.known_undecodable())
+        refused: dict[int, sdk.Rejected] = {}
+        key_of = self._groups.key_of
+        distinct = set(topics)
+        bad = {t: why for t in distinct if isinstance(why := key_of(t, 0), str)}
+        for i, topic in enumerate(topics) if bad else ():
+            if topic in bad and i not in skip:
+                skip.add(i)
+                if (record := batch.record(i)) is not None:
+                    refused[i] = refusal(record, bad[topic], None)
+        kept = [i for i in range(len(batch)) if i not in skip] if skip else range(len(batch))
+        groups: dict[Key, list[int]] = {}
+        one = self._one_group(kept, topics, stamps, len(distinct) == 1)
+        if one is not None:
+            groups[(one[0], one[1], -1)] = list(kept)
+        else:
+            for i in kept:
+                group = key_of(topics[i], stamps[i])
+                assert not isinstance(group, str)  # the topic's refusal is above
+                groups.setdefault((group[0], group[1], -1), []).append(i)
+        chunks: dict[Key, Columns | None] = {}
+        values = batch.values
+        for key, at in groups.items():
+            read = self._raw.read(values if len(at) == len(values) else [values[i] for i in at])
+            if read is None:
+                return None
+            fields = read.fields
+            if read.empty:
+                for j in read.empty:
+                    if (record := batch.record(at[j])) is None:
+                        return None  # not an object after all: the decoded path says why
+                    refused[at[j]] = refusal(record, EMPTY_ROW, None)
+                gone = set(read.empty)
+                rows = [j for j in range(len(at)) if j not in gone]
+                at = [at[j] for j in rows]
+                index = pa.array(rows, type=pa.int64())
+                fields = {name: f.take(index) for name, f in fields.items()}
+            if not at:
+                chunks[key] = None
+                continue
+            columns = None
+            if source:
+                columns = [
+                    pa.array([topics[i] for i in at], type=pa.string()),
+                    pa.array([partitions[i] for i in at], type=pa.int32()),
+                    pa.array([offsets[i] for i in at], type=pa.int64()),
+                    pa.array([stamps[i] for i in at], type=pa.int64()),
+                ]
+            chunks[key] = Columns(len(at), fields, columns)
+        return _Judged([refused[i] for i in sorted(refused)], chunks)
+
+    def _one_group(
+        self, kept: Sequence[int], topics: list[str], stamps: list[int], one_topic: bool
+    ) -> tuple[str | None, str | None] | None:
+        """The output group of every value at ``kept`` when they share one (the usual batch:
+        one topic, one day), found without a look at each value; else None."""
+        if not kept:
+            return None
+        if self._groups.mode == "none":
+            return (None, None)
+        topic = topics[kept[0]]
+        if not one_topic and any(topics[i] != topic for i in kept):
+            return None
+        if self._groups.mode == "topic":
+            return (topic, None)
+        ts = [stamps[i] for i in kept] if len(kept) != len(stamps) else stamps
+        low, high = min(ts), max(ts)
+        if low < 0 or low // _DAY_MS != high // _DAY_MS:
+            return None
+        group = self._groups.key_of(topic, low)
+        return None if isinstance(group, str) else group
 
     def open_targets(
         self, part: sdk.PartId, records: Sequence[sdk.Record]

@@ -40,6 +40,7 @@ from pyiceberg.types import (
 )
 
 from twophase.participants.sdk import Record, Rejected, values
+from twophase.participants.sdk.rawjson import ARROW_ERRORS, join_lines, read_lines
 from twophase.participants.sdk.values import BadValue
 
 __all__ = ["PartRows", "RawReader", "RowMaker", "conform"]
@@ -47,7 +48,6 @@ __all__ = ["PartRows", "RawReader", "RowMaker", "conform"]
 Convert = Callable[[Any], Any]
 _FLOAT32_MAX = 3.4028234663852886e38
 _EPOCH = datetime(1970, 1, 1)
-_ARROW_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError)
 
 
 def _micros(moment: datetime) -> int:
@@ -212,7 +212,7 @@ class RowMaker:
         (in ``records``) of the rows kept."""
         try:
             return self.batch(rows), [], at
-        except _ARROW_ERRORS:
+        except ARROW_ERRORS:
             pass
         kept: list[list[Any]] = []
         kept_at: list[int] = []
@@ -220,7 +220,7 @@ class RowMaker:
         for row, i in zip(rows, at, strict=True):
             try:
                 self.batch([row])
-            except _ARROW_ERRORS as exc:
+            except ARROW_ERRORS as exc:
                 rejected.append(Rejected(records[i], f"Arrow refused the row: {exc}"))
             else:
                 kept.append(row)
@@ -329,18 +329,11 @@ class RawReader:
     def read(self, values: Sequence[bytes]) -> pa.Table | None:
         # One value, one line, one object: a value with a line break, or that is not an object,
         # or that holds two objects, would not line up with its record (the count says so).
-        if not values or any(v[:1] != b"{" or b"\n" in v for v in values):
+        data = join_lines(values)
+        if data is None:
             return None
-        data = b"\n".join(values)
-        try:
-            table = pa_json.read_json(
-                pa.py_buffer(data),
-                read_options=pa_json.ReadOptions(use_threads=False, block_size=len(data) + 1),
-                parse_options=self._options,
-            )
-        except _ARROW_ERRORS:
-            return None
-        if table.num_rows != len(values):
+        table = read_lines(data, len(values), self._options)
+        if table is None:
             return None
         for name, digits in self._decimals:
             # Arrow fits the scale exactly but lets the precision overflow.

@@ -1,0 +1,131 @@
+"""JSON values straight into Arrow (``pyarrow.json``), for sinks with a raw path.
+
+A sink that reads :class:`~twophase.participants.sdk.RawBatch` values itself can hand them to
+Arrow's JSON reader in one call instead of decoding each in Python. The reader is not the
+runtime's decoder: it accepts some values the runtime refuses (``NaN``, invalid UTF-8), rounds
+some it keeps exact (integers past int64), infers types the decoded path does not (timestamps
+from ISO strings) and, with inference, misreads a list whose first item is null. These helpers
+do the part every such sink needs -- one value per line, one object per value, one row per
+value, UTF-8, finite doubles, integers a double holds exactly -- and answer None for any batch
+they cannot vouch for, which the sink then gives to its decoded path (every rule, every
+rejection reason). Used by the Iceberg sink (an explicit schema) and the files sink (inferred).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pa_json
+
+__all__ = ["ARROW_ERRORS", "exact_doubles", "join_lines", "read_lines", "strings_for_timestamps"]
+
+#: What Arrow raises for data it cannot read or convert.
+ARROW_ERRORS: tuple[type[BaseException], ...] = (
+    pa.ArrowInvalid,
+    pa.ArrowTypeError,
+    pa.ArrowNotImplementedError,
+    OverflowError,
+)
+#: Every integer of magnitude up to 2**53 is exactly a double; a double at least this large may
+#: be an integer the reader rounded (it promotes int64 columns with a float to double, and reads
+#: an integer past int64 as a double).
+_EXACT_DOUBLE = float(2**53)
+
+
+def join_lines(values: Sequence[bytes], *, utf8: bool = False) -> bytes | None:
+    """The values as one newline-delimited buffer, or None when one value would not be one
+    line holding one object (a value with a line break, or that does not start with ``{``),
+    or, with ``utf8``, when the buffer is not valid UTF-8 (Arrow does not check it)."""
+    if not values:
+        return None
+    data = b"\n".join(values)
+    # Exactly the n - 1 line breaks the join put there, each followed by a ``{``: no value
+    # holds a line break and every value starts with ``{`` (counted in C, not per value).
+    breaks = len(values) - 1
+    if data[:1] != b"{" or data.count(b"\n") != breaks or data.count(b"\n{") != breaks:
+        return None
+    if utf8:
+        try:
+            data.decode()
+        except UnicodeDecodeError:
+            return None
+    return data
+
+
+def read_lines(
+    data: bytes, rows: int, options: pa_json.ParseOptions | None = None
+) -> pa.Table | None:
+    """``data`` (:func:`join_lines`) read by Arrow in one block on this thread; None when Arrow
+    refuses it or finds other than ``rows`` rows (a value holding two objects)."""
+    try:
+        table = pa_json.read_json(
+            pa.py_buffer(data),
+            read_options=pa_json.ReadOptions(use_threads=False, block_size=len(data) + 1),
+            parse_options=options or pa_json.ParseOptions(),
+        )
+    except ARROW_ERRORS:
+        return None
+    return table if table.num_rows == rows else None
+
+
+def _leaves(array: Any) -> list[Any]:
+    """The primitive arrays under ``array`` (struct children, list items), flattened."""
+    out: list[Any] = []
+    stack = [array]
+    while stack:
+        a = stack.pop()
+        kind = a.type
+        if pa.types.is_struct(kind):
+            stack.extend(a.field(i) for i in range(kind.num_fields))
+        elif pa.types.is_list(kind) or pa.types.is_large_list(kind):
+            stack.append(a.flatten())
+        else:
+            out.append(a)
+    return out
+
+
+def exact_doubles(table: pa.Table) -> bool:
+    """True when every double in ``table`` (nested too) is finite and smaller than 2**53: no
+    ``NaN``/``Infinity`` (not JSON) and no integer the reader may have rounded."""
+    for column in table.columns:
+        for chunk in column.chunks:
+            for leaf in _leaves(chunk):
+                if not pa.types.is_floating(leaf.type) or len(leaf) == leaf.null_count:
+                    continue
+                if not pc.all(pc.is_finite(leaf)).as_py():
+                    return False
+                if pc.max(pc.abs(leaf)).as_py() >= _EXACT_DOUBLE:
+                    return False
+    return True
+
+
+def _without_timestamps(kind: Any) -> Any:
+    if pa.types.is_timestamp(kind):
+        return pa.string()
+    if pa.types.is_struct(kind):
+        return pa.struct([f.with_type(_without_timestamps(f.type)) for f in kind])
+    if pa.types.is_list(kind):
+        return pa.list_(kind.value_field.with_type(_without_timestamps(kind.value_type)))
+    return kind
+
+
+def _needs_reread(kind: Any) -> bool:
+    if pa.types.is_timestamp(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return True
+    if pa.types.is_struct(kind):
+        return any(_needs_reread(f.type) for f in kind)
+    return False
+
+
+def strings_for_timestamps(schema: pa.Schema) -> pa.Schema | None:
+    """For a schema the reader inferred: the schema to read the same data again with, or None
+    when the inferred one is already right. Inference types ISO-looking strings as timestamps
+    (the decoded path keeps the text: read them as strings) and mistypes a list whose first
+    item is null (``[null, 1]`` reads as ``[1, 0]``; read with the list's type given, it is
+    right)."""
+    if not any(_needs_reread(f.type) for f in schema):
+        return None
+    return pa.schema([f.with_type(_without_timestamps(f.type)) for f in schema])
