@@ -561,6 +561,17 @@ if mode.startswith("park:"):
         assert not sink._commits.step(part)
     print("PARKED", flush=True)
     time.sleep(3600)
+if mode.startswith("intxn:"):
+    # Apply some chunks, then die inside the next chunk's transaction: its writes done, its
+    # commit never sent (the parent kills this process), so the server keeps it open.
+    for _ in range(int(mode[6:])):
+        assert not sink._commits.step(part)
+    def parked(part, session, apply=sink._commits._commit_chunk):
+        apply(part, session)
+        print("PARKED", flush=True)
+        time.sleep(3600)
+    sink._commits._commit_chunk = parked
+    sink._commits.step(part)
 print("READY", flush=True)
 sys.stdin.readline()  # all committers start together
 t0 = time.monotonic()
@@ -693,6 +704,40 @@ def test_a_restarted_participant_takes_over_its_own_lease_at_once(
     assert_committed_once(db, restarted, part, RACE_DOCS)
     # Another participant still respects a live lease (the test above waits it out).
     print(f"\nrestarted owner took over its own lease: committed in {took:.1f}s")
+
+
+@pytest.mark.timeout(RACE_BUDGET_S + 120)
+@pytest.mark.parametrize("successor", ["restarted", "other"])
+def test_a_committer_killed_inside_a_chunk_transaction_is_not_waited_out(
+    make_sink: MakeSink, db: Database[Doc], mongo_uri: str, successor: str
+) -> None:
+    """A committer killed between a chunk transaction's writes and its commit leaves the
+    transaction open on the server, holding the marker, for the server's transaction lifetime
+    (60 s, the stack's as mongod's). Its successor -- its own next incarnation, or another
+    participant once the lease expired -- ends that session (``killSessions`` of the session the
+    claim recorded) instead of waiting the minute out behind it, and commits exactly once."""
+    part = prepare_race(make_sink)
+    lease = {"commit_lease_s": SHORT_LEASE_S} if successor == "other" else {}
+    holder = spawn_committer(mongo_uri, db, "w1", part, "intxn:2", **lease)
+    try:
+        expect_line(holder, "PARKED")
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(10)
+    killed = time.perf_counter()
+    marker = db.twophase_parts.find_one({"_id": "mongo:" + part.token})
+    assert marker is not None and marker["applied"] == 2 * RACE_CHUNK  # the third is open
+    assert marker["lease_lsid"]["id"].subtype == 4
+    after = make_sink(
+        participant="w1" if successor == "restarted" else "w2", commit_chunk_size=RACE_CHUNK
+    )
+    drive(partial(after.commit, part))
+    took = time.perf_counter() - killed
+    assert_committed_once(db, after, part, RACE_DOCS)
+    # Without ending the session this waits for the server's 60 s lifetime (plus its reaper).
+    bound = (SHORT_LEASE_S if successor == "other" else 0) + 30
+    assert took < bound, took
+    print(f"\n{successor} successor of a committer killed in a transaction: {took:.1f}s")
 
 
 def test_abort_waits_for_a_live_commit_lease(make_sink: MakeSink, db: Database[Doc]) -> None:

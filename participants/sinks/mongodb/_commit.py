@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -78,7 +79,7 @@ _LEASE_RELEASE_TIMEOUT_S = 5.0
 #: answers false to every comparison of a stored date with ``$$NOW`` (either direction); on
 #: MongoDB both forms mean the same. A missing ``lease_until`` converts to null, which sorts low.
 _LEASE_EXPIRED: Doc = {"$expr": {"$lt": [{"$toLong": "$lease_until"}, {"$toLong": "$$NOW"}]}}
-NO_LEASE: Doc = {"lease_owner": "", "lease_holder": "", "lease_until": ""}
+NO_LEASE: Doc = {"lease_owner": "", "lease_holder": "", "lease_until": "", "lease_lsid": ""}
 
 
 class Committer:
@@ -130,6 +131,7 @@ class Committer:
         self._enter_commit(part, "abort")
         try:
             with self.store.errors("abort", part.token, FatalSinkError):
+                self._end_dead_holders_transaction(part)
                 marker = self.store.markers.find_one_and_update(
                     {
                         "_id": pk,
@@ -224,7 +226,47 @@ class Committer:
             {"lease_holder": self.participant},
         ]
 
-    def claim(self, part: PartId) -> bool:
+    def _end_dead_holders_transaction(self, part: PartId) -> None:
+        """When this instance is about to take ``part``'s lease from another holder (an earlier
+        incarnation of this participant, or a lease expired), end that holder's session first.
+
+        A committer killed inside a chunk transaction leaves it open on the server, holding the
+        marker and the chunk's documents, and the server ends it only after its lifetime (60 s
+        by default): every write to the marker -- this takeover's first -- waits until then. The
+        holder's session id is in the marker (``lease_lsid``, set by each claim), so
+        ``killSessions`` aborts its transaction now. A holder that is alive after all (cut off,
+        its lease expired) only loses its open chunk transaction: its next one finds the lease
+        gone (:meth:`_commit_chunk`), as it would have anyway. A plain read: it never waits."""
+        pk = self.store.pk(part)
+        holder = self.store.markers.find_one(
+            {
+                "_id": pk,
+                "state": {"$in": [OPEN, PREPARED]},
+                "lease_owner": {"$nin": [None, "", self._me]},
+                "lease_lsid": {"$type": "object"},
+                "$or": self._lease_free(),
+            },
+            projection={"lease_owner": 1, "lease_lsid": 1},
+        )
+        if holder is None:
+            return
+        try:
+            self.store.client.admin.command("killSessions", [holder["lease_lsid"]])
+        except PyMongoError as exc:  # not allowed, or not known: the server's lifetime ends it
+            self.log.info(
+                "part %s: could not end the session of %s: %s",
+                part.token,
+                holder["lease_owner"],
+                exc,
+            )
+            return
+        self.log.info(
+            "part %s: ended the session of %s, whose lease this instance takes over",
+            part.token,
+            holder["lease_owner"],
+        )
+
+    def claim(self, part: PartId, lsid: Mapping[str, Any] | None = None) -> bool:
         """Take or renew ``part``'s commit lease, outside any transaction.
 
         True when this instance holds it now; False when the part is committed already. Raises
@@ -232,6 +274,7 @@ class Committer:
         """
         pk = self.store.pk(part)
         lease_ms = int(self.store.cfg.commit_lease_s * 1000)
+        self._end_dead_holders_transaction(part)
         before = self.store.markers.find_one_and_update(
             {
                 "_id": pk,
@@ -245,6 +288,7 @@ class Committer:
                         "lease_owner": self._me,
                         "lease_holder": self.participant,
                         "lease_until": {"$add": ["$$NOW", lease_ms]},
+                        **({"lease_lsid": {"$literal": lsid}} if lsid is not None else {}),
                     }
                 }
             ],
@@ -272,15 +316,22 @@ class Committer:
 
     def step(self, part: PartId) -> bool:
         """Renew the lease, apply one chunk of ``part`` in one transaction; True once committed."""
-        cfg = self.store.cfg
-        with self.store.errors("commit", part.token, FatalSinkError):
-            if not self.claim(part):
+        with (
+            self.store.errors("commit", part.token, FatalSinkError),
+            self.store.client.start_session() as session,
+        ):
+            # The claim names the session the chunk transaction runs in: a successor ends it
+            # should this process die inside it (_end_dead_holders_transaction).
+            if not self.claim(part, session.session_id):
                 return True
+            return self._step(part, session)
+
+    def _step(self, part: PartId, session: ClientSession) -> bool:
+        cfg = self.store.cfg
         while True:
             try:
                 with (
                     self.store.errors("commit", part.token, FatalSinkError),
-                    self.store.client.start_session() as session,
                     session.start_transaction(
                         # Snapshot reads + majority commit: a chunk sees and removes exactly
                         # what it applies.
