@@ -99,11 +99,12 @@ def _build(make: Callable[[], _R]) -> _R:
         sys.exit(EXIT_FAILED)
 
 
-def _run_until_signal(runtime: Any) -> None:
+def _run_until_signal(runtime: Any, rejoin_on: type[FatalError] | None = None) -> bool:
     """Run a coordinator or participant; every way it can end is one line and a status.
 
     0: stopped by a signal. 2 (EXIT_FATAL): configuration, authentication, a store that cannot
     do the work -- retrying cannot help. 1: anything else (with the traceback at DEBUG).
+    True (no exit): the runtime ended on ``rejoin_on``, for the caller to start a new one.
     """
     stopping = threading.Event()
 
@@ -118,6 +119,9 @@ def _run_until_signal(runtime: Any) -> None:
     try:
         runtime.run()
     except FatalError as exc:
+        if rejoin_on is not None and isinstance(exc, rejoin_on) and not stopping.is_set():
+            log.warning("%s: starting again as a standby", exc)
+            return True
         log.error("fatal: %s", exc)
         sys.exit(EXIT_FATAL)
     except KafkaException as exc:  # a Kafka call the runtime has no answer for: say which
@@ -126,7 +130,7 @@ def _run_until_signal(runtime: Any) -> None:
     except (RetriableError, SinkError) as exc:
         if stopping.is_set():  # a wait cut short by the signal: a clean stop
             log.info("stopped while waiting: %s", exc)
-            return
+            return False
         log.error("stopped: %s", exc, exc_info=debug)
         sys.exit(EXIT_FAILED)
     except Exception as exc:  # last resort: one line, never a traceback an operator must parse
@@ -137,6 +141,7 @@ def _run_until_signal(runtime: Any) -> None:
             exc_info=debug,
         )
         sys.exit(EXIT_FAILED)
+    return False
 
 
 def _kafka_reason(exc: KafkaException) -> str:
@@ -251,10 +256,19 @@ def coordinator_run(config: str) -> None:
     Example: twophase coordinator run pipeline.yaml
     """
     from twophase.coordinator.runtime import CoordinatorRuntime
+    from twophase.errors import FencedError
+    from twophase.observability import Metrics
 
     cfg = _load_to_run(config)
     _warn_unauthenticated(cfg)
-    _run_until_signal(_build(lambda: CoordinatorRuntime(cfg)))
+    # Fenced by a newer leader (this one was cut off long enough to be replaced): the runtime
+    # gives up the control partition and ends; the process comes back as a fresh standby, as a
+    # supervisor's restart would, instead of exiting. Its metrics carry on.
+    metrics = Metrics(cfg.pipeline, "coordinator")
+    while _run_until_signal(
+        _build(lambda: CoordinatorRuntime(cfg, metrics=metrics)), rejoin_on=FencedError
+    ):
+        pass
 
 
 @main.group()

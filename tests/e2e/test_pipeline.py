@@ -133,6 +133,43 @@ def test_deposed_coordinator_cannot_write_a_decision(tmp_path: Path) -> None:
         zombie.stop()
 
 
+def test_a_fenced_coordinator_process_stays_up_and_the_pipeline_goes_on(tmp_path: Path) -> None:
+    """A leader cut off long enough to be replaced finds itself fenced when it comes back (the
+    chaos run's Kafka partition of the leader). The process does not exit: it gives up the
+    control partition, starts again as a standby, and -- the only coordinator here -- leads again;
+    the records sent meanwhile land exactly once."""
+    s = _scenario(tmp_path, "fencedproc", mongo=False, files=False, interval_ms=200)
+    cfg = load_config(s.config_path)
+    n = 4_000
+    produce(s.bootstrap, s.topic, 0, n)
+    c = Cluster(s)
+    c.start("coordinator", "coord-0")
+    c.start("participant", "p-0")
+    try:
+        wait_until(lambda: "is now the leader" in c.log_tail("coord-0", 500), 60, "coord-0 to lead")
+        wait_until(lambda: control_summary(s)["committed"] >= 2, 60, "the first commits")
+        # A newer leader's first act: init_transactions with the pipeline's transactional.id.
+        Producer(
+            {"bootstrap.servers": s.bootstrap, "transactional.id": cfg.transactional_id}
+        ).init_transactions(30)
+        wait_until(
+            lambda: "starting again as a standby" in c.log_tail("coord-0", 500),
+            60,
+            "coord-0 to notice the fence",
+        )
+        assert c.alive("coord-0"), c.log_tail("coord-0")
+        produce(s.bootstrap, s.topic, n, n)
+        report = settle(s, c, set(range(2 * n)), 300, apply_timeout_s=120)
+        assert c.alive("coord-0"), c.log_tail("coord-0")
+        tail = c.log_tail("coord-0", 2000)
+    finally:
+        c.stop_all()
+    assert tail.count("is now the leader") >= 2, tail
+    for sink, r in report.items():
+        assert r.ok, f"{sink}: {r}"
+        assert r.distinct == 2 * n
+
+
 def test_rebalance_mid_cycle_is_decided_on_the_votes_and_data_lands_once(tmp_path: Path) -> None:
     s = _scenario(tmp_path, "rebal", interval_ms=500, vote_timeout_ms=20_000, mongo=False)
     n = 20_000
