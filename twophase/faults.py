@@ -12,7 +12,8 @@ spark_after_prepare (every task prepared, no decision), spark_after_decision, sp
 (the first sink applied the decision, the others not yet).
 
 ``TWOPHASE_DELAY_AT=<name>:<n>:<seconds>`` sleeps once, the n-th time ``delay_point(name)`` is
-passed: the tests hold a participant still there while the group rebalances around it.
+passed: the tests hold a participant still there while the group rebalances around it
+(participant delay points: before_recovery, on_prepare, before_vote) or the broker goes away.
 
 ``TWOPHASE_STALL=reads`` makes a participant stop reading its partitions while it goes on
 voting (empty parts): the stall the coordinator's stall alarm is there to see.

@@ -420,12 +420,19 @@ class ParticipantRuntime:
             tps = [(r.topic, r.partition) for r in vote.partitions]
             with log_context(self._txn_extra(vote.txn, tps=tps)):
                 _crash_point("before_vote")
-                self._retry(lambda: self.control.send(vote), f"txn={vote.txn} send vote")
+                delay_point("before_vote")
+                # Kafka away (a broker restart, a partition): wait for it, as for a store the
+                # process cannot go on without. Giving up ended the process, and its restart
+                # only waited for the same broker, having lost its assignment; a vote sent late
+                # is one the coordinator no longer counts (the cycle timed out and aborted).
+                self._wait_for_store(lambda: self.control.send(vote), f"txn={vote.txn} send vote")
                 _crash_point("after_vote")
         elif isinstance(action, SendApplied):
             applied = action.applied
             with log_context(self._txn_extra(applied.txn, applied.part)):
-                self._retry(lambda: self.control.send(applied), f"txn={applied.txn} send applied")
+                self._wait_for_store(
+                    lambda: self.control.send(applied), f"txn={applied.txn} send applied"
+                )
         elif isinstance(action, Sweep):
             if not self._aborting_stale.is_set():
                 # On the apply worker, like forgetting: a store slow to abort (a MongoDB part
@@ -491,8 +498,8 @@ class ParticipantRuntime:
         )
 
     def _wait_for_store(self, fn: Callable[[], T], what: str) -> T:
-        """A sink call the process cannot go on without: retried until it succeeds or the
-        process is stopped (STORE_WAIT_S)."""
+        """A sink call (or a control message) the process cannot go on without: retried until
+        it succeeds or the process is stopped (STORE_WAIT_S)."""
         return self._retry(fn, what, budget_s=STORE_WAIT_S)
 
     # -- decisions -----------------------------------------------------------------------------

@@ -98,3 +98,36 @@ def test_commits_resume_after_broker_restart(tmp_path: Path) -> None:
     print(f"'Connection refused' lines per process: {refused}")
     assert any(refused.values()), "no process saw the broker down: nothing was checked"
     assert max(refused.values()) <= REFUSED_LINES_BOUND, refused
+
+
+def test_a_vote_sent_while_the_broker_is_down_waits_for_it(tmp_path: Path) -> None:
+    """A participant about to vote when the broker dies waits for the broker instead of giving
+    up after its retry budget and exiting (the chaos run's broker restart took 61-66 s, past
+    the 60 s budget, and every participant exited). The budget is 3 s here and the participant
+    holds its 4th vote for 4 s, long enough for the broker kill to land first."""
+    s = scenario(tmp_path, "brkvote", interval_ms=300, mongo=False, partitions=2)
+    cluster = Cluster(s)
+    env = {
+        "TWOPHASE__PARTICIPANT__SINK_RETRY_S": "3",
+        "TWOPHASE_DELAY_AT": "before_vote:4:4",
+    }
+    start(cluster, "coordinator", "coord-0")
+    start(cluster, "participant", "p-0", env)
+    try:
+        produce(s.bootstrap, s.topic, 0, 2000)
+        wait_until(
+            lambda: "delay point before_vote reached" in cluster.log_tail("p-0", 300),
+            90,
+            "p-0 to hold its vote",
+            every_s=0.2,
+        )
+        _restart_broker()
+        produce(s.bootstrap, s.topic, 2000, 2000)
+        reports = settle(s, cluster, set(range(4000)), 120)
+        for name, report in reports.items():
+            assert report.ok, (name, report)
+        assert cluster.alive("p-0"), cluster.log_tail("p-0")
+        tail = cluster.log_tail("p-0", 3000)
+    finally:
+        cluster.stop_all()
+    assert "send vote" in tail, "the vote was never retried: the broker kill came too late"
