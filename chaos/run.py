@@ -45,8 +45,9 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ import yaml
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from pymongo import MongoClient
 
+from chaos.sampler import Sampler
 from harness import (
     Cluster,
     Scenario,
@@ -62,6 +64,7 @@ from harness import (
     control_summary,
     end_offsets,
     group_offsets,
+    kafka_nodes,
     record,
     verify,
 )
@@ -120,6 +123,16 @@ COORDINATOR_FAULTS = (
 )
 
 
+#: The stack crash-restarts of a run, and where in it: (fraction of the episodes, what).
+#: "kafka-control-leader" / "kafka-txn-coordinator": the node of a three-broker stack that
+#: leads the control topic's partition / holds the pipeline's transactional id's state.
+STACK_FAULTS = {
+    1: ((0.4, "kafka"), (0.7, "pg")),
+    3: ((0.3, "kafka-control-leader"), (0.5, "kafka-txn-coordinator"), (0.7, "pg")),
+}
+BROKER_FAULTS = ("kafka-control-leader", "kafka-txn-coordinator")
+
+
 @dataclass
 class Episode:
     faults: list[Fault] = field(default_factory=list)
@@ -128,7 +141,12 @@ class Episode:
 
 
 def make_plan(
-    faults: int, seed: int, short: bool, net_faults: int = 0, kafka_net: bool = True
+    faults: int,
+    seed: int,
+    short: bool,
+    net_faults: int = 0,
+    kafka_net: bool = True,
+    brokers: int = 1,
 ) -> list[Episode]:
     rng = random.Random(seed)
     if short:
@@ -165,9 +183,11 @@ def make_plan(
                 ep.faults.append(Fault("participant"))
         left -= n
         episodes.append(ep)
-    # The broker and the database crash once each, at about 40% and 70% of the run.
-    episodes.insert(round(len(episodes) * 0.4), Episode(stack="kafka"))
-    episodes.insert(round(len(episodes) * 0.7), Episode(stack="pg"))
+    # The broker and the database crash once each, at about 40% and 70% of the run; with three
+    # brokers, the node leading the control partition (~30%) and the one holding the
+    # coordinator's transaction state (~50%) instead of the one broker.
+    for at, service in STACK_FAULTS[brokers]:
+        episodes.insert(round(len(episodes) * at), Episode(stack=service))
     # Network episodes spread evenly between the others, the named cases first.
     usable = [f for f in NET_FAULTS if kafka_net or f.service != "kafka"]
     nets = [Episode(net=usable[k % len(usable)]) for k in range(net_faults)]
@@ -382,6 +402,9 @@ class Chaos:
         self.commit_times: list[float] = []
         self.t0 = time.monotonic()
         self._arm_seq = 0
+        # The pipeline's, for the three-broker faults (set by run()).
+        self.control_topic = ""
+        self.transactional_id = ""
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -751,12 +774,23 @@ class Chaos:
         rec["mid_commit"] = {k: found[k] for k in ("txn", "applied", "records")}
         return str(found["lease_holder"])
 
+    def _broker_of(self, service: str) -> int:
+        """The three-broker stack's node that ``service`` (a BROKER_FAULTS entry) names now."""
+        if service == "kafka-control-leader":
+            return kafka_nodes.leader_of(self.s.bootstrap, self.control_topic, 0)
+        return kafka_nodes.txn_coordinator_of(self.s.bootstrap, self.transactional_id)
+
     def _stack_restart(self, service: str) -> dict[str, Any]:
-        log(f"crash-restarting {service}: stack.sh restart-{service} --kill")
+        command = [f"restart-{service}", "--kill"]
+        node = None
+        if service in BROKER_FAULTS:
+            node = self._broker_of(service)
+            command = ["restart-broker", str(node), "--kill"]
+        log(f"crash-restarting {service}: stack.sh {' '.join(command)}")
         t = self.now()
         with (self.cluster.logs / f"stack-restart-{service}.log").open("ab") as out:
             proc = subprocess.Popen(
-                ["bash", str(REPO / "stack" / "stack.sh"), f"restart-{service}", "--kill"],
+                ["bash", str(REPO / "stack" / "stack.sh"), *command],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=os.environ.copy(),
@@ -766,10 +800,12 @@ class Chaos:
             proc.kill()
         rc = proc.wait()
         rec = {"service": service, "mode": "--kill", "t": round(t, 1), "rc": rc}
+        if node is not None:
+            rec["node"] = node
         rec["seconds"] = round(self.now() - t, 1)
         log(f"{service} restarted in {rec['seconds']}s (rc {rc})")
         if rc != 0:
-            raise RuntimeError(f"stack.sh restart-{service} --kill failed (rc {rc})")
+            raise RuntimeError(f"stack.sh {' '.join(command)} failed (rc {rc})")
         return rec
 
 
@@ -911,6 +947,73 @@ def _kafka_listeners(net: Net, restart: bool) -> bool:
     return True
 
 
+# -- the soak ----------------------------------------------------------------------------------
+
+#: RSS and open descriptors of every process, this often (chaos/sampler.py).
+SAMPLE_S = 5.0
+#: A process incarnation is judged for growth only when it lived this long (the soak kills
+#: processes every few minutes; those that escape long enough say whether anything leaks).
+SOAK_JUDGE_S = 600.0
+#: Between the starts of two soak faults, uniformly (issue #21: every 30-120 s), and never
+#: before the previous fault's recovery.
+SOAK_GAP_S = (30.0, 120.0)
+#: Share of each fault kind among the soak's episodes (the rest are kill episodes).
+SOAK_STACK_SHARE, SOAK_NET_SHARE = 0.08, 0.35
+
+
+def soak_episodes(
+    seed: int, brokers: int, kafka_net: bool, net: bool, mongo: bool = True
+) -> Iterator[Episode]:
+    """The soak's endless random mix of every fault kind: kill episodes (the full run's, in
+    its order), network faults (when Toxiproxy runs), stack crash-restarts in turn."""
+    rng = random.Random(seed)
+    kills = [e for e in make_plan(2000, seed, False) if not e.stack]
+    nets = [f for f in NET_FAULTS if kafka_net or f.service != "kafka"] if net else []
+    if not mongo:
+        nets = [f for f in nets if f.service != "mongo"]
+    stacks = [service for _, service in STACK_FAULTS[brokers]]
+    k = n = st = 0
+    while True:
+        r = rng.random()
+        if r < SOAK_STACK_SHARE:
+            yield Episode(stack=stacks[st % len(stacks)])
+            st += 1
+        elif r < SOAK_STACK_SHARE + SOAK_NET_SHARE and nets:
+            yield Episode(net=nets[n % len(nets)])
+            n += 1
+        else:
+            yield kills[k % len(kills)]
+            k += 1
+
+
+def _soak(
+    chaos: Chaos, args: argparse.Namespace, brokers: int, kafka_net: bool, deadline: float
+) -> None:
+    """Fault after fault until ``deadline``, one every 30-120 s (after the last recovered)."""
+    rng = random.Random(args.seed + 7)
+    episodes = soak_episodes(args.seed, brokers, kafka_net, chaos.net is not None, args.mongo)
+    for i, ep in enumerate(episodes):
+        if time.monotonic() >= deadline:
+            return
+        started = time.monotonic()
+        if ep.net is not None:
+            chaos.run_net_episode(i, ep.net, False)
+        else:
+            chaos.run_episode(i, ep)
+        next_at = min(deadline, started + rng.uniform(*SOAK_GAP_S))
+        chaos.idle(max(0.0, next_at - time.monotonic()))
+
+
+def _pids(chaos: Chaos) -> dict[str, int]:
+    """The run's processes now (name -> pid) and the stack's servers (``stack:<name>``)."""
+    pids = {name: proc.pid for name, proc in chaos.cluster.procs.items() if proc.poll() is None}
+    run_dir = Path(os.environ.get("TWOPHASE_STACK_DIR", REPO / ".stack")) / "run"
+    for pid_file in run_dir.glob("*.pid"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            pids[f"stack:{pid_file.stem}"] = int(pid_file.read_text().split()[0])
+    return pids
+
+
 def _kinds(chaos: Chaos) -> dict[str, int]:
     """How many faults of each kind: kills, crash points, stack restarts, network faults."""
     kinds: dict[str, int] = collections.Counter(f["how"] for f in chaos.faults)
@@ -926,25 +1029,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     name = f"chaos-{uuid.uuid4().hex[:6]}"
     workdir = Path(args.workdir) if args.workdir else RESULTS / name
     # The product's default commit settings (1 s interval, 10 s vote timeout).
-    s = Scenario.on_stack(name, workdir, partitions=6, interval_ms=1000, vote_timeout_ms=10_000)
+    s = Scenario.on_stack(
+        name, workdir, partitions=6, interval_ms=1000, vote_timeout_ms=10_000, mongo=args.mongo
+    )
     s.write()
     s.prepare_stores()
+    brokers = s.replication_factor  # the stack's broker count
     net: Net | None = None
     if args.net_faults:
         kafka_port = int(s.bootstrap.split(",")[0].rsplit(":", 1)[1])
         net = Net(s, kafka_port, kafka=False)
         # --short does not restart a broker others test against: Kafka's links are cut only
-        # when the stack was started with the listeners.
-        net.kafka = _kafka_listeners(net, restart=not args.short)
+        # when the stack was started with the listeners (one broker only: stack/README.md).
+        net.kafka = brokers == 1 and _kafka_listeners(net, restart=not args.short)
         try:
             net.start()
         except BaseException:
             net.stop()
             raise
-    create_topics(load_config(s.config_path))
-    plan = make_plan(
-        args.faults, args.seed, args.short, args.net_faults, kafka_net=bool(net and net.kafka)
-    )
+    pipeline_cfg = load_config(s.config_path)
+    create_topics(pipeline_cfg)
+    kafka_net = bool(net and net.kafka)
+    if args.soak:
+        plan: list[Episode] = []  # drawn as the soak goes (soak_episodes)
+        args.records = int(args.rate * args.soak * 60)
+    else:
+        plan = make_plan(
+            args.faults, args.seed, args.short, args.net_faults, kafka_net, brokers=brokers
+        )
     # Small chunks only where a cut mid-commit needs them: they cost MongoDB throughput.
     mid_commit = any(e.net and e.net.mid_commit for e in plan)
     _use_env_addresses(s, mongo_chunk=MONGO_CHUNK if mid_commit else None)
@@ -960,11 +1072,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"logs in {workdir / 'logs'}"
     )
     chaos = Chaos(s, random.Random(args.seed + 1), net)
+    chaos.control_topic = pipeline_cfg.control_topic
+    chaos.transactional_id = pipeline_cfg.transactional_id
     for c in ("coord-0", "coord-1"):
         chaos.start(c, "coordinator")
     for i in range(3):
         chaos.start(f"p-{i}", "participant")
-    feeder = Feeder(s, args.records, max(20.0, est * 0.85), args.seed)
+    produce_s = args.soak * 60 if args.soak else max(20.0, est * 0.85)
+    feeder = Feeder(s, args.records, produce_s, args.seed)
+    sampler = Sampler(partial(_pids, chaos), SAMPLE_S)
     phases: dict[str, float] = {}
     caught_up = settled = False
     source_dups = 0
@@ -974,6 +1090,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # Faults land on a working pipeline: wait for the first commits.
         chaos.idle(120, lambda: len(chaos.commit_times) >= 2)
         feeder.start()
+        sampler.start()
+        if args.soak:
+            _soak(chaos, args, brokers, kafka_net, time.monotonic() + args.soak * 60)
         for i, ep in enumerate(plan):
             if ep.net is not None:
                 chaos.run_net_episode(i, ep.net, args.short)
@@ -982,7 +1101,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # A planned kill can be lost (its target died of something else first): top up.
         extra = 0
         target = n_faults if args.short else args.faults
-        while len(chaos.faults) < target and extra < 5:
+        while not args.soak and len(chaos.faults) < target and extra < 5:
             short = target - len(chaos.faults)
             for ep in make_plan(short, args.seed + 100 + extra, False):
                 if not ep.stack:
@@ -1032,10 +1151,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         settled = settled and all(r.ok for r in reports.values())
         phases["settled_s"] = round(time.monotonic() - started, 1)
     finally:
+        sampler.stop()
         chaos.cluster.stop_all()
         if net is not None:
             net.stop()
     after_stop = verify(s, expected)
+    # A soak judges only processes that lived long enough (min_span_s), a short run none.
+    growth = sampler.report(min_span_s=SOAK_JUDGE_S if args.soak else math.inf)
     control = control_summary(s)
     sinks = {k: {**_counts(r), "rows": r.rows, "distinct": r.distinct} for k, r in reports.items()}
     failures = [
@@ -1053,6 +1175,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if chaos.unexpected:
         names = ", ".join(f"{u['target']} rc={u['rc']} at {u['t']}s" for u in chaos.unexpected)
         failures.append(f"{len(chaos.unexpected)} unexpected process exits: {names}")
+    ours = [leak for leak in growth["leaks"] if not leak.startswith("stack:")]
+    if ours:
+        failures.append(f"memory or descriptors grew: {'; '.join(ours)}")
     recov = [e["recovery_s"] for e in chaos.episodes if not e.get("stack") and not e.get("net")]
     net_recov = [e["recovery_s"] for e in chaos.episodes if e.get("net") and "recovery_s" in e]
     commits = sorted(chaos.commit_times)
@@ -1096,7 +1221,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "offsets_caught_up": caught_up,
         "after_stop": {k: _counts(r) for k, r in after_stop.items()},
         "control": control,
-        "mode": "short" if args.short else "full",
+        "mode": "soak" if args.soak else "short" if args.short else "full",
+        "soak_minutes": args.soak or None,
+        "rate_per_s": args.rate if args.soak else None,
+        "growth": growth,
         "seed": args.seed,
         "pipeline": s.name,
         "participants": 3,
@@ -1129,6 +1257,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-net", action="store_true", help="no network faults (kills only)")
     ap.add_argument(
+        "--soak",
+        type=float,
+        default=0.0,
+        metavar="MINUTES",
+        help="a soak: records at --rate for this long, a random fault of any kind every "
+        "30-120 s, memory and descriptors of every process sampled and judged for growth",
+    )
+    ap.add_argument("--rate", type=float, default=2000.0, help="records/s of a soak (default 2000)")
+    ap.add_argument(
+        "--mongo",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a MongoDB sink beside PostgreSQL and files (default: yes, but not in a soak: "
+        "SecantusDB, the stack's test server, takes ~1-2k documents/s)",
+    )
+    ap.add_argument(
         "--print-listeners",
         action="store_true",
         help="print the TWOPHASE_KAFKA_EXTRA_LISTENERS a stack needs for Kafka's proxies and exit",
@@ -1142,6 +1286,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.records is None:
         args.records = 20_000 if args.short else 200_000
+    if args.mongo is None:
+        args.mongo = not args.soak
     if args.no_net:
         args.net_faults = 0
     elif args.net_faults is None:

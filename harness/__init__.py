@@ -73,6 +73,9 @@ class Scenario:
     files: bool = True
     iceberg: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Of every topic the pipeline creates: the stack's broker count (1, or 3 with
+    #: TWOPHASE_KAFKA_BROKERS=3), so a broker can die under a pipeline on three.
+    replication_factor: int = 1
 
     @property
     def topic(self) -> str:
@@ -108,7 +111,7 @@ class Scenario:
             pg_dsn=env["TWOPHASE_PG_DSN"],
             mongo_uri=env["TWOPHASE_MONGO_URI"],
             workdir=workdir,
-            **kw,
+            **({"replication_factor": int(env.get("TWOPHASE_KAFKA_BROKERS", "1"))} | kw),
         )
 
     def config(self) -> dict[str, Any]:
@@ -163,14 +166,15 @@ class Scenario:
                     "partition_by": ["bucket(4, id)"],
                 }
             )
+        rf = self.replication_factor
         cfg: dict[str, Any] = {
             "pipeline": self.name,
             "kafka": {"bootstrap_servers": self.bootstrap},
-            "control": {"hmac_key": self.hmac_key, "replication_factor": 1},
+            "control": {"hmac_key": self.hmac_key, "replication_factor": rf},
             "sources": [
-                {"topic": self.topic, "partitions": self.partitions, "replication_factor": 1}
+                {"topic": self.topic, "partitions": self.partitions, "replication_factor": rf}
             ],
-            "dead_letter": {"replication_factor": 1},
+            "dead_letter": {"replication_factor": rf},
             "commit": {"interval_ms": self.interval_ms, "vote_timeout_ms": self.vote_timeout_ms},
             "participant": {"sweep_interval_ms": 15_000},
             "metrics": {"port": 0},
