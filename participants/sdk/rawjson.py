@@ -66,6 +66,14 @@ def read_lines(
             read_options=pa_json.ReadOptions(use_threads=False, block_size=len(data) + 1),
             parse_options=options or pa_json.ParseOptions(),
         )
+        # Arrow 26 reads a list holding only nulls (``[null, null]``), or one whose first item
+        # is null when inferring, into an array whose offsets point past its items: writing it
+        # fails later (a Parquet file refused at prepare, again after every restart). Such a
+        # read is no read (the values are decoded) -- unless it is an inferring read the caller
+        # repeats with the types given (strings_for_timestamps), which is checked instead.
+        explicit = options is not None and options.explicit_schema is not None
+        if explicit or strings_for_timestamps(table.schema) is None:
+            table.validate(full=True)
     except ARROW_ERRORS:
         return None
     return table if table.num_rows == rows else None

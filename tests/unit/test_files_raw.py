@@ -176,6 +176,7 @@ AWKWARD: dict[str, list[Any]] = {
     ],
     "ints then floats": [{"x": 1}, {"x": 2.5}, {"x": -0.0}, {"x": 1e-7}],
     "lists with nulls": [{"l": [None, 1]}, {"l": []}, {"l": None}, {"m": [[None], [2]]}],
+    "nested list of nulls only": [{"a": {"c": [None]}}, {"a": {"c": None}}],
     "empty nested object": [{"id": 1, "o": {}}, {"id": 2, "o": {}}],
     "field order changes": [{"b": 1, "a": {"y": 1}}, {"a": {"x": 2, "y": 3}, "c": True}],
     "objects in lists": [{"l": [{"x": 1}, {"y": "z"}]}, {"l": [{"x": None}]}],
@@ -192,6 +193,8 @@ DECODED: dict[str, list[Any]] = {
     "nested type change": [{"a": {"x": 1}}, {"a": {"x": "s"}}],
     "mixed list": [{"l": [1, "a"]}],
     "duplicate keys": [b'{"a":1,"a":2}', {"a": 3}],
+    # Arrow reads a list of nulls only into an array it then cannot write.
+    "list of nulls only": [{"l": [None, None]}, {"l": [None]}],
 }
 
 
