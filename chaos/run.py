@@ -1058,7 +1058,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             args.faults, args.seed, args.short, args.net_faults, kafka_net, brokers=brokers
         )
     # Small chunks only where a cut mid-commit needs them: they cost MongoDB throughput.
-    mid_commit = any(e.net and e.net.mid_commit for e in plan)
+    mid_commit = any(e.net and e.net.mid_commit for e in plan) or bool(
+        args.soak and args.mongo and net
+    )
     _use_env_addresses(s, mongo_chunk=MONGO_CHUNK if mid_commit else None)
     n_faults = sum(len(e.faults) for e in plan)
     n_net = sum(1 for e in plan if e.net)

@@ -90,10 +90,16 @@ class Sampler(threading.Thread):
         self._lock = threading.Lock()
         self._series: dict[tuple[str, int], Series] = {}
         self._t0 = time.monotonic()
+        self.errors = 0
+        self.last_error = ""
 
     def run(self) -> None:
         while not self._done.is_set():
-            self.sample()
+            try:
+                self.sample()
+            except Exception as exc:  # noqa: BLE001 -- a missed sample, not a silent end
+                self.errors += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
             self._done.wait(self._interval)
 
     def sample(self) -> None:
@@ -117,9 +123,18 @@ class Sampler(threading.Thread):
         with self._lock:
             series = list(self._series.values())
         judged = [v for s in series if (v := s.verdict(min_span_s)) is not None]
+        peaks: dict[str, dict[str, float]] = {}
+        for s in series:
+            peak = peaks.setdefault(s.name, {"rss_mb": 0.0, "fds": 0, "incarnations": 0})
+            peak["rss_mb"] = round(max(peak["rss_mb"], *(x[1] for x in s.samples)), 1)
+            peak["fds"] = max(peak["fds"], *(x[2] for x in s.samples))
+            peak["incarnations"] += 1
         return {
             "interval_s": self._interval,
             "min_span_s": min_span_s,
+            "sample_errors": self.errors,
+            "last_sample_error": self.last_error,
+            "peaks": dict(sorted(peaks.items())),
             "judged": judged,
             "not_judged": len(series) - len(judged),
             "leaks": [

@@ -99,27 +99,44 @@ def _build(make: Callable[[], _R]) -> _R:
         sys.exit(EXIT_FAILED)
 
 
-def _run_until_signal(runtime: Any, rejoin_on: type[FatalError] | None = None) -> bool:
-    """Run a coordinator or participant; every way it can end is one line and a status.
+def _run_until_signal(make: Callable[[], Any], rejoin_on: type[FatalError] | None = None) -> None:
+    """Run a coordinator or participant (``make()`` builds it); every way it can end is one
+    line and a status.
 
     0: stopped by a signal. 2 (EXIT_FATAL): configuration, authentication, a store that cannot
     do the work -- retrying cannot help. 1: anything else (with the traceback at DEBUG).
-    True (no exit): the runtime ended on ``rejoin_on``, for the caller to start a new one.
+    A runtime that ends on ``rejoin_on`` is replaced by a new one (no exit).
     """
     stopping = threading.Event()
+    current: list[Any] = []
 
     def stop(signum: int, _frame: Any) -> None:
         log.info("signal %s: stopping", signum)
         stopping.set()
-        runtime.stop()
+        if current:
+            current[-1].stop()
 
+    # Once, for every runtime this process runs: a signal between two of them stops the next.
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    while True:
+        current.append(_build(make))
+        del current[:-1]
+        if stopping.is_set():
+            return
+        if not _run_one(current[-1], stopping, rejoin_on):
+            return
+
+
+def _run_one(runtime: Any, stopping: threading.Event, rejoin_on: type[FatalError] | None) -> bool:
+    """:func:`_run_until_signal` of one runtime; True when it ended on ``rejoin_on``."""
     debug = log.isEnabledFor(logging.DEBUG)
     try:
         runtime.run()
     except FatalError as exc:
-        if rejoin_on is not None and isinstance(exc, rejoin_on) and not stopping.is_set():
+        if rejoin_on is not None and isinstance(exc, rejoin_on):
+            if stopping.is_set():  # a stop asked for while it was ending: a clean stop
+                return False
             log.warning("%s: starting again as a standby", exc)
             return True
         log.error("fatal: %s", exc)
@@ -265,10 +282,7 @@ def coordinator_run(config: str) -> None:
     # gives up the control partition and ends; the process comes back as a fresh standby, as a
     # supervisor's restart would, instead of exiting. Its metrics carry on.
     metrics = Metrics(cfg.pipeline, "coordinator")
-    while _run_until_signal(
-        _build(lambda: CoordinatorRuntime(cfg, metrics=metrics)), rejoin_on=FencedError
-    ):
-        pass
+    _run_until_signal(lambda: CoordinatorRuntime(cfg, metrics=metrics), rejoin_on=FencedError)
 
 
 @main.group()
@@ -300,10 +314,7 @@ def participant_run(config: str, participant_id: str) -> None:
     if cfg.participant.mode == "exactly_once":  # at-least-once reads no control messages
         _warn_unauthenticated(cfg)
     kind = AtLeastOnceRuntime if cfg.participant.mode == "at_least_once" else ParticipantRuntime
-    runtime: AtLeastOnceRuntime | ParticipantRuntime = _build(
-        lambda: kind(cfg, participant_id=participant_id)
-    )
-    _run_until_signal(runtime)
+    _run_until_signal(lambda: kind(cfg, participant_id=participant_id))
 
 
 @main.group()

@@ -122,7 +122,9 @@ def _roll_back_what_a_failed_test_left_prepared(request: pytest.FixtureRequest) 
     anywhere in the server holds back every new logical replication slot: a later Debezium test
     would fail for this one. After a failed test (its own fixtures already torn down: autouse
     comes first, so it leaves last), roll back what was prepared in the stack's PostgreSQL
-    while it ran. Passing tests are left alone: what they leave is theirs to assert on."""
+    while it ran. Passing tests are left alone: what they leave is theirs to assert on. It
+    assumes the suite has the stack's PostgreSQL to itself while it runs, as ``make test`` does
+    (one test at a time): run a chaos soak or a benchmark on a stack of its own."""
     started = datetime.datetime.now(datetime.UTC)
     yield
     if not request.node.stash.get(_FAILED, False):

@@ -87,6 +87,18 @@ FENCED_ERRORS = frozenset(
     }
 )
 
+#: Delivery errors of a control message that no wait mends: this client may not write the
+#: control topic, or the message can never fit.
+PERMANENT_DELIVERY_ERRORS = frozenset(
+    {
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+        KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+        KafkaError.MSG_SIZE_TOO_LARGE,
+        KafkaError.RECORD_LIST_TOO_LARGE,
+    }
+)
+
 T = TypeVar("T")
 
 _SASL_HINT = "check kafka.config security.protocol, sasl.mechanism, sasl.username, sasl.password"
@@ -491,7 +503,12 @@ class ControlWriter:
         if self.producer.flush(timeout_s) > 0:
             raise RetriableError(f"control message not delivered within {timeout_s}s")
         if errors:
-            raise RetriableError(f"control message not delivered: {errors[0].str()}")
+            err = errors[0]
+            if err.fatal() or err.code() in PERMANENT_DELIVERY_ERRORS:
+                # Waiting cannot help (the callers wait for Kafka as long as the process runs):
+                # say so and end, rather than look healthy and never vote again.
+                raise FatalError(f"control message refused by Kafka: {err.str()}")
+            raise RetriableError(f"control message not delivered: {err.str()}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -616,6 +616,18 @@ def expect_line(proc: subprocess.Popen[str], word: str) -> None:
     assert line == word, f"child said {line!r} (exit {proc.poll()}), expected {word}"
 
 
+def kill_parked(mongo_uri: str, db: Database[Doc], part: PartId, mode: str, **cfg: Any) -> float:
+    """A committer of ``part`` as participant w1 that parks in ``mode`` (``park:N``,
+    ``intxn:N``), SIGKILLed once parked; when it was killed (``time.perf_counter``)."""
+    holder = spawn_committer(mongo_uri, db, "w1", part, mode, **cfg)
+    try:
+        expect_line(holder, "PARKED")
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(10)
+    return time.perf_counter()
+
+
 @pytest.mark.timeout(RACE_BUDGET_S + 60)
 def test_processes_committing_one_part_take_turns(
     make_sink: MakeSink, db: Database[Doc], mongo_uri: str
@@ -656,13 +668,7 @@ def test_killed_lease_holder_is_taken_over_after_its_lease_expires(
     survivor = make_sink(
         participant="w2", commit_chunk_size=RACE_CHUNK, commit_lease_s=SHORT_LEASE_S
     )
-    holder = spawn_committer(mongo_uri, db, "w1", part, "park:3", commit_lease_s=SHORT_LEASE_S)
-    try:
-        expect_line(holder, "PARKED")
-    finally:
-        os.kill(holder.pid, signal.SIGKILL)
-        holder.wait(10)
-    killed = time.perf_counter()
+    killed = kill_parked(mongo_uri, db, part, "park:3", commit_lease_s=SHORT_LEASE_S)
     with pytest.raises(BackpressureError, match=r"being committed by w1@.* 600 of 3000 applied"):
         survivor.commit(part)  # the dead holder's lease is still live: wait, do not collide
     marker = db.twophase_parts.find_one({"_id": "mongo:" + part.token})
@@ -687,12 +693,7 @@ def test_a_restarted_participant_takes_over_its_own_lease_at_once(
     """The killed holder's next incarnation (same participant id) does not wait out the lease
     -- the whole pipeline used to stall for it at every restart (chaos/README item 5)."""
     part = prepare_race(make_sink)
-    holder = spawn_committer(mongo_uri, db, "w1", part, "park:3")  # the default 60 s lease
-    try:
-        expect_line(holder, "PARKED")
-    finally:
-        os.kill(holder.pid, signal.SIGKILL)
-        holder.wait(10)
+    kill_parked(mongo_uri, db, part, "park:3")  # the default 60 s lease
     marker = db.twophase_parts.find_one({"_id": "mongo:" + part.token})
     assert marker is not None and marker["lease_owner"].startswith("w1@")
     assert marker["lease_holder"] == "w1"
@@ -718,13 +719,7 @@ def test_a_committer_killed_inside_a_chunk_transaction_is_not_waited_out(
     claim recorded) instead of waiting the minute out behind it, and commits exactly once."""
     part = prepare_race(make_sink)
     lease = {"commit_lease_s": SHORT_LEASE_S} if successor == "other" else {}
-    holder = spawn_committer(mongo_uri, db, "w1", part, "intxn:2", **lease)
-    try:
-        expect_line(holder, "PARKED")
-    finally:
-        os.kill(holder.pid, signal.SIGKILL)
-        holder.wait(10)
-    killed = time.perf_counter()
+    killed = kill_parked(mongo_uri, db, part, "intxn:2", **lease)
     marker = db.twophase_parts.find_one({"_id": "mongo:" + part.token})
     assert marker is not None and marker["applied"] == 2 * RACE_CHUNK  # the third is open
     assert marker["lease_lsid"]["id"].subtype == 4

@@ -288,7 +288,7 @@ class Committer:
                         "lease_owner": self._me,
                         "lease_holder": self.participant,
                         "lease_until": {"$add": ["$$NOW", lease_ms]},
-                        **({"lease_lsid": {"$literal": lsid}} if lsid is not None else {}),
+                        "lease_lsid": {"$literal": lsid},
                     }
                 }
             ],

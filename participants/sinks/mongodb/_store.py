@@ -51,7 +51,7 @@ ABORTED = "aborted"
 #: Server error codes that are transient even when the server does not label them so
 #: (stepdowns, shutdowns, network trouble between mongos and shards, lock/time limits).
 RETRIABLE_CODES = frozenset(
-    {6, 7, 50, 89, 91, 112, 189, 244, 251, 262, 9001, 10107, 11600, 11602, 13435, 13436}
+    {6, 7, 50, 89, 91, 112, 189, 244, 251, 262, 9001, 10107, 11600, 11601, 11602, 13435, 13436}
 )
 #: Unauthorized, AuthenticationFailed: retrying with the same credentials cannot help.
 _AUTH_CODES = frozenset({13, 18})
