@@ -77,8 +77,10 @@ class MongoSinkConfig(SinkConfig):
     #: How long a committer's claim on a part lasts; it renews the claim before every chunk. As
     #: long as MongoDB's default ``transactionLifetimeLimitSeconds`` (60 s): any chunk that can
     #: still succeed finishes inside it, so a live committer is never overtaken, while a crashed one
-    #: delays the rest of its part by at most this long (a dead client's open transaction blocks
-    #: the marker for that long on the server anyway). Safety never depends on it.
+    #: delays the rest of its part by at most this long (its restarted self takes over at once).
+    #: Each claim records its session, and whoever takes a lease over ends the holder's session
+    #: first (``killSessions``): a committer killed inside a chunk transaction no longer blocks
+    #: the marker for the server's transaction lifetime. Safety never depends on it.
     commit_lease_s: float = Field(60.0, gt=0)
     #: The client's ``appName``, as the server's logs and ``currentOp`` show it.
     app_name: str = "twophase"
