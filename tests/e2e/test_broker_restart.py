@@ -36,14 +36,18 @@ RESTART_TIMEOUT_S = 180.0
 REFUSED_LINES_BOUND = 40
 
 
-def _restart_broker() -> None:
+def _stack(*args: str) -> None:
     subprocess.run(
-        ["bash", str(REPO / "stack" / "stack.sh"), "restart-kafka", "--kill"],
+        ["bash", str(REPO / "stack" / "stack.sh"), *args],
         check=True,
         capture_output=True,
         timeout=RESTART_TIMEOUT_S,
         env=os.environ,
     )
+
+
+def _restart_broker() -> None:
+    _stack("restart-kafka", "--kill")
 
 
 def _caught_up(s: Scenario) -> bool:
@@ -100,16 +104,22 @@ def test_commits_resume_after_broker_restart(tmp_path: Path) -> None:
     assert max(refused.values()) <= REFUSED_LINES_BOUND, refused
 
 
+#: How long the broker stays down under the held vote: past one send's flush (30 s,
+#: twophase.kafka.CALL_TIMEOUT_S), so the send fails at least once and its budget is spent.
+OUTAGE_S = 45.0
+
+
 def test_a_vote_sent_while_the_broker_is_down_waits_for_it(tmp_path: Path) -> None:
     """A participant about to vote when the broker dies waits for the broker instead of giving
     up after its retry budget and exiting (the chaos run's broker restart took 61-66 s, past
-    the 60 s budget, and every participant exited). The budget is 3 s here and the participant
-    holds its 4th vote for 4 s, long enough for the broker kill to land first."""
+    the 60 s budget, and every participant exited). The budget is 3 s here; the participant
+    holds its 4th vote for 8 s, the broker dies at once and stays down 45 s, longer than one
+    send's 30 s flush: the old send gave up and the participant exited."""
     s = scenario(tmp_path, "brkvote", interval_ms=300, mongo=False, partitions=2)
     cluster = Cluster(s)
     env = {
         "TWOPHASE__PARTICIPANT__SINK_RETRY_S": "3",
-        "TWOPHASE_DELAY_AT": "before_vote:4:4",
+        "TWOPHASE_DELAY_AT": "before_vote:4:8",
     }
     start(cluster, "coordinator", "coord-0")
     start(cluster, "participant", "p-0", env)
@@ -121,9 +131,11 @@ def test_a_vote_sent_while_the_broker_is_down_waits_for_it(tmp_path: Path) -> No
             "p-0 to hold its vote",
             every_s=0.2,
         )
-        _restart_broker()
+        _stack("kill-broker", "1")
+        time.sleep(OUTAGE_S)
+        _stack("start-broker", "1")
         produce(s.bootstrap, s.topic, 2000, 2000)
-        reports = settle(s, cluster, set(range(4000)), 120)
+        reports = settle(s, cluster, set(range(4000)), 180)
         for name, report in reports.items():
             assert report.ok, (name, report)
         assert cluster.alive("p-0"), cluster.log_tail("p-0")
