@@ -13,7 +13,8 @@ spark_after_prepare (every task prepared, no decision), spark_after_decision, sp
 
 ``TWOPHASE_DELAY_AT=<name>:<n>:<seconds>`` sleeps once, the n-th time ``delay_point(name)`` is
 passed: the tests hold a participant still there while the group rebalances around it
-(participant delay points: before_recovery, on_prepare, before_vote) or the broker goes away.
+(participant delay points: before_recovery, on_prepare, after_consume -- the data thread with a
+batch fetched and not yet written -- before_vote) or the broker goes away.
 
 ``TWOPHASE_STALL=reads`` makes a participant stop reading its partitions while it goes on
 voting (empty parts): the stall the coordinator's stall alarm is there to see.

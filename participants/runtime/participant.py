@@ -204,6 +204,9 @@ class ParticipantRuntime:
         #: (:class:`Held`). Each is sought back to that record and paused until the part is
         #: cut, then read into the next part (data thread only).
         self._held: dict[tuple[str, int], int] = {}
+        #: Seeks done on the data thread so far: records fetched before one are read again from
+        #: the new position, so a batch in hand across a seek is dropped, never written.
+        self._seeks = 0
         self._next_lag = 0.0
         #: Fault injection (tests): read nothing, vote empty parts -- what the stall alarm sees.
         self._stall_reads = stalled("reads")
@@ -709,8 +712,14 @@ class ParticipantRuntime:
             self._resume()
         self.subscription.refresh()
         msgs = self.consumer.consume(self._batch_size, CONSUME_TIMEOUT_S)
+        if msgs:
+            delay_point("after_consume")
         if self._drain_queue():
-            return  # a rewind happened: what was just fetched will be fetched again
+            # A rewind happened (queued, or caused by a queued prepare that failed): what was
+            # just fetched will be fetched again from the new positions.
+            if msgs:
+                log.info("%d records fetched before a rewind dropped: read again", len(msgs))
+            return
         good = [m for m in msgs if m.error() is None]
         if self._held and good:
             # Fetched before the pause took: read again, from the held record, for the next part.
@@ -737,14 +746,15 @@ class ParticipantRuntime:
         self._batch_size = max(MIN_BATCH, min(self.cfg.participant.max_batch_records, want))
 
     def _drain_queue(self) -> bool:
-        seeked = False
+        """Run what the control thread queued for this thread; whether the consumer was sought
+        meanwhile -- by a queued rewind, or by one a queued action caused (a prepare that fails
+        rewinds to the committed positions): then records in hand are stale."""
+        seeks = self._seeks
         while True:
             try:
                 action = self.data_queue.get_nowait()
             except queue.Empty:
-                return seeked
-            if isinstance(action, Seek):
-                seeked = True
+                return self._seeks != seeks
             if isinstance(action, PreparePart) and not action.ready:
                 self._run(self._feed(Cut(action.txn)), Thread.DATA)
             else:
@@ -799,7 +809,9 @@ class ParticipantRuntime:
         # work (a prepare, say) runs outside the lock so decisions are never held up by it.
         while True:
             if self._drain_queue():
-                return  # rewound: these records will be fetched again from the new position
+                # Rewound: these records will be fetched again from the new positions.
+                log.info("%d records fetched before a rewind dropped: read again", len(msgs))
+                return
             with self.lock:
                 if self.data_queue.empty():
                     actions = self.machine.handle(WillWrite())
@@ -889,6 +901,7 @@ class ParticipantRuntime:
             self.consumer.resume(held)
 
     def _seek(self, offsets: dict[tuple[str, int], int] | Any) -> None:
+        self._seeks += 1
         owned = {(tp.topic, tp.partition) for tp in self._assignment}
         targets = [
             TopicPartition(t, p, o) for (t, p), o in sorted(offsets.items()) if (t, p) in owned

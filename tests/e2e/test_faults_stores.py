@@ -5,6 +5,10 @@
   participant holds its vote back with the ``on_prepare`` delay point). A prepared transaction
   outlives its session; the participant must finish it by gid from a new session (``COMMIT
   PREPARED``) once the decision comes, by itself.
+* **A prepare that fails with a fetched batch in hand.** The participant's part's session is
+  terminated while it holds records it fetched (``after_consume`` delay point); the PREPARE
+  that comes meanwhile fails and rewinds to the committed positions, and the batch in hand,
+  fetched before that seek, must be dropped, not written into the next part as well.
 * **The connection limit exhausted.** The test opens connections as the stack's own user until
   PostgreSQL refuses more (``too many clients already``), ends the participant's sessions once
   so that it has to reconnect into the full server, holds the server full for a while as
@@ -20,8 +24,10 @@ The participant's sessions are told apart by ``application_name``: the PostgreSQ
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +37,7 @@ import yaml
 from confluent_kafka import KafkaException
 
 from harness import Cluster, Scenario, control_decisions, produce, summary_json, wait_until
+from harness.store_faults import TOO_MANY, fill_connections, pg_prepared, pg_sessions, terminate
 from tests.e2e.e2e_support import scenario, settle
 
 pytestmark = pytest.mark.stack
@@ -43,8 +50,6 @@ VOTE_TIMEOUT_MS = 40_000
 FULL_FOR_S = 20.0
 #: Records per produced batch while faults run, and the pause between batches.
 BATCH, EVERY_S = 200, 0.3
-#: What PostgreSQL answers a connection past max_connections (SQLSTATE 53300).
-TOO_MANY = "too many clients"
 
 
 class _Feeder:
@@ -79,21 +84,11 @@ class _Feeder:
 def _sessions(
     conn: psycopg.Connection[Any], s: Scenario, participant: str | None = None
 ) -> list[int]:
-    """Backend pids of the pipeline's PostgreSQL sessions (of ``participant`` when given): the
-    sink names them ``twophase/<pipeline>/<sink>/<participant>``."""
-    rows = conn.execute(
-        "SELECT pid FROM pg_stat_activity WHERE application_name LIKE %s",
-        (f"twophase/{s.name}/pg/{participant or '%'}",),
-    ).fetchall()
-    return [int(r[0]) for r in rows]
+    return pg_sessions(conn, s.name, participant)
 
 
 def _prepared(conn: psycopg.Connection[Any], s: Scenario, participant: str) -> list[str]:
-    rows = conn.execute(
-        "SELECT gid FROM pg_prepared_xacts WHERE gid LIKE %s ORDER BY gid",
-        (f"twophase:pg:{s.name}~%~{participant}",),
-    ).fetchall()
-    return [r[0] for r in rows]
+    return pg_prepared(conn, s.name, participant)
 
 
 def _txn_of(gid: str) -> int:
@@ -152,8 +147,7 @@ def test_sessions_of_a_participant_terminated_while_its_part_is_prepared(
             victims = _sessions(admin, s, "p-0")
             # The prepared part's own connection, the admin one, and any idle or open one.
             assert len(victims) >= 2, (victims, _sessions(admin, s))
-            for pid in victims:
-                admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            terminate(admin, victims)
             wait_until(
                 lambda: not set(victims) & set(_sessions(admin, s)),
                 10,
@@ -182,19 +176,6 @@ def test_sessions_of_a_participant_terminated_while_its_part_is_prepared(
     assert f"part {token} committed by gid" in log, log[-4000:]
 
 
-def _fill(dsn: str, limit: int) -> tuple[list[psycopg.Connection[Any]], str]:
-    """Connections as the stack's user until PostgreSQL refuses one; the refusal."""
-    conns: list[psycopg.Connection[Any]] = []
-    for _ in range(limit + 10):
-        try:
-            conns.append(
-                psycopg.connect(dsn, autocommit=True, application_name="twophase-test-filler")
-            )
-        except psycopg.OperationalError as exc:
-            return conns, str(exc)
-    raise AssertionError(f"PostgreSQL took {len(conns)} connections, more than max_connections")
-
-
 def test_connection_limit_exhausted_while_records_flow(
     tmp_path: Path, pg_dsn: str, kafka_bootstrap: str
 ) -> None:
@@ -218,17 +199,16 @@ def test_connection_limit_exhausted_while_records_flow(
         limit = int(row[0])
 
         feeder = _Feeder(s, first)
-        fillers, refusal = _fill(s.pg_dsn, limit)
+        fillers, refusal = fill_connections(s.pg_dsn, limit)
         assert TOO_MANY in refusal, refusal
         # One filler ends the participant's sessions and the freed slots are taken again,
         # until the full server holds none of the pipeline's sessions.
         control = fillers[0]
         for _ in range(20):
             ended = _sessions(control, s)
-            for pid in ended:
-                control.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            terminate(control, ended)
             time.sleep(0.2)
-            more, refusal = _fill(s.pg_dsn, limit)
+            more, refusal = fill_connections(s.pg_dsn, limit)
             fillers += more
             assert TOO_MANY in refusal, refusal
             if not ended and not _sessions(control, s):
@@ -253,6 +233,84 @@ def test_connection_limit_exhausted_while_records_flow(
     finally:
         for conn in fillers:
             conn.close()
+        if feeder is not None:
+            with contextlib.suppress(RuntimeError, KafkaException):
+                feeder.stop()
+        c.stop_all()
+
+
+#: How long p-0 holds a batch it fetched (the ``after_consume`` delay point): over a commit
+#: interval, so the next PREPARE is queued meanwhile and runs with the batch in hand.
+IN_HAND_S = 5.0
+IN_HAND_INTERVAL_MS = 2_000
+
+
+def _reached(path: Path, offset: int, text: str) -> bool:
+    """Whether ``text`` is in the log past ``offset``."""
+    with path.open("rb") as f:
+        f.seek(offset)
+        return text in f.read().decode(errors="replace")
+
+
+def _held_in_an_open_part(c: Cluster, s: Scenario, name: str, attempts: int = 6) -> list[int]:
+    """Start ``name`` until it holds a fetched batch while its open part has a PostgreSQL
+    transaction (a session ``idle in transaction``); that session's pids. The batch right after
+    a cut opens the next part, which has no transaction yet: then the participant is stopped
+    and started again, which re-arms the delay point."""
+    path = c.logs / f"{name}.log"
+    for attempt in range(attempts):
+        seen = path.stat().st_size if path.exists() else 0  # the log is appended to
+        nth = 12 + 7 * attempt  # another moment each time
+        c.start("participant", name, {"TWOPHASE_DELAY_AT": f"after_consume:{nth}:{IN_HAND_S:g}"})
+        wait_until(
+            partial(_reached, path, seen, "delay point after_consume reached"),
+            120,
+            f"{name} to hold a fetched batch",
+        )
+        with psycopg.connect(s.pg_dsn, autocommit=True) as admin:
+            rows = admin.execute(
+                "SELECT pid FROM pg_stat_activity WHERE application_name LIKE %s "
+                "AND state = 'idle in transaction'",
+                (f"twophase/{s.name}/pg/{name}",),
+            ).fetchall()
+        if rows:
+            return [int(r[0]) for r in rows]
+        print(f"attempt {attempt}: the held batch opens a part; starting {name} again")
+        c.kill(name, signal.SIGTERM)
+    raise AssertionError(f"{name} never held a batch inside an open part in {attempts} tries")
+
+
+def test_a_prepare_that_fails_with_a_batch_in_hand_drops_the_batch(
+    tmp_path: Path, pg_dsn: str, kafka_bootstrap: str
+) -> None:
+    """The class a chaos run found (a PostgreSQL crash-restart; four records twice in one part,
+    in both sinks): a participant had fetched records when a PREPARE queued meanwhile failed
+    (its PostgreSQL session was gone) and rewound the consumer to the committed positions. The
+    records in hand were fetched before that seek and are fetched again after it; written as
+    well, they were in the next part twice. Here p-0 holds a fetched batch while its part's
+    session is terminated; the PREPARE that comes meanwhile fails, and the batch must be
+    dropped (and read again) -- every record once in every sink."""
+    s = scenario(tmp_path, "inhand", partitions=2, mongo=False, interval_ms=IN_HAND_INTERVAL_MS)
+    c = Cluster(s)
+    feeder: _Feeder | None = None
+    try:
+        c.start("coordinator", "coord-0")
+        feeder = _Feeder(s, 0)
+        victims = _held_in_an_open_part(c, s, "p-0")
+        with psycopg.connect(s.pg_dsn, autocommit=True) as admin:
+            terminate(admin, victims)
+        wait_until(
+            lambda: "rewinding to committed positions: prepare of" in c.log_tail("p-0", 400),
+            60,
+            "the PREPARE p-0 got meanwhile to fail and rewind",
+        )
+        produced = feeder.stop()
+        feeder = None
+        # With the batch written as well, it is here twice (100 records, in both sinks).
+        _settled_exactly(s, c, produced, ["coord-0", "p-0"])
+        log = (c.logs / "p-0.log").read_text(errors="replace")
+        assert "records fetched before a rewind dropped" in log, log[-4000:]
+    finally:
         if feeder is not None:
             with contextlib.suppress(RuntimeError, KafkaException):
                 feeder.stop()

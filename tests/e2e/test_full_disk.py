@@ -1,8 +1,8 @@
 """A full disk under the files sink (issue #21, item 3), on the real stack.
 
 The files sink's ``path`` is a small tmpfs of its own. A first batch goes through; then the
-test fills the tmpfs with a ballast file of its own up to a small remainder, and the pipeline's
-records fill the rest while more keep arriving. What must hold while the disk is full:
+test shrinks the tmpfs to what it holds plus a small remainder (``mount -o remount,size=``),
+and the pipeline's records fill the rest while more keep arriving. What must hold while the disk is full:
 
 * no process exits; the files sink says ``No space left on device`` and the parts it cannot
   write or prepare are aborted (abort decisions), the rest of the pipeline retries;
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -32,13 +31,14 @@ import pytest
 import yaml
 
 from harness import Cluster, Scenario, control_decisions, produce, summary_json
+from harness.store_faults import Tmpfs, TmpfsRefused
 from tests.e2e.e2e_support import scenario, settle
 
 pytestmark = pytest.mark.stack
 
-#: The tmpfs: small, so the ballast is cheap; big enough for the first batch.
-TMPFS_SIZE = "8m"
-#: What the ballast leaves free: a handful of the pipeline's parts, so its own records fill it.
+#: The tmpfs: big enough for the first batch.
+TMPFS_SIZE = 8 << 20
+#: What the filled disk leaves free: a handful of the pipeline's parts, so its own records fill it.
 LEFT_FREE = 160 * 1024
 #: After the first ENOSPC, how long the disk stays full while records keep arriving.
 FULL_FOR_S = 25.0
@@ -49,43 +49,19 @@ BATCH, EVERY_S = 500, 0.5
 SINK_RETRY_S = 10.0
 
 
-def _mount_tmpfs(path: Path, size: str) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0 or not os.path.ismount(path):
+def _mount_tmpfs(path: Path, size: int) -> Tmpfs:
+    try:
+        return Tmpfs(path, size)
+    except TmpfsRefused as exc:
         pytest.fail(
-            f"cannot mount a tmpfs at {path} (rc {done.returncode}: {done.stderr.strip()}): "
-            "this test needs root and `mount -t tmpfs` (run it as root, or in a user and mount "
-            "namespace: `unshare -rm`)",
+            f"{exc} (run this test as root, or in a user and mount namespace: `unshare -rm`)",
             pytrace=False,
         )
-
-
-def _umount(path: Path) -> None:
-    if not os.path.ismount(path):
-        return
-    if subprocess.run(["umount", str(path)], check=False).returncode != 0:
-        subprocess.run(["umount", "-l", str(path)], check=False)  # a straggler holds a file
 
 
 def _free_bytes(path: Path) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
-
-
-def _fill(ballast: Path, leave: int) -> None:
-    """Write ``ballast`` until only about ``leave`` bytes are free under its directory."""
-    chunk = b"\0" * (1 << 16)
-    with ballast.open("wb") as f:
-        while _free_bytes(ballast.parent) - len(chunk) > leave:
-            f.write(chunk)
-            f.flush()
-        os.fsync(f.fileno())
 
 
 def _visible_ids(s: Scenario) -> list[int]:
@@ -147,7 +123,9 @@ def test_full_disk_under_the_files_sink_aborts_parts_and_resumes(
     s.config_path.write_text(yaml.safe_dump(raw, sort_keys=False))
     c = Cluster(s)
     produced = 0
-    _mount_tmpfs(s.files_path, TMPFS_SIZE)  # unmounted by the finally below, whatever happens
+    disk = _mount_tmpfs(
+        s.files_path, TMPFS_SIZE
+    )  # unmounted by the finally below, whatever happens
     try:
         c.start("coordinator", "coord-0")
         c.start("participant", "p-0")
@@ -157,8 +135,9 @@ def test_full_disk_under_the_files_sink_aborts_parts_and_resumes(
         report = settle(s, c, set(range(first)), 120)
         assert all(r.ok for r in report.values()), summary_json(report)
 
-        # The disk fills: the test's ballast, then the pipeline's own records.
-        _fill(s.files_path / "ballast.bin", LEFT_FREE)
+        # The disk fills: shrunk to what it holds and a little more, which the pipeline's own
+        # records then fill.
+        disk.fill(LEFT_FREE)
         log = c.logs / "p-0.log"
         enospc = "No space left on device"
         t0 = time.monotonic()
@@ -184,7 +163,7 @@ def test_full_disk_under_the_files_sink_aborts_parts_and_resumes(
         assert _free_bytes(s.files_path) < LEFT_FREE, "the disk was not full"
 
         # Space returns.
-        subprocess.run(["mount", "-o", "remount,size=64m", str(s.files_path)], check=True)
+        disk.resize(64 << 20)
         assert _free_bytes(s.files_path) > 32 * 1024 * 1024
         expected = set(range(produced))
         report = settle(s, c, expected, 240, apply_timeout_s=90)
@@ -195,7 +174,7 @@ def test_full_disk_under_the_files_sink_aborts_parts_and_resumes(
         _check_atomic(s)
     finally:
         c.stop_all()
-        _umount(s.files_path)
+        disk.unmount()
     text = log.read_text(errors="replace")
     assert "Traceback" not in text, text[-4000:]
     decisions = control_decisions(s)

@@ -1,0 +1,140 @@
+"""Store faults under a running pipeline, for the end-to-end tests and ``chaos.run``.
+
+* PostgreSQL: the pipeline's sessions (the PostgreSQL sink names them
+  ``twophase/<pipeline>/<sink>/<participant>`` in ``application_name``), its prepared
+  transactions (gid ``twophase:<sink>:<pipeline>~<txn>~<participant>``), ending sessions with
+  ``pg_terminate_backend``, and a server filled to ``max_connections``.
+* A full disk: a tmpfs of its own under the files sink, made full by shrinking it to what it
+  holds (``mount -o remount,size=``) and given room again the same way. Needs root and
+  ``mount -t tmpfs``; where that is refused :class:`TmpfsRefused` says so.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+__all__ = [
+    "FILLER_APP",
+    "TOO_MANY",
+    "Tmpfs",
+    "TmpfsRefused",
+    "fill_connections",
+    "pg_prepared",
+    "pg_sessions",
+    "terminate",
+]
+
+#: What PostgreSQL answers a connection past max_connections (SQLSTATE 53300).
+TOO_MANY = "too many clients"
+#: The ``application_name`` of a filler connection.
+FILLER_APP = "twophase-fault-filler"
+
+
+def pg_sessions(
+    conn: psycopg.Connection[Any], pipeline: str, participant: str | None = None, sink: str = "pg"
+) -> list[int]:
+    """Backend pids of the pipeline's sessions of ``sink`` (of ``participant`` when given)."""
+    rows = conn.execute(
+        "SELECT pid FROM pg_stat_activity WHERE application_name LIKE %s",
+        (f"twophase/{pipeline}/{sink}/{participant or '%'}",),
+    ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def pg_prepared(
+    conn: psycopg.Connection[Any], pipeline: str, participant: str | None = None, sink: str = "pg"
+) -> list[str]:
+    """Gids of the pipeline's prepared transactions in ``sink`` (of ``participant``), in order."""
+    rows = conn.execute(
+        "SELECT gid FROM pg_prepared_xacts WHERE gid LIKE %s ORDER BY gid",
+        (f"twophase:{sink}:{pipeline}~%~{participant or '%'}",),
+    ).fetchall()
+    return [r[0] for r in rows]
+
+
+def terminate(conn: psycopg.Connection[Any], pids: list[int]) -> int:
+    """``pg_terminate_backend`` each pid; how many were signalled."""
+    done = 0
+    for pid in pids:
+        row = conn.execute("SELECT pg_terminate_backend(%s)", (pid,)).fetchone()
+        done += bool(row and row[0])
+    return done
+
+
+def fill_connections(dsn: str, limit: int) -> tuple[list[psycopg.Connection[Any]], str]:
+    """Connections as ``dsn``'s user until PostgreSQL refuses one: the connections and the
+    refusal. As a superuser this takes the reserved slots too."""
+    conns: list[psycopg.Connection[Any]] = []
+    for _ in range(limit + 10):
+        try:
+            conns.append(psycopg.connect(dsn, autocommit=True, application_name=FILLER_APP))
+        except psycopg.OperationalError as exc:
+            return conns, str(exc)
+    for c in conns:
+        c.close()
+    raise AssertionError(f"PostgreSQL took {len(conns)} connections, more than max_connections")
+
+
+class TmpfsRefused(RuntimeError):
+    """``mount -t tmpfs`` was refused (not root, no mount namespace)."""
+
+
+class Tmpfs:
+    """A tmpfs mounted at ``path`` (which must be empty), resizable while in use."""
+
+    def __init__(self, path: Path, size_bytes: int) -> None:
+        self.path = path
+        self.size = size_bytes
+        path.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_bytes},mode=0755", "tmpfs", str(path)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0 or not os.path.ismount(path):
+            raise TmpfsRefused(
+                f"cannot mount a tmpfs at {path} (rc {done.returncode}: {done.stderr.strip()}): "
+                "a full disk needs root and `mount -t tmpfs`"
+            )
+
+    def used(self) -> int:
+        st = os.statvfs(self.path)
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    def resize(self, size_bytes: int) -> None:
+        """Set the size; shrinking below what it holds is refused by the kernel (EINVAL)."""
+        done = subprocess.run(
+            ["mount", "-o", f"remount,size={size_bytes}", str(self.path)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise OSError(f"remount {self.path} size={size_bytes}: {done.stderr.strip()}")
+        self.size = size_bytes
+
+    def fill(self, leave: int, tries: int = 20) -> int:
+        """Shrink to what it holds plus about ``leave`` bytes (the writers fill the rest);
+        the new size. Retries when a writer grew it between the measure and the remount."""
+        page = os.sysconf("SC_PAGE_SIZE")
+        last: OSError | None = None
+        for _ in range(tries):
+            target = (self.used() + leave + page - 1) // page * page
+            try:
+                self.resize(target)
+                return target
+            except OSError as exc:
+                last = exc
+        raise OSError(f"could not shrink {self.path} to what it holds: {last}")
+
+    def unmount(self) -> None:
+        if not os.path.ismount(self.path):
+            return
+        if subprocess.run(["umount", str(self.path)], check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(self.path)], check=False)  # a straggler
