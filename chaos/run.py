@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import psycopg
 import yaml
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from pymongo import MongoClient
@@ -67,6 +68,14 @@ from harness import (
     kafka_nodes,
     record,
     verify,
+)
+from harness.store_faults import (
+    Tmpfs,
+    TmpfsRefused,
+    fill_connections,
+    pg_prepared,
+    pg_sessions,
+    terminate,
 )
 from harness.toxiproxy import ToxiproxyError, ToxiproxyServer
 from twophase.config import load_config
@@ -138,6 +147,7 @@ class Episode:
     faults: list[Fault] = field(default_factory=list)
     stack: str = ""  # kafka | pg: a crash-restart of that service instead
     net: NetFault | None = None  # a network fault instead
+    store: StoreFault | None = None  # a store fault instead
 
 
 def make_plan(
@@ -147,6 +157,8 @@ def make_plan(
     net_faults: int = 0,
     kafka_net: bool = True,
     brokers: int = 1,
+    store_faults: int = 0,
+    disk: bool = True,
 ) -> list[Episode]:
     rng = random.Random(seed)
     if short:
@@ -188,12 +200,16 @@ def make_plan(
     # coordinator's transaction state (~50%) instead of the one broker.
     for at, service in STACK_FAULTS[brokers]:
         episodes.insert(round(len(episodes) * at), Episode(stack=service))
-    # Network episodes spread evenly between the others, the named cases first.
+    # Network and store episodes spread evenly between the others (network and store faults
+    # alternating), the named cases first.
     usable = [f for f in NET_FAULTS if kafka_net or f.service != "kafka"]
     nets = [Episode(net=usable[k % len(usable)]) for k in range(net_faults)]
+    kinds = [f for f in STORE_FAULTS if disk or f.kind != "disk_full"]
+    stores = [Episode(store=kinds[k % len(kinds)]) for k in range(store_faults)]
+    extra = [ep for pair in itertools.zip_longest(nets, stores) for ep in pair if ep is not None]
     base = len(episodes)
-    for k, ep in enumerate(nets):
-        episodes.insert(round((k + 1) * base / (len(nets) + 1)) + k, ep)
+    for k, ep in enumerate(extra):
+        episodes.insert(round((k + 1) * base / (len(extra) + 1)) + k, ep)
     return episodes
 
 
@@ -247,6 +263,41 @@ NET_FAULTS = (
     NetFault("blackhole", "participant", "pg", "participant_cut_from_pg_not_kafka"),
     NetFault("bandwidth", "participant", "mongo"),
 )
+
+
+# -- store faults ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoreFault:
+    kind: str  # pg_terminate | pg_connlimit | disk_full
+    case: str = ""
+
+
+#: Issue #21's store faults (items 3 and 4), cycled through in order.
+STORE_FAULTS = (
+    StoreFault("pg_terminate", "participant_sessions_ended_while_prepared"),
+    StoreFault("disk_full", "files_sink_disk_full"),
+    StoreFault("pg_connlimit", "pg_connection_limit_exhausted"),
+)
+#: How long the PostgreSQL server stays full, or the files sink's disk.
+STORE_DURATION_S = (10.0, 40.0)
+#: A terminate waits this long for the participant to hold a prepared part, then ends its
+#: sessions anyway.
+PREPARED_WAIT_S = 20.0
+#: The files sink's tmpfs: a cap, not memory (a tmpfs holds only what is written to it).
+FILES_TMPFS_BYTES = 16 << 30
+#: What a full disk leaves free: a few parts' worth, which the pipeline's records then fill.
+DISK_LEFT_FREE = 160 * 1024
+#: What the files sink logs when the disk is full.
+ENOSPC = "No space left on device"
+
+
+def _count_in(path: Path, text: str) -> int:
+    try:
+        return path.read_text(errors="replace").count(text)
+    except OSError:
+        return 0
 
 
 class Net:
@@ -392,10 +443,15 @@ class Chaos:
         self.rng = rng
         self.net = net
         self.net_faults: list[dict[str, Any]] = []
+        self.store_faults: list[dict[str, Any]] = []
+        self.disk: Tmpfs | None = None  # the files sink's tmpfs, when a full disk can be made
         self.cluster = Cluster(s)
         self.arm_dir = s.workdir / "arm"
         self.arm_dir.mkdir(parents=True, exist_ok=True)
         self.members: dict[str, Member] = {}
+        #: Processes no kill episode picks (a soak's witness: it lives the whole run, so its
+        #: memory and descriptors are judged; network faults and stack restarts still hit it).
+        self.spared: set[str] = set()
         self.faults: list[dict[str, Any]] = []
         self.unexpected: list[dict[str, Any]] = []
         self.episodes: list[dict[str, Any]] = []
@@ -579,7 +635,11 @@ class Chaos:
             if any(f.role in ("leader", "standby") for f in ep.faults):
                 self.idle(60, lambda: self.leader() is not None)
             coords = [n for n, m in self.members.items() if m.role == "coordinator"]
-            parts = [n for n, m in self.members.items() if m.role == "participant"]
+            parts = [
+                n
+                for n, m in self.members.items()
+                if m.role == "participant" and n not in self.spared
+            ]
             self.rng.shuffle(parts)
             lead = self.leader()
             kills: list[str] = []
@@ -726,6 +786,134 @@ class Chaos:
                 f"episode {i}: no {RECOVERY_COMMITS} commits within {RECOVERY_MAX_S:.0f}s of the heal"
             )
         self.episodes.append(rec)
+
+    def run_any(self, i: int, ep: Episode, short: bool) -> None:
+        if ep.net is not None:
+            self.run_net_episode(i, ep.net, short)
+        elif ep.store is not None:
+            self.run_store_episode(i, ep.store)
+        else:
+            self.run_episode(i, ep)
+
+    def run_store_episode(self, i: int, f: StoreFault) -> None:
+        """One store fault, then the recovery: ``recovery_s`` counts from the fault's end
+        (sessions ended; the server or the disk given room again) until the pipeline has
+        committed RECOVERY_COMMITS times with every process up."""
+        started = self.now()
+        rec: dict[str, Any] = {"i": i, "t": round(started, 1), "store": f.kind, "case": f.case}
+        duration = self.rng.uniform(*STORE_DURATION_S)
+        detail: dict[str, Any] = {}
+        cut = self.now()
+        try:
+            if f.kind == "pg_terminate":
+                detail = self._terminate_prepared(i)
+            elif f.kind == "pg_connlimit":
+                detail = self._fill_server(i, duration)
+            else:
+                detail = self._fill_disk(i, duration)
+        except (psycopg.Error, OSError) as exc:  # the fault could not be made: say so
+            log(f"episode {i}: {f.kind} not made: {exc}")
+            detail["not_made"] = str(exc)
+        ended = self.now()
+        rec.update(detail)
+        rec["fault_s"] = round(ended - cut, 1)
+        rec["commits_during_fault"] = sum(1 for c in self.commit_times if cut <= c < ended)
+        self.store_faults.append({"t": round(cut, 1), "how": f.kind, "case": f.case, **detail})
+        hit = self.idle(
+            RECOVERY_MAX_S,
+            lambda: (
+                self.all_alive()
+                and self.commits_since(max(self.last_start(), ended)) >= RECOVERY_COMMITS
+            ),
+        )
+        rec["recovery_s"] = round(self.now() - ended, 1)
+        rec["first_commit_after_s"] = self._first_commit_after(ended)
+        if not hit:
+            rec["not_recovered"] = True
+            log(
+                f"episode {i}: no {RECOVERY_COMMITS} commits within {RECOVERY_MAX_S:.0f}s of its end"
+            )
+        self.episodes.append(rec)
+
+    def _terminate_prepared(self, i: int) -> dict[str, Any]:
+        """``pg_terminate_backend`` of every PostgreSQL session of a participant, at a moment
+        it holds a prepared part (waited for, bounded; else at once). The prepared transaction
+        outlives its sessions; the participant must finish it by gid from a new one."""
+        pipeline = self.s.name
+        with psycopg.connect(self.s.pg_dsn, autocommit=True) as admin:
+            found: list[str] = []
+
+            def prepared() -> bool:
+                found[:] = pg_prepared(admin, pipeline)
+                return bool(found)
+
+            self.idle(PREPARED_WAIT_S, prepared)
+            if found:
+                gid = found[-1]
+                target = gid.rsplit("~", 1)[1]
+            else:
+                live = [n for n, m in self.members.items() if m.role == "participant"]
+                target, gid = self.rng.choice(live), ""
+            pids = pg_sessions(admin, pipeline, target)
+            ended = terminate(admin, pids)
+            outlived = bool(gid) and gid in pg_prepared(admin, pipeline, target)
+        log(
+            f"episode {i}: pg_terminate_backend of {ended} sessions of {target}"
+            + (f" while {gid} was prepared (outlived them: {outlived})" if gid else "")
+        )
+        return {
+            "target": target,
+            "sessions": ended,
+            "prepared_gid": gid or None,
+            "gid_outlived": outlived,
+        }
+
+    def _fill_server(self, i: int, duration: float) -> dict[str, Any]:
+        """PostgreSQL filled to ``max_connections`` for ``duration``: the pipeline's sessions
+        ended once so that it must reconnect into the full server, then refused."""
+        with psycopg.connect(self.s.pg_dsn, autocommit=True) as probe:
+            row = probe.execute("SHOW max_connections").fetchone()
+        limit = int(row[0]) if row else 100
+        fillers, refusal = fill_connections(self.s.pg_dsn, limit)
+        try:
+            control = fillers[0]
+            ended = 0
+            for _ in range(20):  # freed slots are taken again until none of ours is left
+                pids = pg_sessions(control, self.s.name)
+                ended += terminate(control, pids)
+                more, refusal = fill_connections(self.s.pg_dsn, limit)
+                fillers += more
+                if not pids:
+                    break
+            log(
+                f"episode {i}: PostgreSQL full ({len(fillers)} connections, {ended} of the "
+                f"pipeline's ended) for {duration:.0f}s: {refusal.strip()[:80]}"
+            )
+            self.idle(duration)
+        finally:
+            for conn in fillers:
+                conn.close()
+        return {
+            "connections": len(fillers),
+            "sessions_ended": ended,
+            "refusal": refusal.strip()[:200],
+        }
+
+    def _fill_disk(self, i: int, duration: float) -> dict[str, Any]:
+        """The files sink's tmpfs shrunk to what it holds for ``duration`` (the pipeline's
+        records fill the little left), then given its room back."""
+        assert self.disk is not None
+        logs = [self.cluster.logs / f"{n}.log" for n in self.members]
+        before = sum(_count_in(p, ENOSPC) for p in logs)
+        size = self.disk.fill(DISK_LEFT_FREE)
+        try:
+            log(f"episode {i}: files sink disk full ({size} bytes) for {duration:.0f}s")
+            self.idle(duration)
+        finally:
+            self.disk.resize(FILES_TMPFS_BYTES)
+        met = sum(_count_in(p, ENOSPC) for p in logs) - before
+        log(f"episode {i}: files sink disk has room again; {met} '{ENOSPC}' lines logged")
+        return {"disk_bytes": size, "enospc_logged": met}
 
     def _mid_commit(self, fallback: str, rec: dict[str, Any]) -> str:
         """Wait (bounded) until a participant is half-way through applying a part in MongoDB
@@ -957,22 +1145,25 @@ SOAK_JUDGE_S = 600.0
 #: Between the starts of two soak faults, uniformly (issue #21: every 30-120 s), and never
 #: before the previous fault's recovery.
 SOAK_GAP_S = (30.0, 120.0)
+#: The participant a soak's kill episodes spare (it still meets every other fault).
+SOAK_WITNESS = "p-2"
 #: Share of each fault kind among the soak's episodes (the rest are kill episodes).
-SOAK_STACK_SHARE, SOAK_NET_SHARE = 0.08, 0.35
+SOAK_STACK_SHARE, SOAK_NET_SHARE, SOAK_STORE_SHARE = 0.08, 0.30, 0.12
 
 
 def soak_episodes(
-    seed: int, brokers: int, kafka_net: bool, net: bool, mongo: bool = True
+    seed: int, brokers: int, kafka_net: bool, net: bool, mongo: bool = True, disk: bool = True
 ) -> Iterator[Episode]:
     """The soak's endless random mix of every fault kind: kill episodes (the full run's, in
     its order), network faults (when Toxiproxy runs), stack crash-restarts in turn."""
     rng = random.Random(seed)
     kills = [e for e in make_plan(2000, seed, False) if not e.stack]
+    stores = [f for f in STORE_FAULTS if disk or f.kind != "disk_full"]
     nets = [f for f in NET_FAULTS if kafka_net or f.service != "kafka"] if net else []
     if not mongo:
         nets = [f for f in nets if f.service != "mongo"]
     stacks = [service for _, service in STACK_FAULTS[brokers]]
-    k = n = st = 0
+    k = n = st = sf = 0
     while True:
         r = rng.random()
         if r < SOAK_STACK_SHARE:
@@ -981,6 +1172,9 @@ def soak_episodes(
         elif r < SOAK_STACK_SHARE + SOAK_NET_SHARE and nets:
             yield Episode(net=nets[n % len(nets)])
             n += 1
+        elif r < SOAK_STACK_SHARE + SOAK_NET_SHARE + SOAK_STORE_SHARE:
+            yield Episode(store=stores[sf % len(stores)])
+            sf += 1
         else:
             yield kills[k % len(kills)]
             k += 1
@@ -991,15 +1185,14 @@ def _soak(
 ) -> None:
     """Fault after fault until ``deadline``, one every 30-120 s (after the last recovered)."""
     rng = random.Random(args.seed + 7)
-    episodes = soak_episodes(args.seed, brokers, kafka_net, chaos.net is not None, args.mongo)
+    episodes = soak_episodes(
+        args.seed, brokers, kafka_net, chaos.net is not None, args.mongo, chaos.disk is not None
+    )
     for i, ep in enumerate(episodes):
         if time.monotonic() >= deadline:
             return
         started = time.monotonic()
-        if ep.net is not None:
-            chaos.run_net_episode(i, ep.net, False)
-        else:
-            chaos.run_episode(i, ep)
+        chaos.run_any(i, ep, False)
         next_at = min(deadline, started + rng.uniform(*SOAK_GAP_S))
         chaos.idle(max(0.0, next_at - time.monotonic()))
 
@@ -1021,6 +1214,7 @@ def _kinds(chaos: Chaos) -> dict[str, int]:
         if e.get("stack"):
             kinds[f"{e['stack']['service']}_crash_restart"] += 1
     kinds.update(f["how"] for f in chaos.net_faults)
+    kinds.update(f["how"] for f in chaos.store_faults if "not_made" not in f)
     return dict(sorted(kinds.items()))
 
 
@@ -1033,6 +1227,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         name, workdir, partitions=6, interval_ms=1000, vote_timeout_ms=10_000, mongo=args.mongo
     )
     s.write()
+    # The files sink on a tmpfs of its own, which a full-disk episode shrinks to what it holds.
+    disk: Tmpfs | None = None
+    disk_refused = ""
+    if args.store_faults or args.soak:
+        try:
+            disk = Tmpfs(s.files_path, FILES_TMPFS_BYTES)
+        except TmpfsRefused as exc:
+            disk_refused = str(exc)
+            log(f"no full-disk episodes: {exc}")
     s.prepare_stores()
     brokers = s.replication_factor  # the stack's broker count
     net: Net | None = None
@@ -1055,7 +1258,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.records = int(args.rate * args.soak * 60)
     else:
         plan = make_plan(
-            args.faults, args.seed, args.short, args.net_faults, kafka_net, brokers=brokers
+            args.faults,
+            args.seed,
+            args.short,
+            args.net_faults,
+            kafka_net,
+            brokers=brokers,
+            store_faults=args.store_faults,
+            disk=disk is not None,
         )
     # Small chunks only where a cut mid-commit needs them: they cost MongoDB throughput.
     mid_commit = any(e.net and e.net.mid_commit for e in plan) or bool(
@@ -1074,8 +1284,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"logs in {workdir / 'logs'}"
     )
     chaos = Chaos(s, random.Random(args.seed + 1), net)
+    chaos.disk = disk
     chaos.control_topic = pipeline_cfg.control_topic
     chaos.transactional_id = pipeline_cfg.transactional_id
+    if args.soak:
+        # One participant never killed lives the whole soak: the leak verdict needs a process
+        # that lived long, and with a kill every minute or two hardly any other does.
+        chaos.spared = {SOAK_WITNESS}
     for c in ("coord-0", "coord-1"):
         chaos.start(c, "coordinator")
     for i in range(3):
@@ -1096,10 +1311,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.soak:
             _soak(chaos, args, brokers, kafka_net, time.monotonic() + args.soak * 60)
         for i, ep in enumerate(plan):
-            if ep.net is not None:
-                chaos.run_net_episode(i, ep.net, args.short)
-            else:
-                chaos.run_episode(i, ep)
+            chaos.run_any(i, ep, args.short)
         # A planned kill can be lost (its target died of something else first): top up.
         extra = 0
         target = n_faults if args.short else args.faults
@@ -1152,12 +1364,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         reports = verify(s, expected)
         settled = settled and all(r.ok for r in reports.values())
         phases["settled_s"] = round(time.monotonic() - started, 1)
+    except BaseException:
+        if disk is not None:
+            disk.unmount()
+        raise
     finally:
         sampler.stop()
         chaos.cluster.stop_all()
         if net is not None:
             net.stop()
     after_stop = verify(s, expected)
+    if disk is not None:
+        disk.unmount()  # the files sink's data goes with it: the checks above have read it
     # A soak judges only processes that lived long enough (min_span_s), a short run none.
     growth = sampler.report(min_span_s=SOAK_JUDGE_S if args.soak else math.inf)
     control = control_summary(s)
@@ -1180,8 +1398,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ours = [leak for leak in growth["leaks"] if not leak.startswith("stack:")]
     if ours:
         failures.append(f"memory or descriptors grew: {'; '.join(ours)}")
-    recov = [e["recovery_s"] for e in chaos.episodes if not e.get("stack") and not e.get("net")]
+    recov = [
+        e["recovery_s"]
+        for e in chaos.episodes
+        if not e.get("stack") and not e.get("net") and not e.get("store")
+    ]
     net_recov = [e["recovery_s"] for e in chaos.episodes if e.get("net") and "recovery_s" in e]
+    store_recov = [e["recovery_s"] for e in chaos.episodes if e.get("store")]
     commits = sorted(chaos.commit_times)
     gaps = [b - a for a, b in itertools.pairwise(commits)]
     return {
@@ -1200,6 +1423,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         ),
         "fault_kinds": _kinds(chaos),
+        "store_faults": sum(1 for f in chaos.store_faults if "not_made" not in f),
+        "store_faults_not_made": [f for f in chaos.store_faults if "not_made" in f],
+        "disk_full_unavailable": disk_refused or None,
         "kafka_links_faulted": bool(net and net.kafka),
         "stack_restarts": [e["stack"] for e in chaos.episodes if e.get("stack")],
         "unexpected_exits": chaos.unexpected,
@@ -1208,7 +1434,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "median": statistics.median(recov) if recov else None,
             "max": max(recov) if recov else None,
             "not_recovered_in_bound": sum(
-                1 for e in chaos.episodes if e.get("not_recovered") and not e.get("net")
+                1
+                for e in chaos.episodes
+                if e.get("not_recovered") and not e.get("net") and not e.get("store")
             ),
             # From the heal of the link (kills: from the episode's start).
             "network": {
@@ -1216,6 +1444,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "max": max(net_recov) if net_recov else None,
                 "not_recovered_in_bound": sum(
                     1 for e in chaos.episodes if e.get("not_recovered") and e.get("net")
+                ),
+            },
+            # From the fault's end (sessions ended; the server or the disk given room).
+            "store": {
+                "median": statistics.median(store_recov) if store_recov else None,
+                "max": max(store_recov) if store_recov else None,
+                "not_recovered_in_bound": sum(
+                    1 for e in chaos.episodes if e.get("not_recovered") and e.get("store")
                 ),
             },
         },
@@ -1227,6 +1463,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "soak_minutes": args.soak or None,
         "rate_per_s": args.rate if args.soak else None,
         "growth": growth,
+        "spared_from_kills": sorted(chaos.spared),
         "seed": args.seed,
         "pipeline": s.name,
         "participants": 3,
@@ -1238,6 +1475,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "episode_log": chaos.episodes,
         "fault_log": chaos.faults,
         "network_fault_log": chaos.net_faults,
+        "store_fault_log": chaos.store_faults,
     }
 
 
@@ -1258,6 +1496,12 @@ def main(argv: list[str] | None = None) -> int:
         help="network fault episodes (Toxiproxy), default 10 (2 with --short)",
     )
     ap.add_argument("--no-net", action="store_true", help="no network faults (kills only)")
+    ap.add_argument(
+        "--store-faults",
+        type=int,
+        help="store fault episodes (PostgreSQL sessions ended while a part is prepared, "
+        "its connection limit exhausted, the files sink's disk full), default 3 (0 with --short)",
+    )
     ap.add_argument(
         "--soak",
         type=float,
@@ -1294,6 +1538,8 @@ def main(argv: list[str] | None = None) -> int:
         args.net_faults = 0
     elif args.net_faults is None:
         args.net_faults = 2 if args.short else 10
+    if args.store_faults is None:
+        args.store_faults = 0 if args.short else 3
     if args.settle is None:
         args.settle = 240.0 if args.short else 600.0
     if args.seed is None:

@@ -1,6 +1,7 @@
 """The chaos run's fault plans: a full run on three brokers kills the two broker roles that
 matter (the control partition's leader, the transaction coordinator) instead of "the" broker,
-and a soak draws every kind of fault, only the ones the stack can take."""
+a full run spreads the store faults between the others, and a soak draws every kind of
+fault, only the ones the stack can take."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def test_a_soak_draws_every_kind_and_only_what_the_stack_has() -> None:
     services = {e.net.service for e in eps if e.net}
     assert services == {"kafka", "pg", "mongo"}
     kills = [e for e in eps if e.faults]
-    assert len(kills) > len(eps) / 2
+    assert len(kills) > len(eps) * 0.4
+    assert {e.store.kind for e in eps if e.store} == {"pg_terminate", "pg_connlimit", "disk_full"}
     assert {f.role for e in kills for f in e.faults} >= {"participant", "leader", "standby"}
 
     quiet = list(itertools.islice(soak_episodes(5, 3, kafka_net=False, net=True, mongo=False), 400))
@@ -42,3 +44,24 @@ def test_a_soak_draws_every_kind_and_only_what_the_stack_has() -> None:
     }
     no_net = list(itertools.islice(soak_episodes(5, 1, kafka_net=False, net=False), 200))
     assert not any(e.net for e in no_net)
+    no_disk = list(itertools.islice(soak_episodes(5, 1, True, True, disk=False), 400))
+    assert {e.store.kind for e in no_disk if e.store} == {"pg_terminate", "pg_connlimit"}
+
+
+def test_a_full_run_has_each_store_fault_once_between_the_others() -> None:
+    plan = make_plan(52, 3, False, 10, store_faults=3)
+    stores = [i for i, e in enumerate(plan) if e.store]
+    assert [plan[i].store.kind for i in stores] == ["pg_terminate", "disk_full", "pg_connlimit"]
+    # Spread through the run, never first or last, never two store faults in a row.
+    assert 0 < stores[0] and stores[-1] < len(plan) - 1
+    assert all(b - a > 1 for a, b in itertools.pairwise(stores))
+    assert sum(1 for e in plan if e.net) == 10
+    assert sum(len(e.faults) for e in plan) >= 52
+    # Where the files sink cannot have a disk of its own, no full disk is planned.
+    no_disk = make_plan(52, 3, False, 10, store_faults=3, disk=False)
+    assert [e.store.kind for e in no_disk if e.store] == [
+        "pg_terminate",
+        "pg_connlimit",
+        "pg_terminate",
+    ]
+    assert not any(e.store for e in make_plan(4, 3, True, 2, store_faults=3))
