@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -238,6 +239,13 @@ def wait_until(pred: Callable[[], bool], timeout_s: float, what: str, every_s: f
     raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+#: librdkafka's per-connection log lines: with a broker down, hundreds of them.
+CONNECTION_NOISE = re.compile(
+    r"Connection refused|connection reset|Disconnected|identical error|failed: Connection"
+    r"|Connect to ipv4|all broker(s|) (are |)down"
+)
+
+
 class Cluster:
     """Coordinator and participant processes of one scenario."""
 
@@ -284,13 +292,24 @@ class Cluster:
                 proc.kill()
                 proc.wait()
 
-    def log_tail(self, name: str, lines: int = 40) -> str:
+    def log_tail(self, name: str, lines: int = 40, *, quiet: bool = False) -> str:
+        """The last ``lines`` lines of a process's log; ``quiet`` first drops librdkafka's
+        connection chatter (refused, reset, disconnected), which a dead broker makes fill
+        every tail and hide what the process did."""
         path = self.logs / f"{name}.log"
-        return (
-            "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-            if path.exists()
-            else ""
-        )
+        if not path.exists():
+            return ""
+        text = path.read_text(errors="replace").splitlines()
+        if quiet:
+            text = [line for line in text if not CONNECTION_NOISE.search(line)]
+        return "\n".join(text[-lines:])
+
+    def print_logs(self, lines: int = 60) -> None:
+        """Every process's quiet log tail and exit code, for a failed test's output."""
+        for name, proc in self.procs.items():
+            print(
+                f"===== {name} (exit code {proc.poll()})\n{self.log_tail(name, lines, quiet=True)}"
+            )
 
 
 def end_offsets(bootstrap: str, topic: str, partitions: int) -> dict[int, int]:

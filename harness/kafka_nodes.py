@@ -17,16 +17,20 @@ import sys
 from confluent_kafka.admin import AdminClient
 
 __all__ = [
+    "CONSUMER_OFFSETS_TOPIC",
     "TRANSACTION_STATE_TOPIC",
+    "group_coordinator_of",
     "java_string_hash",
     "leader_of",
     "txn_coordinator_of",
-    "txn_state_partition",
+    "coordinator_partition",
 ]
 
 #: Kafka's internal topic of transaction state; its partition count is read, never assumed
 #: (the stack sets ``transaction.state.log.num.partitions=8``, Kafka's default is 50).
 TRANSACTION_STATE_TOPIC = "__transaction_state"
+#: Kafka's internal topic of consumer group state: a group's coordinator leads its partition.
+CONSUMER_OFFSETS_TOPIC = "__consumer_offsets"
 
 #: One metadata request; a cluster that just lost a node answers well inside this.
 METADATA_TIMEOUT_S = 10.0
@@ -41,10 +45,11 @@ def java_string_hash(s: str) -> int:
     return h - (1 << 32) if h & 0x80000000 else h
 
 
-def txn_state_partition(transactional_id: str, partitions: int) -> int:
-    """The ``__transaction_state`` partition of a transactional id, as the broker computes it:
-    ``Utils.abs(transactionalId.hashCode) % partitions`` (``Utils.abs(MIN_VALUE)`` is 0)."""
-    h = java_string_hash(transactional_id)
+def coordinator_partition(key: str, partitions: int) -> int:
+    """The partition of Kafka's state topic holding ``key`` (a transactional id in
+    ``__transaction_state``, a group id in ``__consumer_offsets``), as the broker computes it:
+    ``Utils.abs(key.hashCode) % partitions`` (``Utils.abs(MIN_VALUE)`` is 0)."""
+    h = java_string_hash(key)
     return (0 if h == -(1 << 31) else abs(h)) % partitions
 
 
@@ -73,7 +78,14 @@ def txn_coordinator_of(bootstrap: str, transactional_id: str) -> int:
     ``__transaction_state`` partition. The topic exists once any transactional producer has
     initialised; before that there is no coordinator (LookupError)."""
     leaders = _partition_leaders(bootstrap, TRANSACTION_STATE_TOPIC)
-    return leaders[txn_state_partition(transactional_id, len(leaders))]
+    return leaders[coordinator_partition(transactional_id, len(leaders))]
+
+
+def group_coordinator_of(bootstrap: str, group_id: str) -> int:
+    """The node id acting as group coordinator of ``group_id``: the leader of its
+    ``__consumer_offsets`` partition (the same hash rule as transactional ids)."""
+    leaders = _partition_leaders(bootstrap, CONSUMER_OFFSETS_TOPIC)
+    return leaders[coordinator_partition(group_id, len(leaders))]
 
 
 def _stack_bootstrap() -> str:

@@ -546,6 +546,44 @@ PUBLISH = Policy(
 )
 
 
+#: ``send_offsets_to_transaction``'s own timeout: it takes milliseconds, or the seconds a group
+#: coordinator takes to move to another broker; past this the decision is written again.
+SEND_OFFSETS_TIMEOUT_S = 15.0
+#: How long that call may take before the producer is taken for wedged: it can block far past
+#: its timeout while the group coordinator moves (its coordinator request's deadline is never
+#: checked, librdkafka #5456; a coordinator that left the metadata is not looked up again,
+#: #5511 -- seen here when a three-broker cluster lost that node: the leader froze for minutes).
+WEDGED_AFTER_S = SEND_OFFSETS_TIMEOUT_S + 10.0
+
+
+class Wedged(RuntimeError):
+    """A librdkafka call did not return within its bound (:func:`bounded`)."""
+
+
+def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
+    """``call()`` on a thread of its own, waited for at most ``seconds``: its result or its
+    exception, or :class:`Wedged` when it has not returned. A wedged call is left running on
+    its (daemon) thread; the caller must stop using what it holds."""
+    result: list[T] = []
+    failure: list[BaseException] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            result.append(call())
+        except BaseException as exc:  # noqa: BLE001 -- handed to the caller's thread
+            failure.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"bounded {what}", daemon=True).start()
+    if not done.wait(seconds):
+        raise Wedged(f"{what} did not return within {seconds:.0f}s")
+    if failure:
+        raise failure[0]
+    return result[0]
+
+
 class ControlPublisher:
     """The decider's writes to the control topic -- the coordinator leader's, or a Spark
     driver's: each message in its own Kafka transaction under the pipeline's stable
@@ -553,24 +591,45 @@ class ControlPublisher:
 
     Creating one calls ``init_transactions``, which bumps the producer epoch: every earlier
     holder of the id is fenced from then on, and a transaction it left open is aborted by the
-    broker.
+    broker. A producer wedged in a call (:data:`WEDGED_AFTER_S`) is replaced the same way: the
+    new one fences it, and its open transaction -- the write that never finished -- is aborted.
     """
 
     def __init__(self, cfg: PipelineConfig, role: str) -> None:
         self.cfg = cfg
-        self.producer = Producer(
+        self.role = role
+        # A producer left inside a wedged call stays referenced by that call's thread, and is
+        # freed there once the call returns.
+        self._replaced = True  # False while the producer is a wedged one not yet replaced
+        self.producer = self._new_producer()
+
+    def _new_producer(self) -> Producer:
+        producer = Producer(
             client_settings(
-                cfg,
-                role,
+                self.cfg,
+                self.role,
                 **{
-                    "transactional.id": cfg.transactional_id,
+                    "transactional.id": self.cfg.transactional_id,
                     "enable.idempotence": True,
                     "acks": "all",
                     "transaction.timeout.ms": 60_000,
                 },
             )
         )
-        self.producer.init_transactions(CALL_TIMEOUT_S)
+        producer.init_transactions(CALL_TIMEOUT_S)
+        return producer
+
+    def _replace_wedged(self, why: str) -> str:
+        """Put a fresh producer (fencing the wedged one) in place; what to report. Where that
+        fails, the next publish tries again before writing anything."""
+        log.error("control producer wedged: %s; replacing it (the new one fences it)", why)
+        self._replaced = False
+        try:
+            self.producer = self._new_producer()
+        except KafkaException as exc:
+            return f"{why}; its replacement failed: {exc.args[0].str()} (tried again next time)"
+        self._replaced = True
+        return f"{why}; producer replaced"
 
     def publish(
         self,
@@ -587,6 +646,12 @@ class ControlPublisher:
         other failure, ends the tries. ``before_commit`` runs between the write and the commit
         (fault injection)."""
         value, headers = encode(env, self.cfg.hmac_key)
+        if not self._replaced:
+            try:
+                self.producer = self._new_producer()
+            except KafkaException as exc:
+                return PublishResult(error=f"replacing a wedged producer: {exc.args[0].str()}")
+            self._replaced = True
         producer = self.producer
         delivered: list[int] = []
 
@@ -606,8 +671,13 @@ class ControlPublisher:
                     on_delivery=on_delivery,
                 )
                 if group is not None:
-                    producer.send_offsets_to_transaction(
-                        list(offsets), group.consumer_group_metadata(), CALL_TIMEOUT_S
+                    metadata = group.consumer_group_metadata()
+                    bounded(
+                        lambda: producer.send_offsets_to_transaction(
+                            list(offsets), metadata, SEND_OFFSETS_TIMEOUT_S
+                        ),
+                        WEDGED_AFTER_S,
+                        "send_offsets_to_transaction",
                     )
                 producer.flush(CALL_TIMEOUT_S)
                 if before_commit is not None:
@@ -627,6 +697,8 @@ class ControlPublisher:
             except RetriableError as exc:  # commit_transaction kept failing: tried enough
                 self._abort()
                 return PublishResult(error=str(exc))
+            except Wedged as exc:  # the write did not happen: the caller tries it again
+                return PublishResult(error=self._replace_wedged(str(exc)))
             return PublishResult(delivered[0] if delivered else None)
 
         try:

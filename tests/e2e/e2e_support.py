@@ -118,8 +118,7 @@ def settle(
             "sinks to finish applying",
         )
     except TimeoutError:
-        for name in cluster.procs:
-            print(f"===== {name}\n{cluster.log_tail(name, 60)}")
+        cluster.print_logs()
         print(summary_json(verify(s, expected)))
         raise
     return verify(s, expected)

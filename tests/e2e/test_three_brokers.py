@@ -1,7 +1,8 @@
 """A pipeline on a three-broker Kafka keeps committing, with no operator action, while the
 broker that matters is SIGKILLed: first the leader of the control topic's partition (where the
-decisions are written), then the broker holding the coordinator's transaction state (its
-transaction coordinator). It ends exact: every record once in PostgreSQL, nothing prepared.
+decisions are written), which the test makes the source group's coordinator too (where the
+commit decisions move the group's offsets), then the broker holding the coordinator's
+transaction state (its transaction coordinator). It ends exact: every record once in PostgreSQL, nothing prepared.
 
 The test runs its own stack (``TWOPHASE_KAFKA_BROKERS=3 stack.sh start kafka pg`` in a private
 stack dir, ports 41092/41192/41292, controllers +1, PostgreSQL 41432), so the shared stack is
@@ -14,6 +15,7 @@ the control partition without a leader and commits stop: the resume bound fails.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -24,14 +26,19 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from confluent_kafka import KafkaException
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from harness import Cluster, Scenario, produce, wait_until
-from harness.kafka_nodes import TRANSACTION_STATE_TOPIC, leader_of, txn_coordinator_of
+from harness import Cluster, Scenario, end_offsets, group_offsets, produce, wait_until
+from harness.kafka_nodes import (
+    TRANSACTION_STATE_TOPIC,
+    group_coordinator_of,
+    leader_of,
+    txn_coordinator_of,
+)
 from tests.conftest import read_stack_env
 from tests.e2e.e2e_support import caught_up, settle, start
-from twophase.config import load_config
+from twophase.config import PipelineConfig, load_config
 from twophase.kafka import create_topics
 
 pytestmark = pytest.mark.stack
@@ -49,6 +56,8 @@ RESUME_BOUND_S = 90.0
 #: The restarted node catches up a few MB of replicas.
 ISR_TIMEOUT_S = 120.0
 BATCH = 1000
+#: Pipeline names drawn to find one whose group coordinator and control leader share a node.
+PLACEMENT_TRIES = 30
 
 
 def _stack_env(stack_dir: Path) -> dict[str, str]:
@@ -108,6 +117,65 @@ def _full_isr(bootstrap: str, topics: list[str]) -> bool:
     return True
 
 
+def _pipeline_with_one_node_holding_both(
+    stack: dict[str, str], tmp_path: Path
+) -> tuple[Scenario, PipelineConfig]:
+    """A pipeline (topics created) whose source group is coordinated by the node that leads
+    its control partition: killing that node moves both at once, as in a CI run where the
+    leader then froze. Names are drawn until the placement fits (one in three does)."""
+    bootstrap = stack["TWOPHASE_KAFKA_BOOTSTRAP"]
+    for _ in range(PLACEMENT_TRIES):
+        s = Scenario(
+            name=f"tb-{uuid.uuid4().hex[:6]}",
+            bootstrap=bootstrap,
+            pg_dsn=stack["TWOPHASE_PG_DSN"],
+            mongo_uri="",
+            workdir=tmp_path,
+            partitions=2,
+            interval_ms=300,
+            mongo=False,
+            files=False,
+        )
+        s.extra = {
+            "control": {"hmac_key": s.hmac_key, "replication_factor": REPLICATION_FACTOR},
+            "sources": [
+                {
+                    "topic": s.topic,
+                    "partitions": s.partitions,
+                    "replication_factor": REPLICATION_FACTOR,
+                }
+            ],
+            "dead_letter": {"replication_factor": REPLICATION_FACTOR},
+        }
+        s.write()
+        cfg = load_config(s.config_path)
+        create_topics(cfg)
+        if _one_node_holds_both(bootstrap, s.topic, cfg):
+            s.prepare_stores()
+            return s, cfg
+    raise AssertionError(f"no pipeline name in {PLACEMENT_TRIES} put both on one node")
+
+
+def _one_node_holds_both(bootstrap: str, topic: str, cfg: PipelineConfig) -> bool:
+    """Whether the node coordinating ``cfg``'s source group leads its control partition."""
+    # Kafka creates its group state topic on the first coordinator lookup.
+    probe = Consumer({"bootstrap.servers": bootstrap, "group.id": cfg.group_id})
+    try:
+        wait_until(
+            _quietly(lambda: probe.committed([TopicPartition(topic, 0)], 10) is not None),
+            60,
+            "the group's coordinator",
+        )
+    finally:
+        probe.close()
+    return _quietly(
+        lambda: (
+            group_coordinator_of(bootstrap, cfg.group_id)
+            == leader_of(bootstrap, cfg.control_topic, 0)
+        )
+    )()
+
+
 def _quietly(pred: Callable[[], bool]) -> Callable[[], bool]:
     def probe() -> bool:
         try:
@@ -123,28 +191,7 @@ def test_commits_go_on_while_the_brokers_that_matter_are_killed(
 ) -> None:
     bootstrap = three_brokers["TWOPHASE_KAFKA_BOOTSTRAP"]
     assert len(bootstrap.split(",")) == 3, bootstrap
-    s = Scenario(
-        name=f"tb-{uuid.uuid4().hex[:6]}",
-        bootstrap=bootstrap,
-        pg_dsn=three_brokers["TWOPHASE_PG_DSN"],
-        mongo_uri="",
-        workdir=tmp_path,
-        partitions=2,
-        interval_ms=300,
-        mongo=False,
-        files=False,
-    )
-    s.extra = {
-        "control": {"hmac_key": s.hmac_key, "replication_factor": REPLICATION_FACTOR},
-        "sources": [
-            {"topic": s.topic, "partitions": s.partitions, "replication_factor": REPLICATION_FACTOR}
-        ],
-        "dead_letter": {"replication_factor": REPLICATION_FACTOR},
-    }
-    s.write()
-    s.prepare_stores()
-    cfg = load_config(s.config_path)
-    create_topics(cfg)
+    s, cfg = _pipeline_with_one_node_holding_both(three_brokers, tmp_path)
     watched = [
         cfg.control_topic,
         s.topic,
@@ -178,14 +225,26 @@ def test_commits_go_on_while_the_brokers_that_matter_are_killed(
                     every_s=1.0,
                 )
             except TimeoutError:
-                for name in cluster.procs:
-                    print(f"===== {name}\n{cluster.log_tail(name, 40)}")
+                with contextlib.suppress(KafkaException, LookupError):
+                    print(
+                        "group offsets",
+                        group_offsets(s.bootstrap, cfg.group_id, s.topic, 2),
+                        "end offsets",
+                        end_offsets(s.bootstrap, s.topic, 2),
+                        "control leader",
+                        leader_of(bootstrap, cfg.control_topic, 0),
+                    )
+                cluster.print_logs(80)
                 raise
             print(f"node {node} ({what}) killed: caught up in {time.monotonic() - killed:.1f}s")
 
-        # (1) The leader of the control topic's partition: decisions and votes move.
+        # (1) The leader of the control topic's partition, which also coordinates the source
+        # group: decisions and votes move, and so do the group's offsets the commit decisions
+        # carry (librdkafka's send_offsets_to_transaction then blocked past its timeout, until
+        # the leader took its producer for wedged and replaced it).
         control_leader = leader_of(bootstrap, cfg.control_topic, 0)
-        kill_and_resume(control_leader, "control partition leader", 1)
+        assert group_coordinator_of(bootstrap, cfg.group_id) == control_leader
+        kill_and_resume(control_leader, "control partition leader, source group coordinator", 1)
         assert leader_of(bootstrap, cfg.control_topic, 0) not in (control_leader, -1)
 
         _stack(Path(three_brokers["TWOPHASE_STACK_DIR"]), "start-broker", str(control_leader))
