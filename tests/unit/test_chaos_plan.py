@@ -53,7 +53,7 @@ def test_a_full_run_has_each_store_fault_once_between_the_others() -> None:
     stores = [i for i, e in enumerate(plan) if e.store]
     assert [plan[i].store.kind for i in stores] == ["pg_terminate", "disk_full", "pg_connlimit"]
     # Spread through the run, never first or last, never two store faults in a row.
-    assert 0 < stores[0] and stores[-1] < len(plan) - 1
+    assert stores[0] > 0 and stores[-1] < len(plan) - 1
     assert all(b - a > 1 for a, b in itertools.pairwise(stores))
     assert sum(1 for e in plan if e.net) == 10
     assert sum(len(e.faults) for e in plan) >= 52
