@@ -771,21 +771,7 @@ class Chaos:
             }
         )
         log(f"episode {i}: {proxy} healed after {rec['fault_s']}s")
-        hit = self.idle(
-            RECOVERY_MAX_S,
-            lambda: (
-                self.all_alive()
-                and self.commits_since(max(self.last_start(), healed)) >= RECOVERY_COMMITS
-            ),
-        )
-        rec["recovery_s"] = round(self.now() - healed, 1)
-        rec["first_commit_after_s"] = self._first_commit_after(healed)
-        if not hit:
-            rec["not_recovered"] = True
-            log(
-                f"episode {i}: no {RECOVERY_COMMITS} commits within {RECOVERY_MAX_S:.0f}s of the heal"
-            )
-        self.episodes.append(rec)
+        self._recover_after(i, rec, healed, "the heal")
 
     def run_any(self, i: int, ep: Episode, short: bool) -> None:
         if ep.net is not None:
@@ -819,19 +805,24 @@ class Chaos:
         rec["fault_s"] = round(ended - cut, 1)
         rec["commits_during_fault"] = sum(1 for c in self.commit_times if cut <= c < ended)
         self.store_faults.append({"t": round(cut, 1), "how": f.kind, "case": f.case, **detail})
+        self._recover_after(i, rec, ended, "its end")
+
+    def _recover_after(self, i: int, rec: dict[str, Any], since: float, what: str) -> None:
+        """Wait (bounded) until every process is up and the pipeline has committed
+        RECOVERY_COMMITS times since ``since`` (a fault's end) and its last restart; record."""
         hit = self.idle(
             RECOVERY_MAX_S,
             lambda: (
                 self.all_alive()
-                and self.commits_since(max(self.last_start(), ended)) >= RECOVERY_COMMITS
+                and self.commits_since(max(self.last_start(), since)) >= RECOVERY_COMMITS
             ),
         )
-        rec["recovery_s"] = round(self.now() - ended, 1)
-        rec["first_commit_after_s"] = self._first_commit_after(ended)
+        rec["recovery_s"] = round(self.now() - since, 1)
+        rec["first_commit_after_s"] = self._first_commit_after(since)
         if not hit:
             rec["not_recovered"] = True
             log(
-                f"episode {i}: no {RECOVERY_COMMITS} commits within {RECOVERY_MAX_S:.0f}s of its end"
+                f"episode {i}: no {RECOVERY_COMMITS} commits within {RECOVERY_MAX_S:.0f}s of {what}"
             )
         self.episodes.append(rec)
 

@@ -36,12 +36,18 @@ FILLER_APP = "twophase-fault-filler"
 
 
 def pg_sessions(
-    conn: psycopg.Connection[Any], pipeline: str, participant: str | None = None, sink: str = "pg"
+    conn: psycopg.Connection[Any],
+    pipeline: str,
+    participant: str | None = None,
+    sink: str = "pg",
+    state: str | None = None,
 ) -> list[int]:
-    """Backend pids of the pipeline's sessions of ``sink`` (of ``participant`` when given)."""
+    """Backend pids of the pipeline's sessions of ``sink`` (of ``participant``, in ``state``
+    -- e.g. ``idle in transaction``: an open part between two writes -- when given)."""
     rows = conn.execute(
-        "SELECT pid FROM pg_stat_activity WHERE application_name LIKE %s",
-        (f"twophase/{pipeline}/{sink}/{participant or '%'}",),
+        "SELECT pid FROM pg_stat_activity WHERE application_name LIKE %s"
+        " AND (%s::text IS NULL OR state = %s)",
+        (f"twophase/{pipeline}/{sink}/{participant or '%'}", state, state),
     ).fetchall()
     return [int(r[0]) for r in rows]
 

@@ -268,13 +268,9 @@ def _held_in_an_open_part(c: Cluster, s: Scenario, name: str, attempts: int = 6)
             f"{name} to hold a fetched batch",
         )
         with psycopg.connect(s.pg_dsn, autocommit=True) as admin:
-            rows = admin.execute(
-                "SELECT pid FROM pg_stat_activity WHERE application_name LIKE %s "
-                "AND state = 'idle in transaction'",
-                (f"twophase/{s.name}/pg/{name}",),
-            ).fetchall()
-        if rows:
-            return [int(r[0]) for r in rows]
+            pids = pg_sessions(admin, s.name, name, state="idle in transaction")
+        if pids:
+            return pids
         print(f"attempt {attempt}: the held batch opens a part; starting {name} again")
         c.kill(name, signal.SIGTERM)
     raise AssertionError(f"{name} never held a batch inside an open part in {attempts} tries")
