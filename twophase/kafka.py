@@ -600,7 +600,9 @@ class ControlPublisher:
         self.role = role
         # A producer left inside a wedged call stays referenced by that call's thread, and is
         # freed there once the call returns.
-        self._replaced = True  # False while the producer is a wedged one not yet replaced
+        # False while the producer must be replaced before the next write: wedged in a call, or
+        # holding a transaction it could not abort.
+        self._replaced = True
         self.producer = self._new_producer()
 
     def _new_producer(self) -> Producer:
@@ -661,8 +663,10 @@ class ControlPublisher:
 
         def attempt() -> PublishResult:
             delivered.clear()
+            began = False
             try:
                 producer.begin_transaction()
+                began = True
                 producer.produce(
                     self.cfg.control_topic,
                     value=value,
@@ -689,7 +693,14 @@ class ControlPublisher:
                     return PublishResult(error=err.str(), fenced=True)
                 abort = err.txn_requires_abort()
                 result = PublishResult(error=err.str(), retriable=abort or err.retriable())
-                if abort:
+                if not began and err.code() == KafkaError._STATE:
+                    self._replaced = False  # a transaction left open somehow: start afresh
+                if began:
+                    # Whatever failed, the transaction is never left open: the next
+                    # begin_transaction would refuse ("Operation not valid in state
+                    # InTransaction") for good -- seen when AddOffsetsToTxn met a killed
+                    # transaction coordinator (Broker transport failure, neither abortable
+                    # nor retriable).
                     self._abort()
                 if result.retriable:
                     raise _PublishAgain(result) from exc
@@ -707,10 +718,17 @@ class ControlPublisher:
             return again.result
 
     def _abort(self) -> None:
+        """Abort the producer's open transaction; where that fails, the next publish starts
+        from a new producer, whose init_transactions fences this one and has the broker abort
+        the transaction."""
         try:
             self.producer.abort_transaction(CALL_TIMEOUT_S)
         except KafkaException as exc:
-            log.warning("abort_transaction failed: %s", exc.args[0].str())
+            log.warning(
+                "abort_transaction failed: %s; the next write starts from a new producer",
+                exc.args[0].str(),
+            )
+            self._replaced = False
 
     def close(self) -> None:
         """Serve what librdkafka still holds; every publish already waited for its own message,

@@ -1,14 +1,15 @@
 """The one transactional publisher of decisions (:class:`twophase.kafka.ControlPublisher`), used
 by the coordinator and the Spark driver, against the real Kafka of the local stack: each message
 lands in its own transaction at the offset it reports, a commit carries the source group's
-offsets with it, and a second publisher of the pipeline fences the first for good."""
+offsets with it, a second publisher of the pipeline fences the first for good, and a write that
+fails inside its transaction leaves no transaction open."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from tests.e2e.e2e_support import read_topic
 from twophase.config import PipelineConfig, parse_config
@@ -94,3 +95,36 @@ def test_a_second_publisher_fences_the_first_for_good(cfg: PipelineConfig) -> No
         first.close()
         second.close()
     assert _payloads(cfg) == [Prepare(1, 0), Prepare(2, 0)]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        # What AddOffsetsToTxn answered when the transaction coordinator's node was killed.
+        KafkaError(KafkaError._TRANSPORT, "Broker transport failure"),
+        KafkaError(KafkaError._TIMED_OUT, "timed out", retriable=True),
+        KafkaError(KafkaError._TIMED_OUT, "timed out", txn_requires_abort=True),
+    ],
+    ids=["neither", "retriable", "abortable"],
+)
+def test_a_write_that_fails_inside_its_transaction_leaves_none_open(
+    cfg: PipelineConfig, error: KafkaError
+) -> None:
+    """Whatever fails between begin and commit, the transaction is aborted: with one left open
+    every later begin_transaction was refused ("Operation not valid in state InTransaction")
+    and the leader never wrote again. The failed message never becomes visible."""
+    publisher = ControlPublisher(cfg, "test-producer")
+
+    def fail() -> None:
+        raise KafkaException(error)
+
+    try:
+        failed = publisher.publish(
+            new_envelope(cfg.pipeline, "t", Prepare(1, 0)), before_commit=fail
+        )
+        assert failed.error and not failed.fenced, failed
+        later = publisher.publish(new_envelope(cfg.pipeline, "t", Prepare(2, 0)))
+        assert not later.error, later
+    finally:
+        publisher.close()
+    assert _payloads(cfg) == [Prepare(2, 0)]
