@@ -68,10 +68,16 @@ class Series:
         for label, index, (rel, absolute) in (("rss_mb", 1, RSS_GROWTH), ("fds", 2, FD_GROWTH)):
             before = statistics.median(s[index] for s in early)
             after = statistics.median(s[index] for s in late)
+            tenth = max(1, len(self.samples) // 10)
             out[label] = {
                 "second_quarter_median": round(before, 1),
                 "last_quarter_median": round(after, 1),
                 "max": round(max(s[index] for s in self.samples), 1),
+                # The shape: a leak climbs to the end, a high-water mark levels off.
+                "tenths_median": [
+                    round(statistics.median(x[index] for x in self.samples[i : i + tenth]), 1)
+                    for i in range(0, tenth * 10, tenth)
+                ],
             }
             if after - before > absolute and after > before * (1 + rel):
                 out["grows"].append(label)
