@@ -866,6 +866,8 @@ class Chaos:
             row = probe.execute("SHOW max_connections").fetchone()
         limit = int(row[0]) if row else 100
         fillers, refusal = fill_connections(self.s.pg_dsn, limit)
+        if not fillers:  # refused from the first (a restart under way): no fault made
+            raise OSError(f"PostgreSQL took no connection: {refusal.strip()[:200]}")
         try:
             control = fillers[0]
             ended = 0
@@ -901,7 +903,14 @@ class Chaos:
             log(f"episode {i}: files sink disk full ({size} bytes) for {duration:.0f}s")
             self.idle(duration)
         finally:
-            self.disk.resize(FILES_TMPFS_BYTES)
+            for attempt in range(5):  # the room must come back, or the run goes on full
+                try:
+                    self.disk.resize(FILES_TMPFS_BYTES)
+                    break
+                except OSError:
+                    if attempt == 4:
+                        raise
+                    time.sleep(1)
         met = sum(_count_in(p, ENOSPC) for p in logs) - before
         log(f"episode {i}: files sink disk has room again; {met} '{ENOSPC}' lines logged")
         return {"disk_bytes": size, "enospc_logged": met}
