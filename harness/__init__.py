@@ -312,6 +312,16 @@ class Cluster:
             )
 
 
+def read_from(path: Path, offset: int) -> str:
+    """What a log holds past ``offset`` (what was appended since); "" when it cannot be read."""
+    try:
+        with path.open("rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def end_offsets(bootstrap: str, topic: str, partitions: int) -> dict[int, int]:
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": "twophase-harness-probe"})
     try:

@@ -626,12 +626,20 @@ class ControlPublisher:
         fails, the next publish tries again before writing anything."""
         log.error("control producer wedged: %s; replacing it (the new one fences it)", why)
         self._replaced = False
+        failed = self._ensure_producer()
+        return f"{why}; " + (f"{failed} (tried again next time)" if failed else "producer replaced")
+
+    def _ensure_producer(self) -> str:
+        """A new producer in place of one that must go (:attr:`_replaced` false); why that
+        failed, or ""."""
+        if self._replaced:
+            return ""
         try:
             self.producer = self._new_producer()
         except KafkaException as exc:
-            return f"{why}; its replacement failed: {exc.args[0].str()} (tried again next time)"
+            return f"replacing a wedged producer failed: {exc.args[0].str()}"
         self._replaced = True
-        return f"{why}; producer replaced"
+        return ""
 
     def publish(
         self,
@@ -648,12 +656,8 @@ class ControlPublisher:
         other failure, ends the tries. ``before_commit`` runs between the write and the commit
         (fault injection)."""
         value, headers = encode(env, self.cfg.hmac_key)
-        if not self._replaced:
-            try:
-                self.producer = self._new_producer()
-            except KafkaException as exc:
-                return PublishResult(error=f"replacing a wedged producer: {exc.args[0].str()}")
-            self._replaced = True
+        if failed := self._ensure_producer():
+            return PublishResult(error=failed)
         producer = self.producer
         delivered: list[int] = []
 

@@ -36,7 +36,15 @@ import pytest
 import yaml
 from confluent_kafka import KafkaException
 
-from harness import Cluster, Scenario, control_decisions, produce, summary_json, wait_until
+from harness import (
+    Cluster,
+    Scenario,
+    control_decisions,
+    produce,
+    read_from,
+    summary_json,
+    wait_until,
+)
 from harness.store_faults import TOO_MANY, fill_connections, pg_prepared, pg_sessions, terminate
 from tests.e2e.e2e_support import scenario, settle
 
@@ -247,9 +255,7 @@ IN_HAND_INTERVAL_MS = 2_000
 
 def _reached(path: Path, offset: int, text: str) -> bool:
     """Whether ``text`` is in the log past ``offset``."""
-    with path.open("rb") as f:
-        f.seek(offset)
-        return text in f.read().decode(errors="replace")
+    return text in read_from(path, offset)
 
 
 def _held_in_an_open_part(c: Cluster, s: Scenario, name: str, attempts: int = 6) -> list[int]:
