@@ -9,12 +9,17 @@ class CopyEncoder:
         row_in: str | None = None,
         ops: list[str] | None = None,
         seq: bool = False,
+        delete_in: str | None = None,
+        key_columns: list[bool] | None = None,
     ) -> None:
         """Per target column, in COPY order: (JSON field, base type, max length).
 
         ``row_in`` and ``ops``: the values are change events whose row is the object in member
         ``row_in``, taken when member ``op`` is one of ``ops``. ``seq``: each row starts with
-        its value's index (int8) and false (bool).
+        its value's index (int8) and whether it is a delete (bool). ``delete_in`` (with
+        ``seq`` and ``key_columns``, one flag per column): an event whose ``op`` is ``d`` is a
+        delete, its row the key columns of the object in member ``delete_in`` and NULL in
+        every other column.
 
         ValueError names a type the encoder does not handle."""
 
@@ -44,3 +49,9 @@ class AvroCopyEncoder:
     def encode(self, values: list[bytes]) -> tuple[bytes, list[int]]:
         """The complete binary COPY stream of the rows taken (b"" when none), and the
         indices of the values handed back to the Python path (any schema not given)."""
+
+def copy_columns(payload: bytes, oids: list[int]) -> list[bytes]:
+    """The columns of a binary COPY stream (``encode``'s; b"" holds no row) of ``len(oids)``
+    fields per row, each as one PostgreSQL binary array whose elements have type ``oids[j]``:
+    what ``unnest($1::int8[], ...)`` reads back as the same rows. ValueError when ``payload``
+    is not such a stream."""

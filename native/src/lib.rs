@@ -771,10 +771,12 @@ fn same(a: Tok, b: Tok) -> bool {
 }
 
 /// A change event around the row (Debezium's `{before, after, op, source, ...}`): the row is
-/// the object in member `row_in`, taken only when member `op` is one of `ops`.
+/// the object in member `row_in`, taken only when member `op` is one of `ops`; with
+/// `delete_in`, an event whose `op` is `d` is the delete of the key in that member's object.
 struct Envelope {
     row_in: Vec<u8>,
     ops: Vec<Vec<u8>>,
+    delete_in: Option<Vec<u8>>,
 }
 
 /// Encodes JSON objects into binary COPY rows of one table's mapped columns.
@@ -783,9 +785,11 @@ struct CopyEncoder {
     fields: Vec<Vec<u8>>,
     kinds: Vec<Kind>,
     envelope: Option<Envelope>,
-    /// Each row starts with two more columns: its value's index (int8) and `false` (bool,
-    /// "not a delete"), for a staging table whose rows are applied in order.
+    /// Each row starts with two more columns: its value's index (int8) and whether it is a
+    /// delete (bool), for rows applied in order.
     seq: bool,
+    /// The key columns: the only ones a delete's row holds (the others are NULL).
+    key_columns: Vec<bool>,
 }
 
 type Caps<'a> = [Tok<'a>; MAX_COLUMNS];
@@ -806,11 +810,16 @@ impl CopyEncoder {
         })
     }
 
-    /// The row of a change event (`op` one of the envelope's, its row an object) into `caps`.
-    fn capture_event<'a>(&self, env: &Envelope, p: &mut Parser<'a>, caps: &mut Caps<'a>) -> Option<()> {
+    /// The row of a change event (`op` one of the envelope's, its row an object) into `caps`:
+    /// Some(false); or with `delete_in`, the object a delete (`op` `d`) names: Some(true).
+    fn capture_event<'a>(&self, env: &Envelope, p: &mut Parser<'a>, caps: &mut Caps<'a>) -> Option<bool> {
         let mut op: Option<Tok<'a>> = None;
         let mut row_seen = false;
         let mut row_taken = false;
+        // Where the delete's object is: read only once `op` says it is a delete.
+        let mut deleted_at: Option<(usize, usize)> = None;
+        let mut deleted_seen = false;
+        let doc: &'a [u8] = p.s;
         members(p, |key, p| {
             if key == env.row_in.as_slice() {
                 if row_seen {
@@ -824,6 +833,14 @@ impl CopyEncoder {
                 } else {
                     p.value(1)?; // null (a delete) or not a row: the Python path says which
                 }
+            } else if env.delete_in.as_deref() == Some(key) {
+                if deleted_seen {
+                    return None;
+                }
+                deleted_seen = true;
+                let start = p.i;
+                p.value(1)?;
+                deleted_at = Some((start, p.i));
             } else if key == b"op" {
                 if op.is_some() {
                     return None;
@@ -836,7 +853,19 @@ impl CopyEncoder {
         })?;
         match op? {
             Tok::Str(raw, false) if row_taken && env.ops.iter().any(|o| o.as_slice() == raw) => {
-                Some(())
+                Some(false)
+            }
+            Tok::Str(b"d", false) if !row_taken => {
+                // A delete whose object is not one (null, a scalar): the Python path says why.
+                let (start, end) = deleted_at?;
+                let mut q = Parser { s: &doc[..end], i: start };
+                q.ws();
+                if q.s.get(q.i) != Some(&b'{') {
+                    return None;
+                }
+                q.i += 1;
+                self.capture(&mut q, caps)?;
+                Some(true)
             }
             _ => None,
         }
@@ -885,10 +914,13 @@ impl CopyEncoder {
             return None;
         }
         p.i += 1;
-        match &self.envelope {
-            None => self.capture(&mut p, &mut caps)?,
+        let deleted = match &self.envelope {
+            None => {
+                self.capture(&mut p, &mut caps)?;
+                false
+            }
             Some(env) => self.capture_event(env, &mut p, &mut caps)?,
-        }
+        };
         p.ws();
         if p.i != doc.len() {
             return None;
@@ -903,9 +935,13 @@ impl CopyEncoder {
             put_len(out, 8);
             out.extend_from_slice(&(index as i64).to_be_bytes());
             put_len(out, 1);
-            out.push(0);
+            out.push(deleted as u8);
         }
         for (j, &kind) in self.kinds.iter().enumerate() {
+            if deleted && !self.key_columns[j] {
+                out.extend_from_slice(&(-1i32).to_be_bytes()); // NULL: a delete needs its key only
+                continue;
+            }
             let tok = caps[j];
             if matches!(tok, Tok::Absent | Tok::Null | Tok::Composite) || put_value(out, kind, tok, scratch).is_none() {
                 out.truncate(start);
@@ -973,27 +1009,41 @@ impl CopyEncoder {
     /// `columns`: per target column, in COPY order, (JSON field, base type, max length).
     /// `row_in` and `ops`: the values are change events whose row is the object in member
     /// `row_in`, taken when member `op` is one of `ops`. `seq`: each row starts with its
-    /// value's index (int8) and false (bool).
+    /// value's index (int8) and whether it is a delete (bool). `delete_in` (with `seq` and
+    /// `key_columns`, one flag per column): an event whose `op` is `d` is a delete, its row
+    /// the key columns of the object in member `delete_in` and NULL in every other column.
     /// Raises ValueError naming a type this encoder does not handle.
     #[new]
-    #[pyo3(signature = (columns, row_in=None, ops=None, seq=false))]
+    #[pyo3(signature = (columns, row_in=None, ops=None, seq=false, delete_in=None, key_columns=None))]
     fn new(
         columns: Vec<(String, String, Option<usize>)>,
         row_in: Option<String>,
         ops: Option<Vec<String>>,
         seq: bool,
+        delete_in: Option<String>,
+        key_columns: Option<Vec<bool>>,
     ) -> PyResult<Self> {
         let (fields, kinds) = columns_of(columns)?;
         let fields = fields.into_iter().map(String::into_bytes).collect();
+        let deletes = delete_in.is_some();
         let envelope = match (row_in, ops) {
-            (None, None) => None,
+            (None, None) if !deletes => None,
             (Some(row_in), Some(ops)) if !ops.is_empty() => Some(Envelope {
                 row_in: row_in.into_bytes(),
                 ops: ops.into_iter().map(String::into_bytes).collect(),
+                delete_in: delete_in.map(String::into_bytes),
             }),
-            _ => return Err(PyValueError::new_err("row_in and ops go together")),
+            _ => return Err(PyValueError::new_err("row_in and ops go together (and delete_in with them)")),
         };
-        Ok(CopyEncoder { fields, kinds, envelope, seq })
+        let key_columns = match key_columns {
+            Some(k) if k.len() == kinds.len() && k.iter().any(|&b| b) => k,
+            None if !deletes => vec![true; kinds.len()],
+            _ => return Err(PyValueError::new_err("delete_in needs key_columns: one flag per column, one set at least")),
+        };
+        if deletes && !seq {
+            return Err(PyValueError::new_err("delete_in needs seq: a delete row is told by its flag"));
+        }
+        Ok(CopyEncoder { fields, kinds, envelope, seq, key_columns })
     }
 
     /// Encodes `values` (a list of bytes): returns the complete binary COPY stream of the rows
@@ -1223,9 +1273,84 @@ impl AvroCopyEncoder {
     }
 }
 
+// ------------------------------------------------------------------------- COPY -> arrays
+
+/// The columns of a binary COPY stream (as [`stream`] makes it; b"" holds no row) of
+/// `oids.len()` fields per row, each as one PostgreSQL binary array of one dimension whose
+/// elements have type `oids[j]`: what `unnest($1::int8[], ...)` reads back as the same rows,
+/// without a table to COPY them into.
+#[pyfunction]
+fn copy_columns<'py>(py: Python<'py>, payload: &[u8], oids: Vec<u32>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    let cols = py.detach(|| transpose(payload, &oids)).ok_or_else(|| {
+        PyValueError::new_err(format!("not a binary COPY stream of {} fields per row", oids.len()))
+    })?;
+    Ok(cols.iter().map(|c| PyBytes::new(py, c)).collect())
+}
+
+fn transpose(payload: &[u8], oids: &[u32]) -> Option<Vec<Vec<u8>>> {
+    let n = oids.len();
+    // ndim, has-null flag, element type, then (for a non-empty array) length and lower bound.
+    let mut cols: Vec<Vec<u8>> = oids
+        .iter()
+        .map(|&oid| {
+            let mut c = Vec::with_capacity(payload.len() / n.max(1) + 20);
+            for word in [1i32, 0, oid as i32, 0, 1] {
+                c.extend_from_slice(&word.to_be_bytes());
+            }
+            c
+        })
+        .collect();
+    let mut nulls = vec![false; n];
+    let mut rows: i32 = 0;
+    if !payload.is_empty() {
+        let body = payload.strip_prefix(HEADER)?;
+        let mut i = 0usize;
+        let take = |i: &mut usize, k: usize| -> Option<&[u8]> {
+            let s = body.get(*i..*i + k)?;
+            *i += k;
+            Some(s)
+        };
+        loop {
+            let count = i16::from_be_bytes(take(&mut i, 2)?.try_into().ok()?);
+            if count == -1 {
+                break;
+            }
+            if count as usize != n {
+                return None;
+            }
+            for j in 0..n {
+                let len_bytes = take(&mut i, 4)?;
+                let len = i32::from_be_bytes(len_bytes.try_into().ok()?);
+                cols[j].extend_from_slice(len_bytes);
+                if len == -1 {
+                    nulls[j] = true;
+                } else {
+                    cols[j].extend_from_slice(take(&mut i, usize::try_from(len).ok()?)?);
+                }
+            }
+            rows = rows.checked_add(1)?;
+        }
+        if i != body.len() {
+            return None;
+        }
+    }
+    for (j, c) in cols.iter_mut().enumerate() {
+        if rows == 0 {
+            // An empty array has no dimension.
+            c.truncate(12);
+            c[0..4].copy_from_slice(&0i32.to_be_bytes());
+        } else {
+            c[12..16].copy_from_slice(&rows.to_be_bytes());
+        }
+        c[4..8].copy_from_slice(&(nulls[j] as i32).to_be_bytes());
+    }
+    Some(cols)
+}
+
 #[pymodule]
 fn twophase_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<CopyEncoder>()?;
     m.add_class::<AvroCopyEncoder>()?;
+    m.add_function(wrap_pyfunction!(copy_columns, m)?)?;
     Ok(())
 }

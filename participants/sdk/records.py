@@ -280,6 +280,20 @@ class RawBatch:
         r = self.record(i)
         return None if r is None else r.key
 
+    def topics(self) -> list[str]:
+        """Every value's :meth:`topic`, in order, in one pass."""
+        msgs = self._messages
+        if msgs is None:
+            return [self.topic(i) for i in range(len(self.values))]
+        return [msgs[at].topic() or "" for at in self._index]
+
+    def keys(self) -> list[bytes | None]:
+        """Every value's :meth:`key`, in order, in one pass."""
+        msgs = self._messages
+        if msgs is None:
+            return [self.key(i) for i in range(len(self.values))]
+        return [k if (k := msgs[at].key()).__class__ is bytes else None for at in self._index]
+
     def subset(self, positions: Sequence[int]) -> RawBatch:
         """The values at ``positions`` (of this batch), as a batch of their own."""
         return RawBatch(

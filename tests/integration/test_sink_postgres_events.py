@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
+import time
 from typing import Any
 
 import orjson
+import psycopg
 import pytest
+import twophase_native
 from confluent_kafka import Message
-from test_sink_postgres import PgEnv, part
+from test_sink_postgres import ALL_TYPES_DDL, PgEnv, _encodings, _regular, part
 
 from twophase.config import SourceConfig
 from twophase.participants.decoding import DebeziumDecoder
 from twophase.participants.sdk import RawBatch, RawShape, Record, Rejected, SinkContext
 from twophase.participants.sinks.postgres import PostgresSink
+from twophase.participants.sinks.postgres._connections import RawArray, _RawArrayDumper, type_oid
 
 DDL = (
     "id bigint PRIMARY KEY, name text, qty integer NOT NULL DEFAULT 1 CHECK (qty >= 0),"
@@ -142,13 +147,13 @@ def test_change_events_read_raw_leave_what_the_decoded_records_leave(env: PgEnv,
     assert raw_sink.accepts_raw_shape(shape) and not dec_sink.accepts_raw_shape(shape)
     source = Source(random.Random(seed), raw_tables)
     staged: list[int] = []
-    stage = raw_sink._stage_events
+    stage = raw_sink._apply_events
 
-    def counted(conn: Any, payload: bytes, rows: Any) -> None:
-        stage(conn, payload, rows)
+    def counted(conn: Any, payload: bytes, rows: Any, *, settled: bool) -> None:
+        stage(conn, payload, rows, settled=settled)
         staged.append(len(rows))  # the write took the staged path and the server took it
 
-    raw_sink._stage_events = counted  # type: ignore[method-assign]
+    raw_sink._apply_events = counted  # type: ignore[method-assign]
     offset = 0
     for txn in range(1, 8):
         raw_batches = []
@@ -196,3 +201,140 @@ def _named(reason: str, tables: dict[str, str]) -> str:
     for short, name in sorted(tables.items(), key=lambda kv: -len(kv[1])):
         reason = reason.replace(name, short)
     return reason
+
+
+def test_a_key_another_process_inserts_meanwhile_is_redone_the_careful_way(
+    env: PgEnv, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A write with a delete applies its rows with ``MERGE``, which cannot wait out a key
+    another process's undecided part inserted: the unique violation sends the write the careful
+    way, whose upsert waits for that part and then updates the row -- nothing lost, nothing
+    refused, nothing doubled."""
+    name = env.table("rk", DDL)
+    theirs = events_sink(env, f"o{env.base}"[:40])
+    mine = events_sink(env, f"m{env.base}"[:40])
+    topic = f"cdc.{name}"
+
+    def change(op: str, key: int, label: str = "") -> tuple[str, bytes, bytes]:
+        row = {"id": key, "name": label, "qty": 2, "amount": "1.25"}
+        ev = {"before": {"id": key} if op == "d" else None, "after": None if op == "d" else row}
+        return topic, orjson.dumps({**ev, "op": op, "source": {}}), orjson.dumps({"id": key})
+
+    their_part = part(env, 1, participant="w2")
+    theirs.begin(their_part)
+    assert theirs.write_raw(their_part, batch_of([change("c", 7, "theirs")], 0)) == []
+    theirs.prepare(their_part, {("cdc", 0): 1})
+    my_part = part(env, 2)
+    mine.begin(my_part)
+    result: list[Any] = []
+    batch = batch_of([change("c", 3, "x"), change("d", 3), change("u", 7, "mine")], 1)
+    writer = threading.Thread(target=lambda: result.append(mine.write_raw(my_part, batch)))
+    with caplog.at_level(logging.INFO):
+        writer.start()
+        deadline = time.monotonic() + 20
+        while not env.rows(
+            "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE %s",
+            ["MERGE%"],
+        ):
+            assert time.monotonic() < deadline, "the MERGE never waited for the other part"
+            time.sleep(0.05)
+        theirs.commit(their_part)
+        writer.join(30)
+    assert result == [[]]
+    assert "redone the careful way" in caplog.text and "duplicate key" in caplog.text
+    mine.prepare(my_part, {("cdc", 0): 4})
+    mine.commit(my_part)
+    assert table(env, name) == {7: ("mine", 2, "1.25")}
+
+
+# -- the rows as arrays: twophase_native.copy_columns ----------------------------------------
+
+#: ALL_TYPES_DDL's columns as the encoder takes them: (field, base type, max length).
+ALL_TYPES_COLUMNS = [
+    ("seq", "int8", None), ("i2", "int2", None), ("i4", "int4", None), ("i8", "int8", None),
+    ("f4", "float4", None), ("f8", "float8", None), ("n", "numeric", None),
+    ("n2", "numeric", None), ("b", "bool", None), ("t", "text", None), ("vc", "varchar", 5),
+    ("ch", "bpchar", 3), ("ts", "timestamptz", None), ("tsn", "timestamp", None),
+    ("d", "date", None), ("u", "uuid", None),
+]  # fmt: skip
+
+
+def _read_back(env: PgEnv, payload: bytes) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """``payload`` COPYed into one table and, as arrays, unnested into another: both tables."""
+    copied = env.table("copied", ALL_TYPES_DDL)
+    unnested = env.table("unnested", ALL_TYPES_DDL)
+    types = [base for _, base, _ in ALL_TYPES_COLUMNS]
+    arrays = twophase_native.copy_columns(payload, [type_oid(t) for t in types])
+    with psycopg.connect(env.dsn, autocommit=True) as conn:
+        conn.adapters.register_dumper(RawArray, _RawArrayDumper)
+        with conn.cursor() as cur:
+            if payload:
+                with cur.copy(f'COPY "{copied}" FROM STDIN (FORMAT BINARY)') as copy:
+                    copy.write(payload)
+            casts = ", ".join(f"%b::{t}[]" for t in types)
+            cur.execute(
+                f'INSERT INTO "{unnested}" SELECT * FROM unnest({casts})',
+                [RawArray(a) for a in arrays],
+            )
+    order = "ORDER BY seq, i2 NULLS FIRST, t NULLS FIRST"
+    return (
+        env.rows(f'SELECT * FROM "{copied}" {order}'),
+        env.rows(f'SELECT * FROM "{unnested}" {order}'),
+    )
+
+
+def _row(values: list[bytes | None]) -> bytes:
+    """One binary COPY row of these fields (None: NULL)."""
+    out = len(values).to_bytes(2, "big")
+    for v in values:
+        out += b"\xff\xff\xff\xff" if v is None else len(v).to_bytes(4, "big") + v
+    return out
+
+
+def test_copy_columns_read_back_as_the_rows_of_the_stream(env: PgEnv) -> None:
+    """Whatever rows the encoder streams -- every type it takes, across each type's range --
+    the arrays unnest into exactly the rows COPY stores; and with NULLs, and with no row."""
+    rng = random.Random(20261126)
+    encoder = twophase_native.CopyEncoder(ALL_TYPES_COLUMNS)
+    values = [_encodings(rng, _regular(rng, i)) for i in range(3000)]
+    payload, unsure = encoder.encode(values)
+    assert len(unsure) < len(values) // 4  # the encoder took most: these are its rows
+    copied, unnested = _read_back(env, payload)
+    assert len(copied) == len(values) - len(unsure)
+    assert unnested == copied
+    # NULLs in any column (the encoder hands them back; the arrays must carry them).
+    header, trailer = payload[:19], b"\xff\xff"
+    rows = []
+    for seq in range(40):
+        fields: list[bytes | None] = [seq.to_bytes(8, "big", signed=True)]
+        fields += [None] * (len(ALL_TYPES_COLUMNS) - 1)
+        at = rng.randrange(1, len(ALL_TYPES_COLUMNS))
+        if ALL_TYPES_COLUMNS[at][1] == "int2":
+            fields[at] = rng.randrange(-99, 99).to_bytes(2, "big", signed=True)
+        elif ALL_TYPES_COLUMNS[at][1] == "bool":
+            fields[at] = bytes([rng.randrange(2)])
+        elif ALL_TYPES_COLUMNS[at][1] == "text":
+            fields[at] = rng.choice(["", "x", "日本"]).encode()
+        rows.append(_row(fields))
+    copied, unnested = _read_back(env, header + b"".join(rows) + trailer)
+    assert len(copied) == 40 and unnested == copied
+    copied, unnested = _read_back(env, b"")
+    assert copied == unnested == []
+
+
+def test_copy_columns_refuses_what_is_not_such_a_stream() -> None:
+    payload, _ = twophase_native.CopyEncoder(ALL_TYPES_COLUMNS[:2]).encode(
+        [b'{"seq": 1, "i2": 2}', b'{"seq": 3, "i2": 4}']
+    )
+    oids = [type_oid("int8"), type_oid("int2")]
+    assert len(twophase_native.copy_columns(payload, oids)) == 2
+    for bad, of in [
+        (payload[:-1], oids),  # cut short: no trailer
+        (payload[:-5], oids),  # cut inside a field
+        (payload + b"\0", oids),  # bytes after the trailer
+        (payload[1:], oids),  # no header
+        (payload, oids[:1]),  # rows of another width
+        (payload, [*oids, type_oid("text")]),
+    ]:
+        with pytest.raises(ValueError, match="not a binary COPY stream"):
+            twophase_native.copy_columns(bad, of)

@@ -277,6 +277,28 @@ def test_raw_batch_decodes_each_value_once_and_views_share_it() -> None:
     assert decoded == [0, 1, 2, 3]
 
 
+def test_raw_batch_topics_and_keys_in_one_pass_are_each_values() -> None:
+    """``topics()``/``keys()`` say what ``topic(i)``/``key(i)`` say, for a batch that knows its
+    messages and one that does not, and for views of it (a subset, a batch without some)."""
+    msgs = [msg(i % 3, i, {"id": i}, topic=f"t{i % 4}") for i in range(40)] + [
+        Message(topic="t9", partition=0, offset=99, key=None, value=b'{"id": 99}')
+    ]
+    decoded = JsonDecoder().decode_batch(msgs, 1 << 20, decode=False)
+    with_messages = decoded.raw_batch().with_messages(decoded.kept)
+    for batch in (decoded.raw_batch(), with_messages):
+        views = [
+            batch,
+            batch.subset([40, 3, 17, 0, 5]),
+            batch.subset(range(0, 41, 2)).subset([1, 0, 7]),
+            batch.without({"t1:1:1", "t3:0:3"}),
+        ]
+        for view in views:
+            assert view.topics() == [view.topic(i) for i in range(len(view))]
+            assert view.keys() == [view.key(i) for i in range(len(view))]
+    assert with_messages.subset([40, 3]).keys() == [None, b"3"]
+    assert with_messages.subset([40, 3]).topics() == ["t9", "t3"]
+
+
 @pytest.mark.parametrize(
     "text",
     [

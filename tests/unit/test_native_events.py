@@ -1,8 +1,9 @@
 """The compiled encoder on Debezium change events (the PostgreSQL sink's raw change-event path)
 against the Python path: an event it takes must be one the Debezium decoder turns into a row
-(never a delete, never a dead letter) whose fields -- the record key's overlaid -- the plain
-encoder writes byte for byte the same; and it must take the ordinary events, or the path is
-never used. Pure: no database, the wire format is compared as bytes.
+(never a dead letter) whose fields -- the record key's overlaid -- the plain encoder writes
+byte for byte the same, or, with ``delete_in``, into a delete whose key is the one the row
+holds; and it must take the ordinary events, or the path is never used. Pure: no database,
+the wire format is compared as bytes.
 """
 
 from __future__ import annotations
@@ -42,12 +43,15 @@ def rows(payload: bytes) -> list[bytes]:
         out.append(payload[start:i])
 
 
-def without_seq(row: bytes) -> tuple[int, bytes]:
-    """(the row's index column, the row as the plain encoder writes it)."""
+def without_seq(row: bytes) -> tuple[int, bool, bytes]:
+    """(the row's index column, its delete flag, the row as the plain encoder writes it)."""
     (ncols,) = struct.unpack_from(">h", row, 0)
     (seq,) = struct.unpack_from(">q", row, 6)
-    assert row[14:19] == b"\x00\x00\x00\x01\x00"  # the delete flag: false
-    return seq, struct.pack(">h", ncols - 2) + row[19:]
+    assert row[14:18] == b"\x00\x00\x00\x01" and row[18] in (0, 1)
+    return seq, row[18] == 1, struct.pack(">h", ncols - 2) + row[19:]
+
+
+NULL = b"\xff\xff\xff\xff"
 
 
 #: The kinds of event() the encoder must take (the rest it may hand back), by whether the
@@ -106,36 +110,100 @@ def event(rng: random.Random, key: int) -> tuple[bytes, bytes | None, int]:
     return (orjson.dumps(ev) if raw is None else raw), key_bytes, odd
 
 
+#: The kinds of delete() the encoder must take, by whether the record key's fields count.
+DELETES_TAKEN = {False: {100, 101, 102, 106, 110}, True: {100, 101, 102, 110}}
+
+
+def delete(rng: random.Random, key: int) -> tuple[bytes, bytes | None, int]:
+    """A delete event, its record key and its kind (100 and up): ordinary, or one of the
+    shapes a delete comes in that the Python path must judge."""
+    before: Any = {"id": key}
+    ev: dict[str, Any] = {"before": before, "after": None, "op": "d", "source": {"table": "t"}}
+    k: Any = {"id": key}
+    kind = 100 + rng.randrange(14)
+    raw: bytes | None = None
+    if kind == 101:
+        before.update(name=rng.choice([None, "x", 5, [1], {"a": 1}]), amount="not a number")
+    elif kind == 102:
+        ev = {"op": "d", "source": {}, "before": before, "after": None}  # op before the row
+    elif kind == 103:
+        ev["before"] = rng.choice([None, 5, "row", [key]])
+    elif kind == 104:
+        del before["id"]  # the key only in the record key (when it counts)
+    elif kind == 105:
+        before["id"] = rng.choice([None, "7", 2**63 + key, 1.5, [key]])
+    elif kind == 106:
+        k = {"id": key + 1}  # the key's value wins in the Python path
+    elif kind == 107:
+        ev["after"] = {"id": key, "name": "x", "amount": 1}  # a delete with a row after it
+    elif kind == 108:
+        raw = orjson.dumps(ev)[:-1] + b',"before":{"id":1}}'  # twice
+    elif kind == 109:
+        raw = orjson.dumps(ev).replace(b'"before"', b'"bef\\u006fre"', 1)  # an escaped name
+    elif kind == 110:
+        raw = orjson.dumps(ev).replace(b'"before":', b'"before" :  ', 1)
+    elif kind == 111:
+        del ev["before"]
+    elif kind == 112:
+        raw = orjson.dumps({"schema": None, "payload": ev})  # the Connect envelope
+    elif kind == 113:
+        before["id"] = {"nested": key}
+    key_bytes = None if k is None else orjson.dumps(k)
+    return (orjson.dumps(ev) if raw is None else raw), key_bytes, kind
+
+
+@pytest.mark.parametrize("deletes", [False, True], ids=["rows", "rows-and-deletes"])
 @pytest.mark.parametrize("keyed", [False, True], ids=["value-only", "key-fields"])
-def test_the_encoder_takes_an_event_only_as_the_decoder_reads_it(keyed: bool) -> None:
-    rng = random.Random(20261126 + keyed)
+def test_the_encoder_takes_an_event_only_as_the_decoder_reads_it(
+    keyed: bool, deletes: bool
+) -> None:
+    rng = random.Random(20261126 + keyed + 2 * deletes)
     source = SourceConfig(
         topic="pg.public.t", format="debezium", key_format="json" if keyed else "none"
     )
     decoder = DebeziumDecoder(source)
     assert decoder.raw_shape == RawShape("debezium", key_fields=keyed)
-    events = [event(rng, i) for i in range(6_000)]
+    events = [
+        delete(rng, i) if deletes and rng.random() < 0.3 else event(rng, i) for i in range(6_000)
+    ]
     values = [v for v, _, _ in events]
     keys = [k for _, k, _ in events]
-    compiled = twophase_native.CopyEncoder(COLUMNS, row_in="after", ops=["c", "r", "u"], seq=True)
+    options: dict[str, Any] = {"row_in": "after", "ops": ["c", "r", "u"], "seq": True}
+    if deletes:
+        options.update(delete_in="before", key_columns=[True, False, False])
+    compiled = twophase_native.CopyEncoder(COLUMNS, **options)
     plain = twophase_native.CopyEncoder(COLUMNS)
     payload, unsure = compiled.encode(values, keys if keyed else None)
     taken = [i for i in range(len(values)) if i not in set(unsure)]
     encoded = rows(payload)
     assert len(encoded) == len(taken)
     # The ordinary events are all taken: the fast path is the common one.
-    must = [i for i, (_, _, kind) in enumerate(events) if kind > 18 or kind in TAKEN[keyed]]
+    must = [
+        i
+        for i, (_, _, kind) in enumerate(events)
+        if (18 < kind < 100 or kind in TAKEN[keyed]) or (deletes and kind in DELETES_TAKEN[keyed])
+    ]
     assert set(must) <= set(taken), [values[i] for i in sorted(set(must) - set(taken))][:3]
+    assert not deletes or sum(events[i][2] >= 100 for i in taken) > 300
     for i, row in zip(taken, encoded, strict=True):
-        seq, bare = without_seq(row)
+        seq, deleted, bare = without_seq(row)
         assert seq == i
         m = Message(topic="pg.public.t", partition=0, offset=i, key=keys[i], value=values[i])
         rec = decoder.record(m, "pg.public.t", 0, i, values[i])
         assert isinstance(rec, Record), (values[i], keys[i], rec)
-        assert not rec.deleted
-        want, left = plain.encode([orjson.dumps(rec.value)])
-        assert not left and rows(want) == [bare], (values[i], keys[i])
-    # What it hands back includes every delete and every event the decoder refuses.
+        assert rec.deleted == deleted, (values[i], keys[i])
+        if deleted:
+            # The delete of the key the decoded record names, NULL in every other column.
+            want, left = plain.encode([orjson.dumps({**rec.value, "name": "", "amount": 0})])
+            assert not left, (values[i], keys[i], rec.value)
+            (want_row,) = rows(want)
+            key_field = want_row[2 : 2 + 4 + 8]  # the int8 id: length and value
+            assert bare == want_row[:2] + key_field + NULL + NULL, (values[i], keys[i])
+        else:
+            want, left = plain.encode([orjson.dumps(rec.value)])
+            assert not left and rows(want) == [bare], (values[i], keys[i])
+    # What it hands back includes every delete it does not take and every event the decoder
+    # refuses.
     for i in unsure:
         m = Message(topic="pg.public.t", partition=0, offset=i, key=keys[i], value=values[i])
         rec = decoder.record(m, "pg.public.t", 0, i, values[i])
@@ -147,5 +215,17 @@ def test_an_encoder_for_events_needs_both_the_row_member_and_the_ops() -> None:
         twophase_native.CopyEncoder(COLUMNS, row_in="after")
     with pytest.raises(ValueError, match="go together"):
         twophase_native.CopyEncoder(COLUMNS, row_in="after", ops=[])
+    with pytest.raises(ValueError, match="delete_in needs key_columns"):
+        twophase_native.CopyEncoder(COLUMNS, row_in="after", ops=["c"], seq=True, delete_in="b")
+    with pytest.raises(ValueError, match="delete_in needs key_columns"):
+        twophase_native.CopyEncoder(
+            COLUMNS, row_in="after", ops=["c"], seq=True, delete_in="b", key_columns=[True]
+        )
+    with pytest.raises(ValueError, match="delete_in needs seq"):
+        twophase_native.CopyEncoder(
+            COLUMNS, row_in="after", ops=["c"], delete_in="b", key_columns=[True, False, False]
+        )
+    with pytest.raises(ValueError, match="go together"):
+        twophase_native.CopyEncoder(COLUMNS, delete_in="b", key_columns=[True, False, False])
     with pytest.raises(ValueError, match="one key per value"):
         twophase_native.CopyEncoder(COLUMNS, row_in="after", ops=["c"]).encode([b"{}"], [])

@@ -10,8 +10,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import psycopg
-from psycopg import sql
+from psycopg import postgres, sql
+from psycopg.abc import Buffer
+from psycopg.adapt import Dumper
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.pq import Format
 
 from twophase.participants.sdk import (
     FatalSinkError,
@@ -61,6 +64,38 @@ _MAX_HELD_PREPARED = 4
 
 #: Idle connections kept for the next part; two cover the usual open + just-committed overlap.
 _MAX_IDLE = 2
+
+
+class RawArray(bytes):
+    """A PostgreSQL array already in its binary wire format (``twophase_native.copy_columns``):
+    sent as it is, its type told by the statement's cast (``%b::int8[]``)."""
+
+
+class _RawArrayDumper(Dumper):
+    format = Format.BINARY
+    oid = 0  # unknown: the server types the parameter by its cast
+
+    def dump(self, obj: Buffer) -> Buffer:
+        return obj
+
+
+@dataclass(frozen=True, slots=True)
+class _EventStatements:
+    """What ``_WritePath._apply_events`` runs for one table."""
+
+    upsert: sql.Composed
+    merge: sql.Composed
+    delete: sql.Composed
+    #: The element types of the compiled rows' arrays: place, delete flag, every column.
+    oids: list[int]
+
+
+def type_oid(name: str) -> int:
+    """The oid of built-in type ``name`` (a ``pg_type.typname``)."""
+    info = postgres.types.get(name)
+    if info is None:
+        raise ValueError(f"not a built-in type: {name}")
+    return info.oid
 
 
 @dataclass(slots=True)
@@ -135,7 +170,7 @@ class _Connections(Sink):
         self._key_mask = 0
         #: The delete of a write's deleted keys (``_WritePath._delete_keys``).
         self._delete_sql: sql.Composed | None = None
-        self._events_sql: tuple[sql.Composed, sql.Composed] | None = None
+        self._events_sql: _EventStatements | None = None
         self._events_encoder: twophase_native.CopyEncoder | None = None
         #: The compiled encoder of Avro values (insert mode, where the JSON one applies).
         self._avro_encoder: twophase_native.AvroCopyEncoder | None = None
@@ -164,6 +199,7 @@ class _Connections(Sink):
     def _connect(self, *, autocommit: bool) -> Connection:
         try:
             conn = psycopg.connect(self._conninfo, autocommit=True)
+            conn.adapters.register_dumper(RawArray, _RawArrayDumper)
         except psycopg.OperationalError as exc:
             message = f"cannot connect to PostgreSQL: {str(exc).strip()}"
             if any(hint in message for hint in _CONNECT_FATAL_HINTS):

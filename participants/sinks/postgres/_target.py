@@ -295,7 +295,7 @@ class _Target(_Connections):
     ) -> twophase_native.CopyEncoder | None:
         """The compiled encoder for this table, or None (and why, at DEBUG) when it does not
         apply: every record then takes the Python path. ``events``: the one for Debezium change
-        events in upsert mode, whose rows go through the staging table in order
+        events in upsert mode, whose rows and deletes are applied in order
         (:meth:`_WritePath.write_raw`)."""
         cfg = self.cfg
         why = ""
@@ -318,7 +318,12 @@ class _Target(_Connections):
             try:
                 if events:
                     return twophase_native.CopyEncoder(
-                        columns, row_in="after", ops=sorted(_EVENT_ROW_OPS), seq=True
+                        columns,
+                        row_in="after",
+                        ops=sorted(_EVENT_ROW_OPS),
+                        seq=True,
+                        delete_in="before",
+                        key_columns=[m.is_key for m in mapped],
                     )
                 return twophase_native.CopyEncoder(columns)
             except ValueError as exc:  # a type it does not model

@@ -24,7 +24,13 @@ from twophase.participants.sdk import (
     Rejected,
     RetriableSinkError,
 )
-from twophase.participants.sinks.postgres._connections import _OpenPart, twophase_native
+from twophase.participants.sinks.postgres._connections import (
+    RawArray,
+    _EventStatements,
+    _OpenPart,
+    twophase_native,
+    type_oid,
+)
 from twophase.participants.sinks.postgres._errors import (
     _ENCODE_ERRORS,
     _FATAL_CLASSES,
@@ -51,6 +57,14 @@ from twophase.participants.sinks.postgres.types import (
 )
 
 __all__ = ["_BATCH_SAVEPOINT", "_WRITE_SAVEPOINT", "_WritePath"]
+
+
+def _any_true(flags: bytes) -> bool:
+    """Whether a binary ``bool[]`` (``twophase_native.copy_columns``'s delete flags) holds a
+    true: after its 20-byte header, each element is its length (4 bytes, always 1) and one
+    byte; an empty array is its 12-byte header alone."""
+    return len(flags) > 12 and 1 in flags[24::5]
+
 
 #: How long a delete waits for an earlier part's decision before the write is retried; a
 #: decision takes a cycle, or the vote timeout when a participant is lost.
@@ -269,21 +283,20 @@ class _WritePath(_Markers):
                 self._avro_refused.add(sid)
                 self.log.info("postgres sink %s: schema %d in Python: %s", self.name, sid, exc)
 
-    # -- change events (RawShape "debezium"): rows applied in order through the stage -------
+    # -- change events (RawShape "debezium"): each key's last change, applied from arrays --
 
     def _write_events(self, part: PartId, batch: RawBatch) -> Sequence[Rejected]:
-        """Debezium change events, each topic's into its table: the events whose row the
-        compiled encoder takes (creates, snapshot reads and updates with every mapped field)
-        go into the staging table as a binary COPY stream with their place in the batch; the
-        rest (deletes, rows with nulls or unusual values) are decoded and converted here and
-        staged beside them; one statement then applies each key's last change
-        (:meth:`_stage_events`). The same result as :meth:`write` of the decoded records."""
+        """Debezium change events, each topic's into its table: the events the compiled
+        encoder takes (creates, snapshot reads and updates with every mapped field, deletes
+        whose ``before`` holds the key) become binary rows with their place in the batch; the
+        rest (rows with nulls or unusual values, deletes keyed only by the record key) are
+        decoded and converted here; then each key's last change is applied
+        (:meth:`_apply_events`). The same result as :meth:`write` of the decoded records."""
         if self._template is None:
             return self._write_events_of(part, batch)
         by_topic: dict[str, list[int]] = {}
-        topic_of = batch.topic
-        for i in range(len(batch)):
-            by_topic.setdefault(topic_of(i), []).append(i)
+        for i, topic in enumerate(batch.topics()):
+            by_topic.setdefault(topic, []).append(i)
         rejected: list[Rejected] = []
         for topic, positions in by_topic.items():
             table = self._template.for_topic(topic)
@@ -300,8 +313,11 @@ class _WritePath(_Markers):
         encoder = self._events_encoder
         if encoder is None:
             return self._write_decoded(part, batch)
-        keys = [batch.key(i) for i in range(len(batch))] if batch.shape.key_fields else None
+        keys = batch.keys() if batch.shape.key_fields else None
         payload, unsure = encoder.encode(batch.values, keys)
+        assert twophase_native is not None  # the events encoder exists
+        oids = self._events_statements().oids
+        compiled = [RawArray(c) for c in twophase_native.copy_columns(payload, oids)]
         rejected: list[Rejected] = []
         staged: list[tuple[int, _Row]] = []
         full = (1 << len(self._mapped)) - 1
@@ -325,13 +341,20 @@ class _WritePath(_Markers):
                 raise AbortTransactionError(
                     f"part {part.token} cannot continue: {op.broken}", sink=self.name
                 )
-            if any(row.deleted for _, row in staged):
+            settled = _any_true(compiled[1]) or any(row.deleted for _, row in staged)
+            if settled:
                 self._await_decisions(part)
             try:
-                self._stage_events(op.conn, payload, staged)
-            except _CompiledRefused:
-                # The server refused a row (a CHECK, numeric(p, s) overflow): the whole batch
-                # the careful way, which isolates the culprits.
+                self._apply_events(op.conn, compiled, staged, settled=settled)
+            except _CompiledRefused as exc:
+                # The server refused a row (a CHECK, numeric(p, s) overflow, a key another
+                # process inserted): the whole batch the careful way, which isolates culprits.
+                cause = exc.__cause__
+                self.log.info(
+                    "postgres sink %s: part %s: %d change events redone the careful way: %s",
+                    self.name, part.token, len(batch),
+                    _server_reason(cause) if isinstance(cause, psycopg.Error) else repr(cause),
+                )  # fmt: skip
                 refused = True
             except _ENCODE_ERRORS as exc:
                 raise self._classify_write_error(op, exc) from exc
@@ -348,32 +371,48 @@ class _WritePath(_Markers):
         records = batch.records()
         return self._write(part, partial(_compiled_none, records), partial(_all, records))
 
-    def _stage_events(
-        self, conn: Connection, payload: bytes, staged: list[tuple[int, _Row]]
+    def _apply_events(
+        self,
+        conn: Connection,
+        compiled: list[RawArray],
+        staged: list[tuple[int, _Row]],
+        *,
+        settled: bool,
     ) -> None:
-        """Stage the compiled rows (``payload``) and ``staged`` (place in the batch, row), then
-        apply each key's last change: delete the keys with a delete among their changes, and
-        upsert the keys whose last change is a row. Raises :class:`_CompiledRefused` (the part
-        as before) when the server refuses a row."""
-        copy_sql, merge_sql = self._events_statements()
-        assert self._stage is not None and self._binary_types is not None
+        """Apply the compiled rows (``compiled``, one array per column: place in the batch,
+        delete flag, every mapped column) and ``staged`` (place in the batch, row): delete the
+        keys with a delete among their changes, then write each key's last change when it is
+        a row. The rows reach the server as arrays (``unnest``), not through a staging table:
+        no heap to fill, scan and empty again per write. ``settled``: no earlier part of this
+        instance is undecided (:meth:`_await_decisions`), so a key absent from the target is
+        absent for good and PostgreSQL's ``MERGE`` (15 and later) applies the rows without
+        ``ON CONFLICT``'s speculative insertion; otherwise the upsert waits on the unique index
+        by itself. Raises :class:`_CompiledRefused` (the part as before) when the server
+        refuses a row -- or when ``MERGE`` meets a key another process inserted meanwhile (a
+        unique violation): the careful path then redoes the batch."""
+        statements = self._events_statements()
+        columns: list[list[Any]] = [[] for _ in self._mapped]
+        places: list[int] = []
+        flags: list[bool] = []
+        for seq, row in staged:
+            places.append(seq)
+            flags.append(row.deleted)
+            for i, value in enumerate(row.values):
+                columns[i].append(value)
+        merge = settled and conn.info.server_version >= 150000
         conn.execute(sql.SQL("SAVEPOINT {}").format(_WRITE_SAVEPOINT))
         try:
             with conn.cursor() as cur:
-                if payload:
-                    with cur.copy(copy_sql) as copy:
-                        copy.write(payload)
-                if staged:
-                    with cur.copy(copy_sql) as copy:
-                        copy.set_types(["int8", "bool", *self._binary_types])
-                        write_row = copy.write_row
-                        for seq, row in staged:
-                            write_row([seq, row.deleted, *row.values])
-                    deletes = [row for _, row in staged if row.deleted]
-                    if deletes:
-                        self._delete_keys(cur, deletes)
-                cur.execute(merge_sql)
-                cur.execute(sql.SQL("DELETE FROM {}").format(self._stage))
+                if _any_true(compiled[1]):
+                    keys = [compiled[2 + i] for i in self._key_idx]
+                    cur.execute(statements.delete, [compiled[1], *keys])
+                deletes = [row for _, row in staged if row.deleted]
+                if deletes:
+                    self._delete_keys(cur, deletes)
+                cur.execute(
+                    statements.merge if merge else statements.upsert,
+                    [*compiled, places, flags, *columns],
+                )
         except _ENCODE_ERRORS as exc:
             if conn.closed or conn.broken or _is_lost(conn, exc):
                 raise
@@ -385,27 +424,64 @@ class _WritePath(_Markers):
             raise
         conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(_WRITE_SAVEPOINT))
 
-    def _events_statements(self) -> tuple[sql.Composed, sql.Composed]:
-        """COPY into the stage (place, delete flag, every mapped column); the upsert of each
-        key's last staged change when it is a row."""
+    def _events_statements(self) -> _EventStatements:
+        """The statements of :meth:`_apply_events` for the current table. The rows come as two
+        sets of arrays -- place in the batch, delete flag, every mapped column -- the compiled
+        ones (binary, made by :func:`twophase_native.copy_columns`) and the ones converted
+        here (psycopg's lists), each typed by the column's base type: the target's own types
+        (``numeric(p, s)``, ``varchar(n)``, domains) apply as the rows reach it."""
         if self._events_sql is None:
-            assert self._stage is not None
+            types = [m.column.base_type for m in self._mapped]
             seq, deleted = sql.Identifier(STAGE_SEQ), sql.Identifier(STAGE_DELETED)
-            names = sql.SQL(", ").join(sql.Identifier(m.column.name) for m in self._mapped)
+            names = [sql.Identifier(m.column.name) for m in self._mapped]
+            listed = sql.SQL(", ").join(names)
+            # Built-in type names (types.KNOWN_TYPES: the encoder exists only for those).
+            casts = [sql.SQL(f"{t}[]") for t in ("int8", "bool", *types)]
+
+            def unnest(placeholder: str, alias: str, of: list[int]) -> sql.Composed:
+                return sql.SQL("unnest({}) AS {}({})").format(
+                    sql.SQL(", ").join(sql.SQL(placeholder + "::{}").format(casts[i]) for i in of),
+                    sql.Identifier(alias),
+                    sql.SQL(", ").join([seq, deleted, *names][i] for i in of),
+                )
+
+            every = list(range(len(casts)))
             keys = [sql.Identifier(k) for k in self._key]
             key_list = sql.SQL(", ").join(keys)
-            copy = sql.SQL("COPY {} ({}, {}, {}) FROM STDIN (FORMAT BINARY)").format(
-                self._stage, seq, deleted, names
-            )
+            matches = sql.SQL(" AND ").join(sql.SQL("t.{0} = s.{0}").format(k) for k in keys)
+            source = sql.SQL(
+                "SELECT DISTINCT ON ({}) * FROM (SELECT * FROM {} UNION ALL SELECT * FROM {})"
+                " AS u ORDER BY {}, {} DESC"
+            ).format(key_list, unnest("%b", "c", every), unnest("%s", "p", every), key_list, seq)
             action = self._on_conflict([m.column.name for m in self._mapped])
+            upsert = sql.SQL(
+                "INSERT INTO {} ({}) SELECT {} FROM ({}) AS s WHERE NOT s.{} ON CONFLICT ({}) {}"
+            ).format(self._target, listed, listed, source, deleted, key_list, action)
+            updates = [n for m, n in zip(self._mapped, names, strict=True) if not m.is_key]
+            matched = (
+                sql.SQL("UPDATE SET {}").format(
+                    sql.SQL(", ").join(sql.SQL("{0} = s.{0}").format(n) for n in updates)
+                )
+                if updates
+                else sql.SQL("DO NOTHING")
+            )
             merge = sql.SQL(
-                "INSERT INTO {} ({}) SELECT {} FROM (SELECT DISTINCT ON ({}) * FROM {}"
-                " ORDER BY {}, {} DESC) AS s WHERE NOT s.{} ON CONFLICT ({}) {}"
+                "MERGE INTO {} AS t USING ({}) AS s ON {}"
+                " WHEN MATCHED AND NOT s.{} THEN {}"
+                " WHEN NOT MATCHED AND NOT s.{} THEN INSERT ({}) VALUES ({})"
             ).format(
-                self._target, names, names, key_list, self._stage, key_list, seq, deleted,
-                key_list, action,
+                self._target, source, matches, deleted, matched, deleted, listed,
+                sql.SQL(", ").join(sql.SQL("s.{}").format(n) for n in names),
             )  # fmt: skip
-            self._events_sql = (copy, merge)
+            # The compiled deletes' keys: the delete flags and the key columns' arrays.
+            delete = sql.SQL("DELETE FROM {} AS t USING {} WHERE s.{} AND {}").format(
+                self._target,
+                unnest("%b", "s", [1, *(2 + i for i in self._key_idx)]),
+                deleted,
+                matches,
+            )
+            oids = [type_oid(t) for t in ("int8", "bool", *types)]
+            self._events_sql = _EventStatements(upsert, merge, delete, oids)
         return self._events_sql
 
     def _log_rejected(self, part: PartId, rejected: list[Rejected], n: int) -> None:
