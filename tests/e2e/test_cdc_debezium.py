@@ -205,7 +205,13 @@ def test_a_debezium_change_stream_replicates_exactly_through_kills(
         start(c, "participant", "p-0", env={"TWOPHASE_CRASH_AT": "after_prepare:3"})
         start(c, "participant", "p-1")
         killed_at_random = False
-        for n in range(CHANGES):
+        crash = "crash point after_prepare reached"
+        deadline = time.monotonic() + CATCH_UP_S
+        n = 0
+        # At least CHANGES changes, and on until p-0 has died at its crash point: a pipeline
+        # that keeps up would otherwise be done before p-0 prepared its third part.
+        while n < CHANGES or crash not in (c.logs / "p-0.log").read_text():
+            assert time.monotonic() < deadline, "p-0 never reached its crash point"
             driver.step()
             if n % 50 == 0:
                 time.sleep(0.3)  # let several commit cycles pass during the run
@@ -216,6 +222,7 @@ def test_a_debezium_change_stream_replicates_exactly_through_kills(
                 killed_at_random = True
             if killed_at_random and n == CHANGES // 2 + 40:
                 start(c, "participant", "p-1")
+            n += 1
         table = cdc_check.source_table(source.dsn, "orders")
         expected = cdc_check.pg_rows(source.dsn, table)
 
@@ -232,7 +239,7 @@ def test_a_debezium_change_stream_replicates_exactly_through_kills(
         assert cdc_check.same(replica_rows(), expected), "\n".join(
             cdc_check.differences(table, replica_rows(), expected)
         )
-        assert "crash point after_prepare reached" in (c.logs / "p-0.log").read_text()
+        assert crash in (c.logs / "p-0.log").read_text()
         assert driver.kinds.keys() == {
             "insert",
             "update",
