@@ -74,7 +74,10 @@ class Source:
             kind = rng.random()
             ev: dict[str, Any] = {"before": None, "source": {"table": table}, "ts_ms": 1}
             if kind < 0.15:
-                ev.update(op="d", before={"id": key}, after=None)
+                # Most deletes name their key in before (the encoder takes them); some only in
+                # the record key (the Python path's).
+                before = {"id": key} if rng.random() < 0.7 else None
+                ev.update(op="d", before=before, after=None)
             elif kind < 0.18:
                 ev.update(op="t", after=None)  # a truncate: dead-lettered, changes nothing
             elif kind < 0.22:

@@ -199,12 +199,12 @@ class _Connections(Sink):
     def _connect(self, *, autocommit: bool) -> Connection:
         try:
             conn = psycopg.connect(self._conninfo, autocommit=True)
-            conn.adapters.register_dumper(RawArray, _RawArrayDumper)
         except psycopg.OperationalError as exc:
             message = f"cannot connect to PostgreSQL: {str(exc).strip()}"
             if any(hint in message for hint in _CONNECT_FATAL_HINTS):
                 raise FatalSinkError(message, sink=self.name) from exc
             raise RetriableSinkError(message, sink=self.name) from exc
+        conn.adapters.register_dumper(RawArray, _RawArrayDumper)
         try:
             if self.cfg.statement_timeout_ms is not None:
                 conn.execute(

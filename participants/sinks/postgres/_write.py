@@ -383,8 +383,9 @@ class _WritePath(_Markers):
         delete flag, every mapped column) and ``staged`` (place in the batch, row): delete the
         keys with a delete among their changes, then write each key's last change when it is
         a row. The rows reach the server as arrays (``unnest``), not through a staging table:
-        no heap to fill, scan and empty again per write. ``settled``: no earlier part of this
-        instance is undecided (:meth:`_await_decisions`), so a key absent from the target is
+        no heap to fill, scan and empty again per write. ``settled``: the write has deletes
+        (one statement deletes their keys first) and so waited until no earlier part of this
+        instance is undecided (:meth:`_await_decisions`): a key absent from the target is
         absent for good and PostgreSQL's ``MERGE`` (15 and later) applies the rows without
         ``ON CONFLICT``'s speculative insertion; otherwise the upsert waits on the unique index
         by itself. Raises :class:`_CompiledRefused` (the part as before) when the server
@@ -403,12 +404,13 @@ class _WritePath(_Markers):
         conn.execute(sql.SQL("SAVEPOINT {}").format(_WRITE_SAVEPOINT))
         try:
             with conn.cursor() as cur:
-                if _any_true(compiled[1]):
-                    keys = [compiled[2 + i] for i in self._key_idx]
-                    cur.execute(statements.delete, [compiled[1], *keys])
-                deletes = [row for _, row in staged if row.deleted]
-                if deletes:
-                    self._delete_keys(cur, deletes)
+                if settled:
+                    keys = self._key_idx
+                    cur.execute(
+                        statements.delete,
+                        [compiled[1], *(compiled[2 + i] for i in keys), flags,
+                         *(columns[i] for i in keys)],
+                    )  # fmt: skip
                 cur.execute(
                     statements.merge if merge else statements.upsert,
                     [*compiled, places, flags, *columns],
@@ -473,13 +475,16 @@ class _WritePath(_Markers):
                 self._target, source, matches, deleted, matched, deleted, listed,
                 sql.SQL(", ").join(sql.SQL("s.{}").format(n) for n in names),
             )  # fmt: skip
-            # The compiled deletes' keys: the delete flags and the key columns' arrays.
-            delete = sql.SQL("DELETE FROM {} AS t USING {} WHERE s.{} AND {}").format(
-                self._target,
-                unnest("%b", "s", [1, *(2 + i for i in self._key_idx)]),
-                deleted,
+            # The keys with a delete among their changes, from both sets of arrays: the delete
+            # flags and the key columns'.
+            flagged = [1, *(2 + i for i in self._key_idx)]
+            delete = sql.SQL(
+                "DELETE FROM {} AS t USING (SELECT * FROM {} UNION ALL SELECT * FROM {}) AS s"
+                " WHERE s.{} AND {}"
+            ).format(
+                self._target, unnest("%b", "c", flagged), unnest("%s", "p", flagged), deleted,
                 matches,
-            )
+            )  # fmt: skip
             oids = [type_oid(t) for t in ("int8", "bool", *types)]
             self._events_sql = _EventStatements(upsert, merge, delete, oids)
         return self._events_sql
