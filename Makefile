@@ -39,7 +39,7 @@ venv: $(STAMP)
 # The broker also listens for the chaos run's per-process Toxiproxy links (chaos/README.md;
 # inert otherwise), so `make test`'s short chaos run can cut a participant from Kafka.
 stack-up: venv
-	@TWOPHASE_KAFKA_EXTRA_LISTENERS="$${TWOPHASE_KAFKA_EXTRA_LISTENERS-$$([ "$${TWOPHASE_KAFKA_BROKERS:-1}" != 1 ] || $(PY) -m chaos.run --print-listeners)}" \
+	@TWOPHASE_KAFKA_EXTRA_LISTENERS="$${TWOPHASE_KAFKA_EXTRA_LISTENERS-$$($(PY) -m chaos.run --print-listeners)}" \
 		bash stack/stack.sh up
 
 stack-down:

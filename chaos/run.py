@@ -219,8 +219,12 @@ def make_plan(
 #: Every process reaches each service through a Toxiproxy proxy of its own. Ports: the API at
 #: KAFKA_PORT + NET_PORT_OFFSET, then per process i (coord-0, coord-1, p-0..2) Kafka's proxy
 #: (the port its broker listener advertises) at +10+i, that listener at +20+i, PostgreSQL's
-#: proxy at +30+i and MongoDB's at +40+i: fixed, because the broker's listeners are.
+#: proxy at +30+i and MongoDB's at +40+i: fixed, because the broker's listeners are. With three
+#: brokers node N's Kafka proxies and listeners are at those ports + KAFKA_NODE_STRIDE*(N-1), as
+#: stack.sh places node N's listeners (its own port too): a process's Kafka link is its proxy
+#: to each node.
 NET_PORT_OFFSET = 300
+KAFKA_NODE_STRIDE = 100
 NET_PROCESSES = ("coord-0", "coord-1", "p-0", "p-1", "p-2")
 NET_SERVICES = ("kafka", "pg", "mongo")
 #: A cut or a degraded link lasts this long (issue #21: 5-60 s); --short keeps to the low end.
@@ -302,19 +306,29 @@ def _size(path: Path) -> int:
 
 
 class Net:
-    """The Toxiproxy server of the run and one proxy per process and service."""
+    """The Toxiproxy server of the run and one proxy per process and service (per Kafka node
+    for Kafka: a process's link to Kafka is its proxies to every node)."""
 
-    def __init__(self, s: Scenario, kafka_port: int, kafka: bool) -> None:
+    def __init__(self, s: Scenario, kafka_port: int, kafka: bool, brokers: int = 1) -> None:
         self.s = s
-        self.kafka = kafka  # Kafka through proxies too (the broker has the listeners)
+        self.kafka = kafka  # Kafka through proxies too (the brokers have the listeners)
+        self.brokers = brokers
         self.base = kafka_port + NET_PORT_OFFSET
         self.server = ToxiproxyServer(self.base, s.workdir / "toxiproxy")
         self.api = self.server.api
         self.pg = _host_port(s.pg_dsn.split("@", 1)[1].split("/", 1)[0])
         self.mongo = _host_port(s.mongo_uri.split("//", 1)[1].split("/", 1)[0])
 
-    def port(self, service: str, name: str, listener: bool = False) -> int:
-        return net_port(self.base, service, name, listener)
+    def port(self, service: str, name: str, listener: bool = False, node: int = 1) -> int:
+        return net_port(self.base, service, name, listener) + KAFKA_NODE_STRIDE * (node - 1)
+
+    def nodes(self, service: str) -> range:
+        """The nodes of ``service`` a process has a proxy to (Kafka's brokers; one otherwise)."""
+        return range(1, (self.brokers if service == "kafka" else 1) + 1)
+
+    def proxies(self, name: str, service: str) -> list[str]:
+        """The proxies that make process ``name``'s link to ``service``."""
+        return [f"{name}-{service}" + (f"-{n}" if n > 1 else "") for n in self.nodes(service)]
 
     def listeners(self) -> str:
         return kafka_listeners(self.base - NET_PORT_OFFSET)
@@ -327,15 +341,17 @@ class Net:
             for service in NET_SERVICES:
                 if service == "kafka" and not self.kafka:
                     continue
-                proxy = f"{n}-{service}"
-                if proxy in existing:
-                    self.api.delete(proxy)
-                upstream = {
-                    "kafka": f"127.0.0.1:{self.port('kafka', n, True)}",
-                    "pg": f"{self.pg[0]}:{self.pg[1]}",
-                    "mongo": f"{self.mongo[0]}:{self.mongo[1]}",
-                }[service]
-                self.api.create(proxy, f"127.0.0.1:{self.port(service, n)}", upstream)
+                for node, proxy in zip(self.nodes(service), self.proxies(n, service), strict=True):
+                    if proxy in existing:
+                        self.api.delete(proxy)
+                    upstream = {
+                        "kafka": f"127.0.0.1:{self.port('kafka', n, True, node)}",
+                        "pg": f"{self.pg[0]}:{self.pg[1]}",
+                        "mongo": f"{self.mongo[0]}:{self.mongo[1]}",
+                    }[service]
+                    self.api.create(
+                        proxy, f"127.0.0.1:{self.port(service, n, False, node)}", upstream
+                    )
 
     def stop(self) -> None:
         # The server goes anyway; its proxies die with it.
@@ -348,7 +364,9 @@ class Net:
         pg = f"127.0.0.1:{self.port('pg', name)}"
         mongo = f"127.0.0.1:{self.port('mongo', name)}"
         return {
-            "CHAOS_KAFKA": f"127.0.0.1:{self.port('kafka', name)}"
+            "CHAOS_KAFKA": ",".join(
+                f"127.0.0.1:{self.port('kafka', name, False, node)}" for node in self.nodes("kafka")
+            )
             if self.kafka
             else self.s.bootstrap,
             "CHAOS_PG_DSN": self.s.pg_dsn.replace(f"{self.pg[0]}:{self.pg[1]}", pg, 1),
@@ -721,32 +739,38 @@ class Chaos:
         if f.mid_commit:
             target = self._mid_commit(target, rec)
         proxy = f"{target}-{f.service}"
+        links = self.net.proxies(target, f.service)  # Kafka: the proxy to each node
         api = self.net.api
         detail: dict[str, Any] = {}
         if f.kind == "latency":
             ms = self.rng.randint(*NET_LATENCY_MS)
             detail = {"latency_ms": ms}
-            api.add_toxic(proxy, "latency", {"latency": ms, "jitter": ms // 10})
+            for link in links:
+                api.add_toxic(link, "latency", {"latency": ms, "jitter": ms // 10})
         elif f.kind == "bandwidth":
             kbps = self.rng.randint(*NET_BANDWIDTH_KBPS)
             detail = {"rate_kbps": kbps}
-            api.add_toxic(proxy, "bandwidth", {"rate": kbps})
+            for link in links:
+                api.add_toxic(link, "bandwidth", {"rate": kbps})
         elif f.kind == "reset_peer":
             # Every connection is reset (RST) once it has lived this long, over and over.
             ms = self.rng.randint(0, 2000)
             detail = {"reset_after_ms": ms}
-            api.add_toxic(proxy, "reset_peer", {"timeout": ms})
+            for link in links:
+                api.add_toxic(link, "reset_peer", {"timeout": ms})
         elif f.kind == "blackhole":
             # A silent partition: nothing gets through and nothing is refused or closed; what
             # was sent arrives when the link heals (as TCP would retransmit it). Toxiproxy's
             # `timeout` toxic drops the bytes instead, which no network does, so: a latency
             # longer than the fault, both ways, removed at the end.
-            for stream in ("upstream", "downstream"):
-                api.add_toxic(
-                    proxy, "latency", {"latency": 600_000}, name=f"hold_{stream}", stream=stream
-                )
+            for link in links:
+                for stream in ("upstream", "downstream"):
+                    api.add_toxic(
+                        link, "latency", {"latency": 600_000}, name=f"hold_{stream}", stream=stream
+                    )
         else:  # partition: open connections closed, new ones refused
-            api.set_enabled(proxy, False)
+            for link in links:
+                api.set_enabled(link, False)
         cut = self.now()
         rec.update({"target": target, **detail})
         log(
@@ -754,7 +778,8 @@ class Chaos:
             f"{f' ({f.case})' if f.case else ''} {detail or ''}"
         )
         self.idle(duration)
-        api.heal(proxy)
+        for link in links:
+            api.heal(link)
         healed = self.now()
         rec["fault_s"] = round(healed - cut, 1)
         # Whether the pipeline went on committing without the process (or its link) meanwhile.
@@ -1119,7 +1144,7 @@ def _kafka_listeners(net: Net, restart: bool) -> bool:
     broker's address from metadata, so a proxy in front of the bootstrap address alone would be
     bypassed: each process needs a listener advertising its own proxy's port."""
     spec = net.listeners()
-    ports = [net.port("kafka", n, True) for n in NET_PROCESSES]
+    ports = [net.port("kafka", n, True, node) for n in NET_PROCESSES for node in net.nodes("kafka")]
     if not all(_listening(p) for p in ports) and restart:
         log("restarting Kafka with a listener per process (TWOPHASE_KAFKA_EXTRA_LISTENERS)")
         rc = subprocess.run(
@@ -1127,7 +1152,7 @@ def _kafka_listeners(net: Net, restart: bool) -> bool:
             env={**os.environ, "TWOPHASE_KAFKA_EXTRA_LISTENERS": spec},
             stdout=subprocess.DEVNULL,
         ).returncode
-        if rc != 0:  # a three-broker stack, say: stack.sh said why on stderr
+        if rc != 0:  # stack.sh said why on stderr
             log(f"stack.sh restart-kafka with the listeners failed (rc {rc}); no Kafka link faults")
     if not all(_listening(p) for p in ports):
         return False
@@ -1242,10 +1267,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     net: Net | None = None
     if args.net_faults:
         kafka_port = int(s.bootstrap.split(",")[0].rsplit(":", 1)[1])
-        net = Net(s, kafka_port, kafka=False)
+        net = Net(s, kafka_port, kafka=False, brokers=brokers)
         # --short does not restart a broker others test against: Kafka's links are cut only
-        # when the stack was started with the listeners (one broker only: stack/README.md).
-        net.kafka = brokers == 1 and _kafka_listeners(net, restart=not args.short)
+        # when the stack was started with the listeners (`make stack-up` gives them).
+        net.kafka = _kafka_listeners(net, restart=not args.short)
         try:
             net.start()
         except BaseException:

@@ -23,9 +23,10 @@
 #       TWOPHASE_KAFKA_PORT + 100*(N-1) and TWOPHASE_KAFKA_CONTROLLER_PORT + 100*(N-1)
 #       (9092/9093, 9192/9193, 9292/9293), replication factor 3, min.insync.replicas 2.
 #       Give it to every stack.sh command of that stack (down stops either layout).
-#   TWOPHASE_KAFKA_EXTRA_LISTENERS   one broker only: NAME:listen_port:advertised_port[,...],
-#       e.g. P0:29192:29292 = a PLAINTEXT listener P0 on 127.0.0.1:29192 that advertises
-#       127.0.0.1:29292 (a proxy there forwarding to 29192 stays in every client connection)
+#   TWOPHASE_KAFKA_EXTRA_LISTENERS   NAME:listen_port:advertised_port[,...], e.g.
+#       P0:29192:29292 = a PLAINTEXT listener P0 on 127.0.0.1:29192 that advertises
+#       127.0.0.1:29292 (a proxy there forwarding to 29192 stays in every client connection);
+#       with three brokers node N has each listener at both ports + 100*(N-1)
 #   TWOPHASE_PG_PORT (55432)    TWOPHASE_MONGO_PORT (27018)
 #   TWOPHASE_REGISTRY_PORT (8081)   TWOPHASE_REGISTRY_HEAP (256m)
 #   TWOPHASE_MINIO_PORT (9000)  MinIO's S3 API (its console is off)
@@ -266,19 +267,22 @@ kafka_bootstrap() {
   printf '%s' "$out"
 }
 
-# TWOPHASE_KAFKA_EXTRA_LISTENERS=NAME:listen_port:advertised_port[,...] (one broker only): more
-# PLAINTEXT listeners on 127.0.0.1:listen_port that advertise 127.0.0.1:advertised_port, so a
-# client that bootstraps through a proxy (Toxiproxy) on advertised_port forwarding to
-# listen_port is told to come back through that proxy, and only that client's traffic passes
-# it. Parsed into the tails of listeners, advertised.listeners and the protocol map.
-EXTRA_LISTENERS='' EXTRA_ADVERTISED='' EXTRA_PROTOCOLS='' EXTRA_PORTS=()
+# TWOPHASE_KAFKA_EXTRA_LISTENERS=NAME:listen_port:advertised_port[,...]: more PLAINTEXT
+# listeners on 127.0.0.1:listen_port that advertise 127.0.0.1:advertised_port, so a client that
+# bootstraps through a proxy (Toxiproxy) on advertised_port forwarding to listen_port is told to
+# come back through that proxy, and only that client's traffic passes it. With three brokers
+# every node has every listener, node N at both ports + KAFKA_NODE_STRIDE*(N-1): a client that
+# connected on listener NAME is given each node's NAME address, so one proxy per node keeps all
+# of its connections on proxies. Parsed into EXTRA_ENTRIES (name lport aport); kafka_extra N
+# renders node N's tails of listeners, advertised.listeners and the protocol map.
+EXTRA_ENTRIES=()
 kafka_parse_extra_listeners() {
-  local spec=${TWOPHASE_KAFKA_EXTRA_LISTENERS:-} entry name lport aport names=' ' ports=' '
+  local spec=${TWOPHASE_KAFKA_EXTRA_LISTENERS:-} entry name lport aport n names=' '
+  local top=$((KAFKA_NODE_STRIDE * (KAFKA_BROKERS - 1)))
   local -a entries
-  EXTRA_LISTENERS='' EXTRA_ADVERTISED='' EXTRA_PROTOCOLS='' EXTRA_PORTS=()
+  EXTRA_ENTRIES=()
   [[ -n $spec ]] || return 0
   local var="TWOPHASE_KAFKA_EXTRA_LISTENERS=$spec"
-  ((KAFKA_BROKERS == 1)) || die "$var: extra listeners work with one broker only (TWOPHASE_KAFKA_BROKERS=$KAFKA_BROKERS)"
   [[ $spec != ,* && $spec != *, && $spec != *,,* ]] || die "$var: an empty entry; want NAME:listen_port:advertised_port[,...]"
   IFS=, read -r -a entries <<<"$spec"
   for entry in "${entries[@]}"; do
@@ -289,15 +293,44 @@ kafka_parse_extra_listeners() {
       PLAINTEXT | CONTROLLER) die "$var: $name is a listener of the stack's own; choose another name" ;;
     esac
     [[ $names != *" $name "* ]] || die "$var: listener $name is named twice"
-    ((lport >= 1 && lport <= 65535 && aport >= 1 && aport <= 65535)) || die "$var: '$entry' has a port outside 1-65535"
-    ((lport != KAFKA_PORT && lport != CONTROLLER_PORT)) ||
-      die "$var: listen port $lport is TWOPHASE_KAFKA_PORT's or TWOPHASE_KAFKA_CONTROLLER_PORT's"
-    [[ $ports != *" $lport "* ]] || die "$var: listen port $lport is used twice"
-    names+="$name " ports+="$lport "
-    EXTRA_LISTENERS+=",$name://127.0.0.1:$lport"
-    EXTRA_ADVERTISED+=",$name://127.0.0.1:$aport"
+    ((lport >= 1 && lport + top <= 65535 && aport >= 1 && aport + top <= 65535)) ||
+      die "$var: '$entry' has a port outside 1-65535$( ((top == 0)) || echo " (node $KAFKA_BROKERS adds $top)")"
+    names+="$name "
+    EXTRA_ENTRIES+=("$name $lport $aport")
+  done
+  # No port twice, every node's shifted ones included: a node's own ports, each listener's
+  # listen and advertised port (a proxy could not bind where a node listens).
+  local -A taken=()
+  local p what
+  for ((n = 1; n <= KAFKA_BROKERS; n++)); do
+    kafka_node "$n"
+    taken[$NODE_PORT]="Kafka node $n" taken[$NODE_CONTROLLER_PORT]="Kafka node $n's controller"
+  done
+  for entry in "${EXTRA_ENTRIES[@]}"; do
+    read -r name lport aport <<<"$entry"
+    for ((n = 1; n <= KAFKA_BROKERS; n++)); do
+      for what in "listen $lport" "advertised $aport"; do
+        p=$((${what#* } + KAFKA_NODE_STRIDE * (n - 1)))
+        [[ -z ${taken[$p]:-} || ${taken[$p]} == "$name node $n" ]] ||
+          die "$var: port $p would be both ${taken[$p]}'s and listener $name's on node $n$( ((KAFKA_BROKERS == 1)) || echo " (node N adds $KAFKA_NODE_STRIDE*(N-1) to both ports)")"
+        taken[$p]="$name node $n"
+      done
+    done
+  done
+}
+
+# Node $1's extra listeners: EXTRA_LISTENERS, EXTRA_ADVERTISED, EXTRA_PROTOCOLS (tails of the
+# properties) and EXTRA_PORTS (NAME:port, its listen ports).
+EXTRA_LISTENERS='' EXTRA_ADVERTISED='' EXTRA_PROTOCOLS='' EXTRA_PORTS=()
+kafka_extra() { # node
+  local entry name lport aport plus=$((KAFKA_NODE_STRIDE * ($1 - 1)))
+  EXTRA_LISTENERS='' EXTRA_ADVERTISED='' EXTRA_PROTOCOLS='' EXTRA_PORTS=()
+  for entry in ${EXTRA_ENTRIES[@]+"${EXTRA_ENTRIES[@]}"}; do
+    read -r name lport aport <<<"$entry"
+    EXTRA_LISTENERS+=",$name://127.0.0.1:$((lport + plus))"
+    EXTRA_ADVERTISED+=",$name://127.0.0.1:$((aport + plus))"
     EXTRA_PROTOCOLS+=",$name:PLAINTEXT"
-    EXTRA_PORTS+=("$name:$lport")
+    EXTRA_PORTS+=("$name:$((lport + plus))")
   done
 }
 
@@ -318,17 +351,18 @@ kafka_require_ports() { # nodes...
   local n p
   for n in "$@"; do
     kafka_node "$n"
+    kafka_extra "$n"
     if ((KAFKA_BROKERS == 1)); then
       require_port_free "$KAFKA_PORT" "Kafka (TWOPHASE_KAFKA_PORT)"
       require_port_free "$CONTROLLER_PORT" "the Kafka controller (TWOPHASE_KAFKA_CONTROLLER_PORT)"
-      for p in ${EXTRA_PORTS[@]+"${EXTRA_PORTS[@]}"}; do
-        require_port_free "${p#*:}" "Kafka's listener ${p%%:*} (TWOPHASE_KAFKA_EXTRA_LISTENERS)"
-      done
     else
       local plus=$((KAFKA_NODE_STRIDE * (n - 1)))
       require_port_free "$NODE_PORT" "Kafka node $n (TWOPHASE_KAFKA_PORT + $plus)"
       require_port_free "$NODE_CONTROLLER_PORT" "Kafka node $n's controller (TWOPHASE_KAFKA_CONTROLLER_PORT + $plus)"
     fi
+    for p in ${EXTRA_PORTS[@]+"${EXTRA_PORTS[@]}"}; do
+      require_port_free "${p#*:}" "Kafka node $n's listener ${p%%:*} (TWOPHASE_KAFKA_EXTRA_LISTENERS)"
+    done
   done
 }
 
@@ -350,6 +384,7 @@ kafka_render() { # node
   done
   # Three brokers: every replicated topic survives one broker down and still takes acks=all.
   ((KAFKA_BROKERS == 1)) || rf=3 min_isr=2
+  kafka_extra "$1"
   mkdir -p "$NODE_DIR/data"
   sed -e "s|@NODE_ID@|$1|g" -e "s|@VOTERS@|$voters|g" \
     -e "s|@KAFKA_PORT@|$NODE_PORT|g" -e "s|@CONTROLLER_PORT@|$NODE_CONTROLLER_PORT|g" \

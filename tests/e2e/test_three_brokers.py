@@ -11,6 +11,11 @@ started again, and back in every in-sync replica set, before the second kill.
 
 With replication factor 1 (or the broker defaults of a one-node stack) the first kill leaves
 the control partition without a leader and commits stop: the resume bound fails.
+
+The stack also has an extra listener (``TWOPHASE_KAFKA_EXTRA_LISTENERS``, on every node at the
+node's stride), which the chaos run's per-process Kafka proxies need on three brokers too: a
+client that bootstraps through its Toxiproxy proxy to node 1 is given every node's proxy, and
+when its proxies are cut it reaches no broker at all.
 """
 
 from __future__ import annotations
@@ -26,8 +31,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Consumer, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
 
 from harness import Cluster, Scenario, end_offsets, group_offsets, produce, wait_until
 from harness.kafka_nodes import (
@@ -36,6 +41,7 @@ from harness.kafka_nodes import (
     leader_of,
     txn_coordinator_of,
 )
+from harness.toxiproxy import ToxiproxyServer
 from tests.conftest import read_stack_env
 from tests.e2e.e2e_support import caught_up, settle, start
 from twophase.config import PipelineConfig, load_config
@@ -58,6 +64,12 @@ ISR_TIMEOUT_S = 120.0
 BATCH = 1000
 #: Pipeline names drawn to find one whose group coordinator and control leader share a node.
 PLACEMENT_TRIES = 30
+#: The extra listener of node 1 and the port it advertises (node N: + 100*(N-1), as the
+#: nodes' own ports), and the Toxiproxy API's port.
+LISTEN_PORT, PROXY_PORT, TOXIPROXY_PORT = 41060, 41070, 41050
+NODE_STRIDE = 100
+#: A write's delivery bound in the proxy test: short, since the cut one must time out.
+SEND_TIMEOUT_MS = 10_000
 
 
 def _stack_env(stack_dir: Path) -> dict[str, str]:
@@ -69,8 +81,8 @@ def _stack_env(stack_dir: Path) -> dict[str, str]:
         "TWOPHASE_KAFKA_CONTROLLER_PORT": "41093",
         "TWOPHASE_PG_PORT": "41432",
         "TWOPHASE_KAFKA_HEAP": "384m",
+        "TWOPHASE_KAFKA_EXTRA_LISTENERS": f"T0:{LISTEN_PORT}:{PROXY_PORT}",
     }
-    env.pop("TWOPHASE_KAFKA_EXTRA_LISTENERS", None)
     return env
 
 
@@ -184,6 +196,59 @@ def _quietly(pred: Callable[[], bool]) -> Callable[[], bool]:
             return False
 
     return probe
+
+
+def test_a_client_through_its_proxies_reaches_every_node_only_through_them(
+    three_brokers: dict[str, str], tmp_path: Path
+) -> None:
+    topic = f"t_{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": three_brokers["TWOPHASE_KAFKA_BOOTSTRAP"]})
+    # Three partitions, replicated: each node leads one, so a client writes to every node.
+    admin.create_topics([NewTopic(topic, 3, REPLICATION_FACTOR)])[topic].result(60)
+    server = ToxiproxyServer(TOXIPROXY_PORT, tmp_path / "toxiproxy")
+    api = server.start()
+    names = [f"node-{n}" for n in (1, 2, 3)]
+    try:
+        for i, name in enumerate(names):
+            plus = NODE_STRIDE * i
+            api.create(name, f"127.0.0.1:{PROXY_PORT + plus}", f"127.0.0.1:{LISTEN_PORT + plus}")
+        via = f"127.0.0.1:{PROXY_PORT}"
+        meta = AdminClient({"bootstrap.servers": via}).list_topics(timeout=30)
+        assert {b.id: f"{b.host}:{b.port}" for b in meta.brokers.values()} == {
+            n: f"127.0.0.1:{PROXY_PORT + NODE_STRIDE * (n - 1)}" for n in (1, 2, 3)
+        }
+        assert {p.leader for p in meta.topics[topic].partitions.values()} == {1, 2, 3}
+
+        # One client, bootstrapped through the proxy to node 1, connected to every node.
+        errors: list[str] = []
+        producer = Producer(
+            {"bootstrap.servers": via, "acks": "all", "message.timeout.ms": SEND_TIMEOUT_MS}
+        )
+
+        def send() -> list[str]:
+            """One record to each partition (each node leads one): the delivery errors."""
+            errors.clear()
+            for partition in range(3):
+                producer.produce(
+                    topic,
+                    b"x",
+                    partition=partition,
+                    on_delivery=lambda e, _m: e is None or errors.append(str(e)),
+                )
+            assert producer.flush(SEND_TIMEOUT_MS / 1000 + 30) == 0
+            return list(errors)
+
+        assert send() == []
+        # Cut its links: had any of its connections gone around the proxies, to whichever
+        # node leads a partition, that write would still land.
+        for name in names:
+            api.set_enabled(name, False)
+        assert len(send()) == 3, errors
+        for name in names:
+            api.heal(name)
+        assert send() == []
+    finally:
+        server.stop()
 
 
 def test_commits_go_on_while_the_brokers_that_matter_are_killed(

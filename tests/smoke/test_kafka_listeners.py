@@ -164,13 +164,31 @@ def test_a_malformed_value_stops_stack_sh_naming_the_variable(value: str) -> Non
         shutil.rmtree(stack_dir, ignore_errors=True)
 
 
-def test_extra_listeners_are_refused_with_three_brokers(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("value", "clash"),
+    [
+        # Node 2 listens at 41394 + 100 = 41494: node 1's advertised port.
+        ("P0:41394:41494", "port 41494"),
+        # P1's listen port is where P0's lands on node 2.
+        ("P0:41394:41395,P1:41494:41396", "port 41494"),
+        # Node 2's own Kafka port (41392 + 100).
+        ("P0:41492:41395", "port 41492"),
+    ],
+)
+def test_three_brokers_refuse_listeners_whose_node_ports_clash(
+    tmp_path: Path, value: str, clash: str
+) -> None:
+    # Node N has every listener at both ports + 100*(N-1): a value whose shifted ports land on
+    # another node's is refused before anything starts.
     result = _stack(
         tmp_path,
         "start",
         "kafka",
         TWOPHASE_KAFKA_BROKERS="3",
-        TWOPHASE_KAFKA_EXTRA_LISTENERS=f"P0:{LISTEN_PORT}:{PROXY_PORT}",
+        TWOPHASE_KAFKA_EXTRA_LISTENERS=value,
     )
     assert result.returncode != 0
-    assert "one broker only" in result.stderr, result.stderr
+    assert f"TWOPHASE_KAFKA_EXTRA_LISTENERS={value}: {clash} would be both" in result.stderr, (
+        result.stderr
+    )
+    assert not list((tmp_path / "run").glob("*.pid")), "something was started"
