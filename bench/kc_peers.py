@@ -71,7 +71,6 @@ import json
 import logging
 import statistics
 import sys
-import tempfile
 import time
 import urllib.error
 import uuid
@@ -435,12 +434,17 @@ def _delete(url: str, admin: AdminClient, name: str, group: str) -> None:
     else:
         log.warning("connector %s: tasks still in %s after %ss", name, group, DELETE_TIMEOUT_S)
         return
+    delete_group(admin, group)
+
+
+def delete_group(admin: AdminClient, group: str) -> None:
+    """Delete a peer run's consumer group. A run that ended before its tasks joined (or before
+    a first checkpoint committed offsets) has none; any other group left behind is only
+    clutter, never in the way of a run (each has its own)."""
     for future in admin.delete_consumer_groups([group], request_timeout=10).values():
         try:
             future.result()
         except KafkaException as exc:
-            # A run that ended before the tasks joined has no group; any other group left
-            # behind is only clutter, never in the way of a run (each has its own).
             if exc.args[0].code() != KafkaError.GROUP_ID_NOT_FOUND:
                 log.warning("consumer group %s not deleted: %s", group, exc)
 
@@ -464,14 +468,7 @@ def section(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[s
     }
 
     def side(key: str, run: Callable[[], tp.RunResult]) -> Callable[[], float]:
-        def go() -> float:
-            r = run()
-            details[key].append(r.asdict())
-            if r.mode == "kafka_connect" and not r.control["exact"]:
-                raise RuntimeError(f"{key}: the connector did not deliver exactly: {r.asdict()}")
-            return r.records_per_s
-
-        return go
+        return checked_side(details, key, run, "kafka_connect")
 
     def versus(
         sink: str, source: tp.Source, peer: str, run_peer: Callable[[], tp.RunResult]
@@ -507,15 +504,34 @@ def section(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[s
 
     med = {k: float(statistics.median(v)) for k, v in (pg | mongo).items()}
     return {
-        **_versus_fields("kc_jdbc", "eo_over_kc_jdbc", med, "pg_pipeline", details),
+        **versus_fields("kc_jdbc", "eo_over_kc_jdbc", med, "pg_pipeline", details),
         "kc_jdbc_pg_pipeline_records_per_s": round(med["pg_pipeline"]),
-        **_versus_fields("kc_mongo", "mongo_over_kc_mongo", med, "mongo_pipeline", details),
+        **versus_fields("kc_mongo", "mongo_over_kc_mongo", med, "mongo_pipeline", details),
         "kc_mongo_pipeline_records_per_s": round(med["mongo_pipeline"]),
         "_runs": details,
     }
 
 
-def _versus_fields(
+def checked_side(
+    details: dict[str, list[dict[str, Any]]],
+    key: str,
+    run: Callable[[], tp.RunResult],
+    peer_mode: str,
+) -> Callable[[], float]:
+    """One side of an alternation: ``run()``'s rate, its result kept in ``details[key]``; a
+    peer's run (``mode`` ``peer_mode``) that did not deliver exactly stops the section."""
+
+    def go() -> float:
+        r = run()
+        details[key].append(r.asdict())
+        if r.mode == peer_mode and not r.control["exact"]:
+            raise RuntimeError(f"{key}: the peer did not deliver exactly: {r.asdict()}")
+        return r.records_per_s
+
+    return go
+
+
+def versus_fields(
     peer: str,
     ratio: str,
     med: dict[str, float],
@@ -545,21 +561,13 @@ def _median_from_assigned(runs: list[dict[str, Any]]) -> float | None:
     return float(statistics.median(rates)) if rates else None
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.kc_peers", description=__doc__)
+def _arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--records", type=int, default=100_000, help="records (JDBC comparison)")
     ap.add_argument("--mongo-records", type=int, default=10_000, help="records (MongoDB)")
-    ap.add_argument("--runs", type=int, default=3, help="runs of each side (median)")
-    ap.add_argument("--json", type=Path, help="also write the result here")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    with tempfile.TemporaryDirectory(prefix="twophase-kc-peers-") as tmp:
-        got = section(args, load_stack_env(), Path(tmp))
-    text = json.dumps(got, indent=2)
-    if args.json:
-        args.json.write_text(text + "\n")
-    print(text)
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return tp.section_main(argv, "python -m bench.kc_peers", __doc__, section, _arguments)
 
 
 if __name__ == "__main__":

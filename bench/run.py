@@ -26,6 +26,9 @@ Sections (``--only`` picks some):
 * ``peers``      -- what users run today, on the stack's Kafka Connect worker: the PostgreSQL-only
   pipeline vs Debezium's JDBC sink (upsert) and the MongoDB-only pipeline vs MongoDB's Kafka
   sink (:mod:`bench.kc_peers`; the jars: ``bench/peers/README.md``).
+* ``flink``      -- the PostgreSQL-only pipeline vs Flink 2.0's exactly-once JDBC (XA) sink on a
+  local MiniCluster, a Kafka source on the same records, upserting into the same PostgreSQL
+  (:mod:`bench.flink_peer`; the job and its jars: ``bench/peers/flink/``).
 
 Runs of the two sides of a comparison alternate, so a noisy neighbour hurts both alike.
 """
@@ -47,8 +50,8 @@ from typing import Any
 
 from bench import avro as avro_bench
 from bench import cdc as cdc_bench
+from bench import flink_peer, iceberg_kc, kc_peers
 from bench import iceberg as iceberg_bench
-from bench import iceberg_kc, kc_peers
 from bench import latency as lat
 from bench import throughput as tp
 from harness import load_stack_env
@@ -56,6 +59,7 @@ from harness import load_stack_env
 RESULTS = Path(__file__).resolve().parent / "results"
 SECTIONS = (
     "throughput", "ceiling", "mongo", "latency", "spark", "avro", "cdc", "iceberg", "peers",
+    "flink",
 )  # fmt: skip
 TARGETS = {
     "eo_over_alo": (">=", 0.9),
@@ -506,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         "cdc": cdc,
         "iceberg": iceberg,
         "peers": kc_peers.section,
+        "flink": flink_peer.section,
     }
     with tempfile.TemporaryDirectory(prefix="twophase-bench-") as tmp:
         for name in sections:

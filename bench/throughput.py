@@ -19,12 +19,15 @@ at least all of them.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import logging
 import os
 import random
 import shutil
 import socket
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -40,7 +43,7 @@ from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 from psycopg import sql
 
-from harness import Cluster, Scenario, control_summary, produce
+from harness import Cluster, Scenario, control_summary, load_stack_env, produce
 from twophase.config import load_config
 from twophase.kafka import create_topics
 from twophase.retry import KAFKA
@@ -437,3 +440,28 @@ def mongo_direct_run(uri: str, rows: list[dict[str, Any]], batch: int = 1000) ->
     if got != len(rows):
         raise RuntimeError(f"insert_many wrote {got} documents of {len(rows)}")
     return len(rows) / took
+
+
+def section_main(
+    argv: list[str] | None,
+    prog: str,
+    doc: str | None,
+    section: Callable[[argparse.Namespace, dict[str, str], Path], dict[str, Any]],
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+) -> int:
+    """``python -m bench.<module>``: one ``make bench`` section alone on the local stack, its
+    result printed (and written to ``--json``). ``add_arguments`` adds the section's own
+    options; ``--runs`` and ``--json`` are common."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc)
+    add_arguments(ap)
+    ap.add_argument("--runs", type=int, default=3, help="runs of each side (median)")
+    ap.add_argument("--json", type=Path, help="also write the result here")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    with tempfile.TemporaryDirectory(prefix=f"twophase-{prog.rsplit('.', 1)[-1]}-") as tmp:
+        got = section(args, load_stack_env(), Path(tmp))
+    text = json.dumps(got, indent=2)
+    if args.json:
+        args.json.write_text(text + "\n")
+    print(text)
+    return 0
