@@ -705,7 +705,12 @@ class ControlPublisher:
                     # InTransaction") for good -- seen when AddOffsetsToTxn met a killed
                     # transaction coordinator (Broker transport failure, neither abortable
                     # nor retriable).
-                    self._abort()
+                    refused = self._abort()
+                    if refused is not None and (refused.fatal() or refused.code() in FENCED_ERRORS):
+                        # The commit's own error need not say so (Kafka 4.1 answered a
+                        # fenced EndTxn with UNKNOWN), the abort's does: a newer instance
+                        # holds the transactional id. A new producer would fence it back.
+                        return PublishResult(error=f"{err.str()}; {refused.str()}", fenced=True)
                 if result.retriable:
                     raise _PublishAgain(result) from exc
                 return result
@@ -721,20 +726,27 @@ class ControlPublisher:
         except _PublishAgain as again:
             return again.result
 
-    def _abort(self) -> None:
+    def _abort(self) -> KafkaError | None:
         """Abort the producer's open transaction; where that fails, the next publish starts
         from a new producer, whose init_transactions fences this one and has the broker abort
-        the transaction."""
+        the transaction. The abort's error, if it failed."""
         try:
             self.producer.abort_transaction(CALL_TIMEOUT_S)
         except KafkaException as exc:
+            err: KafkaError = exc.args[0]
             log.warning(
                 "abort_transaction failed: %s; the next write starts from a new producer",
-                exc.args[0].str(),
+                err.str(),
             )
             self._replaced = False
+            return err
+        return None
 
     def close(self) -> None:
         """Serve what librdkafka still holds; every publish already waited for its own message,
-        so a few seconds are plenty."""
-        self.producer.flush(5)
+        so a few seconds are plenty. A fenced producer (a fatal error) has nothing to serve and
+        says so by raising from flush: closing it is no failure."""
+        try:
+            self.producer.flush(5)
+        except KafkaException as exc:
+            log.info("control producer closed after: %s", exc.args[0].str())

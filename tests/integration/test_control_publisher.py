@@ -98,6 +98,44 @@ def test_a_second_publisher_fences_the_first_for_good(cfg: PipelineConfig) -> No
 
 
 @pytest.mark.parametrize(
+    "commit_error",
+    [
+        None,  # the broker's own answer to the commit (a fence, here)
+        # What Kafka 4.1 answered a fenced EndTxn with in a CI run: not a fence code.
+        KafkaError(KafkaError.UNKNOWN, "Failed to end transaction: Unknown broker error"),
+    ],
+    ids=["as_answered", "unknown"],
+)
+def test_a_publisher_fenced_inside_its_transaction_says_fenced(
+    cfg: PipelineConfig, commit_error: KafkaError | None
+) -> None:
+    """A newer instance's init_transactions lands while this one's transaction is open: whatever
+    its commit then fails with, the abort after it meets the fence. The result is fenced -- the
+    coordinator steps down -- not a failure to retry, whose new producer would fence the newer
+    instance back and go on leading beside it (a CI run's coordinator, answered UNKNOWN, never
+    stepped down). Closing the fenced publisher is no failure either."""
+    first = ControlPublisher(cfg, "test-producer")
+    newer: list[ControlPublisher] = []
+
+    def newer_instance() -> None:
+        newer.append(ControlPublisher(cfg, "test-producer"))  # init_transactions: a new epoch
+        if commit_error is not None:
+            raise KafkaException(commit_error)
+
+    try:
+        fenced = first.publish(
+            new_envelope(cfg.pipeline, "first", Prepare(1, 0)), before_commit=newer_instance
+        )
+        assert fenced.fenced and fenced.error and fenced.offset is None, fenced
+        assert not newer[0].publish(new_envelope(cfg.pipeline, "newer", Prepare(1, 0))).error
+    finally:
+        first.close()
+        for p in newer:
+            p.close()
+    assert _payloads(cfg) == [Prepare(1, 0)]
+
+
+@pytest.mark.parametrize(
     "error",
     [
         # What AddOffsetsToTxn answered when the transaction coordinator's node was killed.
