@@ -58,7 +58,6 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
-from urllib.parse import unquote, urlsplit
 
 import psycopg
 from confluent_kafka.admin import AdminClient
@@ -213,8 +212,7 @@ def _timed(
     """Start the job's JVM, wait for its tasks running, then until the table counts every
     record; stop the JVM. The seconds from tasks running to done, the wall seconds from launch,
     the run's ``control``, the JVM's CPU seconds and peak RSS."""
-    dsn = urlsplit(pg_dsn)
-    url = f"jdbc:postgresql://{dsn.hostname}:{dsn.port or 5432}{dsn.path}"
+    url, user, password = tp.jdbc(pg_dsn)
     if rewrite_batched_inserts:
         url += "?reWriteBatchedInserts=true"
     tmp = workdir / f"{name}-tmp"
@@ -236,7 +234,7 @@ def _timed(
         source.bootstrap,
         source.topic,
         url,
-        unquote(dsn.username or ""),
+        user,
         table,
         str(source.partitions),
         job_id.hex,
@@ -252,7 +250,7 @@ def _timed(
             stderr=err,
             text=True,
             # The job reads the password from here, not from its command line.
-            env={**os.environ, "PGPASSWORD": unquote(dsn.password or "")},
+            env={**os.environ, "PGPASSWORD": password},
         )
     assert proc.stdout is not None  # stdout=PIPE
     marks = _Marks(proc.stdout)

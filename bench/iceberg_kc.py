@@ -36,7 +36,6 @@ import urllib.error
 import uuid
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import pyarrow.compute as pc
 from confluent_kafka import ConsumerGroupState, KafkaException
@@ -120,17 +119,16 @@ def _answering(env: dict[str, str]) -> str | None:
 
 def jdbc_catalog(s: Scenario) -> dict[str, str]:
     """``iceberg.catalog.*`` settings: Iceberg's ``JdbcCatalog`` on the scenario's catalog."""
-    dsn = urlsplit(s.pg_dsn)
+    url, user, password = tp.jdbc(s.pg_dsn)
     # JdbcCatalog names iceberg_tables unqualified: the connection's current schema must be the
     # twophase sink's catalog schema, not public.
-    host = f"{dsn.hostname}:{dsn.port or 5432}"
-    uri = f"jdbc:postgresql://{host}{dsn.path}?currentSchema={CATALOG_SCHEMA}"
+    uri = f"{url}?currentSchema={CATALOG_SCHEMA}"
     return {
         "iceberg.catalog": s.table,
         "iceberg.catalog.catalog-impl": "org.apache.iceberg.jdbc.JdbcCatalog",
         "iceberg.catalog.uri": uri,
-        "iceberg.catalog.jdbc.user": unquote(dsn.username or ""),
-        "iceberg.catalog.jdbc.password": unquote(dsn.password or ""),
+        "iceberg.catalog.jdbc.user": user,
+        "iceberg.catalog.jdbc.password": password,
         "iceberg.catalog.warehouse": f"file://{s.warehouse}",
         # The catalog tables are the twophase sink's (made by its setup): never made here.
         "iceberg.catalog.jdbc.init-catalog-tables": "false",

@@ -77,7 +77,6 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import psycopg
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
@@ -218,7 +217,7 @@ def enveloped(source: tp.Source) -> tp.Source:
 
 def jdbc_config(source: tp.Source, pg_dsn: str, table: str) -> dict[str, str]:
     """Debezium's JDBC sink: the enveloped ``source`` upserted by ``id`` into ``table``."""
-    dsn = urlsplit(pg_dsn)
+    url, user, password = tp.jdbc(pg_dsn)
     return {
         "connector.class": JDBC_CLASS,
         "topics": source.topic,
@@ -227,9 +226,9 @@ def jdbc_config(source: tp.Source, pg_dsn: str, table: str) -> dict[str, str]:
         "key.converter": "org.apache.kafka.connect.storage.StringConverter",
         "value.converter": "org.apache.kafka.connect.json.JsonConverter",
         "value.converter.schemas.enable": "true",
-        "connection.url": f"jdbc:postgresql://{dsn.hostname}:{dsn.port or 5432}{dsn.path}",
-        "connection.username": unquote(dsn.username or ""),
-        "connection.password": unquote(dsn.password or ""),
+        "connection.url": url,
+        "connection.username": user,
+        "connection.password": password,
         # One connection per task is all a task uses; the default pool keeps 5 per task open.
         "connection.pool.min_size": "1",
         "insert.mode": "upsert",

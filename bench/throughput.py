@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import orjson
 import psycopg
@@ -465,3 +466,10 @@ def section_main(
         args.json.write_text(text + "\n")
     print(text)
     return 0
+
+
+def jdbc(pg_dsn: str) -> tuple[str, str, str]:
+    """A libpq DSN as a JVM peer needs it: the JDBC URL, the user and the password."""
+    dsn = urlsplit(pg_dsn)
+    url = f"jdbc:postgresql://{dsn.hostname}:{dsn.port or 5432}{dsn.path}"
+    return url, unquote(dsn.username or ""), unquote(dsn.password or "")
