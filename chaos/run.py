@@ -333,6 +333,23 @@ class Net:
     def listeners(self) -> str:
         return kafka_listeners(self.base - NET_PORT_OFFSET)
 
+    def clash(self) -> str | None:
+        """Why the proxies' ports cannot be had: a service of the stack listens on one of them
+        (e.g. TWOPHASE_PG_PORT inside the range the proxies take above TWOPHASE_KAFKA_PORT)."""
+        taken = {self.base: "the Toxiproxy API"}
+        for n in NET_PROCESSES:
+            for service in NET_SERVICES:
+                for node in self.nodes(service):
+                    taken[self.port(service, n, False, node)] = f"{n}'s {service} proxy"
+        for what, port in (("PostgreSQL", self.pg[1]), ("MongoDB", self.mongo[1])):
+            if port in taken:
+                return (
+                    f"{what}'s port {port} is where {taken[port]} must listen (the proxies take "
+                    f"{min(taken)}-{max(taken)}, above TWOPHASE_KAFKA_PORT + {NET_PORT_OFFSET}): "
+                    "move that service's port or Kafka's"
+                )
+        return None
+
     def start(self) -> None:
         self.server.start()
         self.api.reset()
@@ -1268,6 +1285,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.net_faults:
         kafka_port = int(s.bootstrap.split(",")[0].rsplit(":", 1)[1])
         net = Net(s, kafka_port, kafka=False, brokers=brokers)
+        if (why := net.clash()) is not None:
+            raise SystemExit(f"chaos: no room for the network proxies: {why}")
         # --short does not restart a broker others test against: Kafka's links are cut only
         # when the stack was started with the listeners (`make stack-up` gives them).
         net.kafka = _kafka_listeners(net, restart=not args.short)

@@ -65,3 +65,35 @@ def test_a_full_run_has_each_store_fault_once_between_the_others() -> None:
         "pg_terminate",
     ]
     assert not any(e.store for e in make_plan(4, 3, True, 2, store_faults=3))
+
+
+def test_the_proxies_refuse_a_stack_port_inside_their_range(tmp_path) -> None:
+    """Every proxy and the API port are checked against the stores' own ports, for each kind
+    of proxy (PostgreSQL's port where a MongoDB proxy listens, and the reverse) and on three
+    brokers; ports outside the range pass."""
+    from chaos.run import NET_PORT_OFFSET, NET_PROCESSES, Net, net_port
+    from harness import Scenario
+
+    def net(pg: int, mongo: int, brokers: int = 1) -> Net:
+        s = Scenario(
+            "c",
+            "127.0.0.1:19092",
+            f"postgresql://u:p@127.0.0.1:{pg}/d",
+            f"mongodb://127.0.0.1:{mongo}/?replicaSet=r",
+            tmp_path,
+        )
+        return Net(s, 19092, kafka=False, brokers=brokers)
+
+    base = 19092 + NET_PORT_OFFSET
+    assert net(19532, 19018).clash() is None
+    assert net(19532, 19018, brokers=3).clash() is None
+    for service in ("kafka", "pg", "mongo"):
+        for n in NET_PROCESSES:
+            taken = net_port(base, service, n)
+            why = net(taken, 19018).clash()
+            assert why is not None and f"PostgreSQL's port {taken}" in why
+            assert f"{n}'s {service} proxy" in why
+            assert net(19532, taken).clash() is not None
+    assert "Toxiproxy API" in (net(base, 19018).clash() or "")
+    assert net(19532, net_port(base, "kafka", "p-2") + 200, brokers=3).clash() is not None
+    assert net(19532, net_port(base, "kafka", "p-2") + 200).clash() is None
