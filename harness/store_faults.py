@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 from pathlib import Path
@@ -24,6 +25,7 @@ __all__ = [
     "Tmpfs",
     "TmpfsRefused",
     "fill_connections",
+    "pg_left_by_a_test",
     "pg_prepared",
     "pg_sessions",
     "terminate",
@@ -61,6 +63,42 @@ def pg_prepared(
         (f"twophase:{sink}:{pipeline}~%~{participant or '%'}",),
     ).fetchall()
     return [r[0] for r in rows]
+
+
+def pg_left_by_a_test(conn: psycopg.Connection[Any], started: datetime.datetime) -> list[str]:
+    """Gids of twophase parts prepared since ``started`` whose pipeline is a test's own (the test
+    suite rolls them back after a failed test, ``tests/conftest.py``)."""
+    rows = conn.execute(
+        "SELECT gid FROM pg_prepared_xacts WHERE prepared >= %s AND gid LIKE 'twophase:%%'",
+        (started,),
+    ).fetchall()
+    by_pipeline: dict[str, list[str]] = {}
+    for (gid,) in rows:
+        token = str(gid).split(":", 2)[-1]  # <pipeline>~<txn>~<participant>
+        pipeline = token.rsplit("~", 2)[0]
+        by_pipeline.setdefault(pipeline, []).append(str(gid))
+    mine: list[str] = []
+
+    def one(query: str, args: tuple[Any, ...] = ()) -> Any:
+        row = conn.execute(query, args).fetchone()
+        return row[0] if row else None
+
+    has_markers = one("SELECT to_regclass('twophase_parts') IS NOT NULL")
+    for pipeline, gids in sorted(by_pipeline.items()):
+        live = one(
+            "SELECT count(*) FROM pg_stat_activity WHERE starts_with(application_name, %s)",
+            (f"twophase/{pipeline}/",),
+        )
+        older = has_markers and one(
+            "SELECT count(*) FROM (SELECT 1 FROM twophase_parts WHERE pipeline = %s"
+            " AND pg_xact_commit_timestamp(xmin) < %s LIMIT 1) t",
+            (pipeline, started),
+        )
+        # A pipeline with live sessions, or one that committed before the test began (a chaos
+        # run between two kills), is not the test's: its parts are its own to decide.
+        if not live and not older:
+            mine += gids
+    return sorted(mine)
 
 
 def terminate(conn: psycopg.Connection[Any], pids: list[int]) -> int:

@@ -121,10 +121,15 @@ def _roll_back_what_a_failed_test_left_prepared(request: pytest.FixtureRequest) 
     shared PostgreSQL (its processes are gone, nobody decides it), and a prepared transaction
     anywhere in the server holds back every new logical replication slot: a later Debezium test
     would fail for this one. After a failed test (its own fixtures already torn down: autouse
-    comes first, so it leaves last), roll back what was prepared in the stack's PostgreSQL
-    while it ran. Passing tests are left alone: what they leave is theirs to assert on. It
-    assumes the suite has the stack's PostgreSQL to itself while it runs, as ``make test`` does
-    (one test at a time): run a chaos soak or a benchmark on a stack of its own."""
+    comes first, so it leaves last), roll back what its pipelines left prepared while it ran.
+    Passing tests are left alone: what they leave is theirs to assert on.
+
+    Only twophase parts (gid ``twophase:<sink>:<pipeline>~<txn>~<participant>``) of pipelines
+    that are the test's own: none of the pipeline's sessions is connected (a test's processes
+    are gone when it fails) and none of its committed markers predates the test. A pipeline
+    running beside the suite on the same server -- a chaos run, a demo -- is never touched:
+    rolling back its prepared parts by name, as this fixture once did with everything prepared
+    since the test began, lost a committed part of a chaos run sharing the stack."""
     started = datetime.datetime.now(datetime.UTC)
     yield
     if not request.node.stash.get(_FAILED, False):
@@ -138,14 +143,11 @@ def _roll_back_what_a_failed_test_left_prepared(request: pytest.FixtureRequest) 
     import psycopg  # late: most tests never get here
     from psycopg import sql
 
+    from harness.store_faults import pg_left_by_a_test
+
     try:
         with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
-            gids = [
-                str(row[0])
-                for row in conn.execute(
-                    "SELECT gid FROM pg_prepared_xacts WHERE prepared >= %s", (started,)
-                )
-            ]
+            gids = pg_left_by_a_test(conn, started)
             for gid in gids:
                 with contextlib.suppress(psycopg.Error):  # decided meanwhile
                     conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))

@@ -7,6 +7,7 @@ The ``max_prepared_transactions = 0`` test starts a throwaway cluster of its own
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -858,6 +859,36 @@ def test_lost_connection_of_prepared_part_still_commits(env: PgEnv, make_sink: M
     sink.commit(pid)
     assert env.rows(f'SELECT count(*) FROM "{table}"') == [(1,)]
     assert env.prepared_gids() == []
+
+
+def test_after_a_failed_test_only_its_own_pipelines_parts_are_rolled_back(
+    env: PgEnv, make_sink: MakeSink
+) -> None:
+    """The suite's clean-up after a failed test (tests/conftest.py) rolls back what the test's
+    pipelines left prepared -- and never a part of a pipeline running beside the suite on the
+    same server, whether its processes are connected or all dead between two kills (it
+    committed before the test began). Rolling those back by name lost a chaos run's part."""
+    from harness.store_faults import pg_left_by_a_test
+
+    table = env.table("orders", ORDERS_DDL)
+    names = {k: f"{env.pipeline}-{k}" for k in ("own", "live", "older")}
+    older = make_sink(table, pipeline=names["older"])
+    run_part(older, part(env, 1, pipeline=names["older"]), [rec(0, {"id": 1})])
+    time.sleep(0.05)
+    started = datetime.datetime.now(datetime.UTC)
+    sinks = {k: make_sink(table, pipeline=n) for k, n in names.items() if k != "older"}
+    sinks["older"] = older
+    gids = {}
+    for i, (k, sink) in enumerate(sorted(sinks.items())):
+        pid = part(env, 2, pipeline=names[k])
+        run_part(sink, pid, [rec(10 + i, {"id": 10 + i})], commit=False)
+        gids[k] = sink.gid(pid)
+    sinks["own"].close()  # a failed test's processes are gone
+    older.close()  # so are the chaos run's, between two kills
+    left = set(pg_left_by_a_test(env.reader, started))
+    assert gids["own"] in left
+    assert gids["live"] not in left, "a pipeline with live sessions is not the test's"
+    assert gids["older"] not in left, "a pipeline that committed before the test is not its"
 
 
 # -- in_doubt ---------------------------------------------------------------------------------
