@@ -861,6 +861,71 @@ def test_lost_connection_of_prepared_part_still_commits(env: PgEnv, make_sink: M
     assert env.prepared_gids() == []
 
 
+@pytest.mark.parametrize("state", ["open", "broken", "prepare_refused_before_sent"])
+def test_an_abort_never_ends_another_attempts_prepared_part_of_the_same_id(
+    env: PgEnv, make_sink: MakeSink, state: str
+) -> None:
+    """A part id is begun again after a rewind, and a dead incarnation's PREPARE can land after
+    a new one began the same id. An abort of an attempt that never sent PREPARE -- open, broken
+    (its connection lost), or refused before PREPARE went out -- must leave a prepared part of
+    that gid alone: the transaction's decision settles it. Rolling back by name from there is
+    how a committed part could vanish (its owner then finds the gid gone at commit)."""
+    table = env.table("orders", ORDERS_DDL)
+    mine = make_sink(table)
+    other = make_sink(table)  # the other attempt: same pipeline, participant and sink name
+    pid = part(env, 7)
+    mine.begin(pid)
+    mine.write(pid, [rec(0, {"id": 1})])
+    other.begin(pid)  # the id is not prepared yet, so the other attempt may begin it too
+    other.write(pid, [rec(5, {"id": 2})])
+    other.prepare(pid, {(TOPIC, 0): 6})
+    assert mine._open is not None and mine._open.conn is not None
+    if state == "broken":
+        _terminate(env, mine._open.conn)
+        with pytest.raises(AbortTransactionError):
+            mine.write(pid, [rec(1, {"id": 3})])
+    elif state == "prepare_refused_before_sent":
+        # The marker row waits on the other attempt's (same key, prepared) and gives up: the
+        # prepare fails before PREPARE goes out.
+        mine._open.conn.execute("SET lock_timeout = '200ms'")
+        with pytest.raises(AbortTransactionError, match="lock timeout"):
+            mine.prepare(pid, {(TOPIC, 0): 1})
+    mine.abort(pid)
+    assert env.prepared_gids() == [other.gid(pid)], "the other attempt's part must stay prepared"
+    other.commit(pid)  # its decision
+    assert env.rows(f'SELECT id FROM "{table}" ORDER BY id') == [(2,)]
+    assert env.prepared_gids() == []
+
+
+def test_an_abort_after_a_prepare_lost_in_flight_rolls_back_by_gid(
+    env: PgEnv, make_sink: MakeSink, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other side of the rule above: once PREPARE was sent, the server may hold the gid
+    although the client saw an error (the answer lost with the connection), so the abort looks
+    for it by gid and rolls it back."""
+    table = env.table("orders", ORDERS_DDL)
+    sink = make_sink(table)
+    pid = part(env, 3)
+    sink.begin(pid)
+    sink.write(pid, [rec(0, {"id": 1})])
+    assert sink._open is not None and sink._open.conn is not None
+    conn = sink._open.conn
+    real_prepare = conn.tpc_prepare
+
+    def prepared_then_lost() -> None:
+        real_prepare()  # the server prepares it ...
+        _terminate(env, conn)  # ... and the answer is lost with the connection
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(conn, "tpc_prepare", prepared_then_lost)
+    with pytest.raises(AbortTransactionError):
+        sink.prepare(pid, {(TOPIC, 0): 1})
+    assert env.prepared_gids() == [sink.gid(pid)]
+    sink.abort(pid)
+    assert env.prepared_gids() == []
+    assert env.rows(f'SELECT count(*) FROM "{table}"') == [(0,)]
+
+
 def test_after_a_failed_test_only_its_own_pipelines_parts_are_rolled_back(
     env: PgEnv, make_sink: MakeSink
 ) -> None:

@@ -107,6 +107,11 @@ class _OpenPart:
     rejected: int = 0
     #: Set when the transaction is gone (connection lost, deadlock): only abort() helps now.
     broken: str | None = None
+    #: Set once ``PREPARE TRANSACTION`` is on its way: from then on the server may hold the
+    #: gid prepared (a prepare that failed in flight), so an abort must look for it by gid.
+    #: Before that, the gid is not this part's to touch: the same part id is begun again
+    #: after a rewind, and a rollback by name meant for this attempt could end a later one.
+    prepare_sent: bool = False
     #: Held by write/prepare for their whole run, so abort() from another thread waits for them.
     lock: threading.Lock = field(default_factory=threading.Lock)
 

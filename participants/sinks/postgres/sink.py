@@ -130,6 +130,7 @@ class PostgresSink(_SchemaTargets):
                         self.cfg.table,
                     ),
                 )
+                op.prepare_sent = True
                 conn.tpc_prepare()
             except psycopg.NotSupportedError as exc:
                 # psycopg's translation of "prepared transactions are disabled".
@@ -210,6 +211,13 @@ class PostgresSink(_SchemaTargets):
                     else:
                         self._checkin(conn)
             self.log.info("postgres sink %s: part %s aborted (was open)", self.name, part.token)
+            if not op.prepare_sent:
+                # Nothing of this attempt can be prepared. A gid of this name in the store is
+                # another attempt's (this part id begun again after a rewind, or a dead
+                # incarnation's late PREPARE): its transaction's decision settles it, never a
+                # rollback by name from here (one landing late would end that attempt).
+                self._now_decided(part)
+                return
             # Fall through: a prepare that failed in flight may still have reached the server.
         with self._lock:
             prepared = self._prepared.pop(part, None)
