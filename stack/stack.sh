@@ -602,7 +602,7 @@ track_commit_timestamp = on
 wal_level = logical
 fsync = on
 synchronous_commit = on
-log_line_prefix = '%m [%p] %q%u@%d '
+log_line_prefix = '%m [%p] %a %q%u@%d '
 EOF
   # pg_ctl detaches the server into its own session and -w waits until it accepts logins.
   if ! as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" -l "$PG_LOG" -w -t "$START_TIMEOUT" -s start >&2 9>&-; then
