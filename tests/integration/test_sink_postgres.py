@@ -829,12 +829,21 @@ def _terminate(env: PgEnv, conn: psycopg.Connection[Any]) -> None:
         time.sleep(0.05)
 
 
-def test_lost_connection_of_open_part_asks_for_abort(env: PgEnv, make_sink: MakeSink) -> None:
+def _open_with_one_row(
+    env: PgEnv, make_sink: MakeSink, txn: int
+) -> tuple[str, PostgresSink, PartId]:
+    """A table, a sink and its part ``txn`` open with one row written."""
     table = env.table("orders", ORDERS_DDL)
     sink = make_sink(table)
-    pid = part(env, 1)
+    pid = part(env, txn)
     sink.begin(pid)
     sink.write(pid, [rec(0, {"id": 1})])
+    assert sink._open is not None and sink._open.conn is not None
+    return table, sink, pid
+
+
+def test_lost_connection_of_open_part_asks_for_abort(env: PgEnv, make_sink: MakeSink) -> None:
+    table, sink, pid = _open_with_one_row(env, make_sink, 1)
     assert sink._open is not None and sink._open.conn is not None
     _terminate(env, sink._open.conn)
     with pytest.raises(AbortTransactionError):
@@ -903,11 +912,7 @@ def test_an_abort_after_a_prepare_lost_in_flight_rolls_back_by_gid(
     """The other side of the rule above: once PREPARE was sent, the server may hold the gid
     although the client saw an error (the answer lost with the connection), so the abort looks
     for it by gid and rolls it back."""
-    table = env.table("orders", ORDERS_DDL)
-    sink = make_sink(table)
-    pid = part(env, 3)
-    sink.begin(pid)
-    sink.write(pid, [rec(0, {"id": 1})])
+    table, sink, pid = _open_with_one_row(env, make_sink, 3)
     assert sink._open is not None and sink._open.conn is not None
     conn = sink._open.conn
     real_prepare = conn.tpc_prepare
