@@ -124,9 +124,10 @@ def _roll_back_what_a_failed_test_left_prepared(request: pytest.FixtureRequest) 
     comes first, so it leaves last), roll back what its pipelines left prepared while it ran.
     Passing tests are left alone: what they leave is theirs to assert on.
 
-    Only twophase parts (gid ``twophase:<sink>:<pipeline>~<txn>~<participant>``) of pipelines
-    that are the test's own: none of the pipeline's sessions is connected (a test's processes
-    are gone when it fails) and none of its committed markers predates the test. A pipeline
+    Of twophase parts (gid ``twophase:<sink>:<pipeline>~<txn>~<participant>``), only those of
+    pipelines that are the test's own: none of the pipeline's sessions is connected (a test's
+    processes are gone when it fails) and none of its committed markers predates the test
+    (``harness.store_faults.pg_left_by_a_test``). A pipeline
     running beside the suite on the same server -- a chaos run, a demo -- is never touched:
     rolling back its prepared parts by name, as this fixture once did with everything prepared
     since the test began, lost a committed part of a chaos run sharing the stack."""

@@ -955,7 +955,17 @@ def test_after_a_failed_test_only_its_own_pipelines_parts_are_rolled_back(
         gids[k] = sink.gid(pid)
     sinks["own"].close()  # a failed test's processes are gone
     older.close()  # so are the chaos run's, between two kills
-    left = set(pg_left_by_a_test(env.reader, started))
+    raw = f"raw-{env.pipeline}"  # a gid not of twophase (a smoke test's, an XA peer's)
+    other = psycopg.connect(env.dsn)
+    other.tpc_begin(raw)
+    other.execute("SELECT 1")
+    other.tpc_prepare()
+    other.close()
+    try:
+        left = set(pg_left_by_a_test(env.reader, started))
+    finally:
+        env.reader.execute(f"ROLLBACK PREPARED '{raw}'")
+    assert raw in left
     assert gids["own"] in left
     assert gids["live"] not in left, "a pipeline with live sessions is not the test's"
     assert gids["older"] not in left, "a pipeline that committed before the test is not its"
