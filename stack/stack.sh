@@ -27,7 +27,9 @@
 #       P0:29192:29292 = a PLAINTEXT listener P0 on 127.0.0.1:29192 that advertises
 #       127.0.0.1:29292 (a proxy there forwarding to 29192 stays in every client connection);
 #       with three brokers node N has each listener at both ports + 100*(N-1)
-#   TWOPHASE_PG_PORT (55432)    TWOPHASE_MONGO_PORT (27018)
+#   TWOPHASE_PG_PORT (25432)    TWOPHASE_MONGO_PORT (27018)
+#       (every default below 32768: servers restarted during a run must find their port
+#       free, and Linux gives outgoing connections ports from 32768-60999)
 #   TWOPHASE_REGISTRY_PORT (8081)   TWOPHASE_REGISTRY_HEAP (256m)
 #   TWOPHASE_MINIO_PORT (9000)  MinIO's S3 API (its console is off)
 #   TWOPHASE_KAFKA_HEAP (1g)    TWOPHASE_PYTHON (python3, for the SecantusDB venv)
@@ -49,7 +51,7 @@ STACK_DIR=$(realpath -m "${TWOPHASE_STACK_DIR:-$REPO/.stack}")
 CACHE_DIR=$(realpath -m "${TWOPHASE_CACHE_DIR:-${HOME:-/root}/.cache/twophase}")
 KAFKA_PORT=${TWOPHASE_KAFKA_PORT:-9092}
 CONTROLLER_PORT=${TWOPHASE_KAFKA_CONTROLLER_PORT:-9093}
-PG_PORT=${TWOPHASE_PG_PORT:-55432}
+PG_PORT=${TWOPHASE_PG_PORT:-25432}
 MONGO_PORT=${TWOPHASE_MONGO_PORT:-27018}
 KAFKA_HEAP=${TWOPHASE_KAFKA_HEAP:-1g}
 KAFKA_BROKERS=${TWOPHASE_KAFKA_BROKERS:-1}

@@ -5,7 +5,8 @@ commit decisions move the group's offsets), then the broker holding the coordina
 transaction state (its transaction coordinator). It ends exact: every record once in PostgreSQL, nothing prepared.
 
 The test runs its own stack (``TWOPHASE_KAFKA_BROKERS=3 stack.sh start kafka pg`` in a private
-stack dir, ports 41092/41192/41292, controllers +1, PostgreSQL 41432), so the shared stack is
+stack dir, ports 28092/28192/28292, controllers +1, PostgreSQL 28432: below Linux's ephemeral
+range, 32768-60999, where a client's outgoing port once took one of them), so the shared stack is
 neither needed nor touched. Three nodes tolerate one down at a time: the first killed node is
 started again, and back in every in-sync replica set, before the second kill.
 
@@ -66,7 +67,7 @@ BATCH = 1000
 PLACEMENT_TRIES = 30
 #: The extra listener of node 1 and the port it advertises (node N: + 100*(N-1), as the
 #: nodes' own ports), and the Toxiproxy API's port.
-LISTEN_PORT, PROXY_PORT, TOXIPROXY_PORT = 41060, 41070, 41050
+LISTEN_PORT, PROXY_PORT, TOXIPROXY_PORT = 28060, 28070, 28050
 NODE_STRIDE = 100
 #: A write's delivery bound in the proxy test: short, since the cut one must time out.
 SEND_TIMEOUT_MS = 10_000
@@ -77,9 +78,9 @@ def _stack_env(stack_dir: Path) -> dict[str, str]:
         **os.environ,
         "TWOPHASE_STACK_DIR": str(stack_dir),
         "TWOPHASE_KAFKA_BROKERS": "3",
-        "TWOPHASE_KAFKA_PORT": "41092",
-        "TWOPHASE_KAFKA_CONTROLLER_PORT": "41093",
-        "TWOPHASE_PG_PORT": "41432",
+        "TWOPHASE_KAFKA_PORT": "28092",
+        "TWOPHASE_KAFKA_CONTROLLER_PORT": "28093",
+        "TWOPHASE_PG_PORT": "28432",
         "TWOPHASE_KAFKA_HEAP": "384m",
         "TWOPHASE_KAFKA_EXTRA_LISTENERS": f"T0:{LISTEN_PORT}:{PROXY_PORT}",
     }

@@ -26,11 +26,12 @@ from confluent_kafka.admin import AdminClient, NewTopic
 pytestmark = pytest.mark.stack
 
 STACK_SH = Path(__file__).resolve().parents[2] / "stack" / "stack.sh"
-KAFKA_PORT = 41392
-CONTROLLER_PORT = 41393
+#: Below Linux's ephemeral range (32768-60999): an outgoing connection never holds them.
+KAFKA_PORT = 28392
+CONTROLLER_PORT = 28393
 #: The extra listener's own port, and the port it advertises (where the proxy listens).
-LISTEN_PORT = 41394
-PROXY_PORT = 41395
+LISTEN_PORT = 28394
+PROXY_PORT = 28395
 #: A JVM start on the shared 2-core machine has taken over a minute under load.
 START_TIMEOUT_S = 300
 CALL_TIMEOUT_S = 30
@@ -151,7 +152,7 @@ def test_a_client_bootstrapped_through_the_proxy_stays_on_it(proxied_kafka: Path
 
 @pytest.mark.parametrize(
     "value",
-    ["P0:41394", "p0:41394:41395", "P0:41394:41395,", "CONTROLLER:41394:41395", "P0:99999:1"],
+    ["P0:28394", "p0:28394:28395", "P0:28394:28395,", "CONTROLLER:28394:28395", "P0:99999:1"],
 )
 def test_a_malformed_value_stops_stack_sh_naming_the_variable(value: str) -> None:
     stack_dir = Path(tempfile.mkdtemp(prefix="twophase-listeners-bad-"))
@@ -167,12 +168,12 @@ def test_a_malformed_value_stops_stack_sh_naming_the_variable(value: str) -> Non
 @pytest.mark.parametrize(
     ("value", "clash"),
     [
-        # Node 2 listens at 41394 + 100 = 41494: node 1's advertised port.
-        ("P0:41394:41494", "port 41494"),
+        # Node 2 listens at 28394 + 100 = 28494: node 1's advertised port.
+        ("P0:28394:28494", "port 28494"),
         # P1's listen port is where P0's lands on node 2.
-        ("P0:41394:41395,P1:41494:41396", "port 41494"),
-        # Node 2's own Kafka port (41392 + 100).
-        ("P0:41492:41395", "port 41492"),
+        ("P0:28394:28395,P1:28494:28396", "port 28494"),
+        # Node 2's own Kafka port (28392 + 100).
+        ("P0:28492:28395", "port 28492"),
     ],
 )
 def test_three_brokers_refuse_listeners_whose_node_ports_clash(
