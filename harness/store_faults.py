@@ -19,6 +19,8 @@ from typing import Any
 
 import psycopg
 
+from twophase.participants.sdk import PartId
+
 __all__ = [
     "FILLER_APP",
     "TOO_MANY",
@@ -79,8 +81,11 @@ def pg_left_by_a_test(conn: psycopg.Connection[Any], started: datetime.datetime)
         if not str(gid).startswith("twophase:"):
             mine.append(str(gid))
             continue
-        token = str(gid).split(":", 2)[-1]  # <pipeline>~<txn>~<participant>
-        pipeline = token.rsplit("~", 2)[0]
+        try:  # twophase:<sink>:<part token>, as the PostgreSQL sink names them
+            pipeline = PartId.parse(str(gid).split(":", 2)[2]).pipeline
+        except (IndexError, ValueError):
+            mine.append(str(gid))  # not a part's: as any other gid prepared during the test
+            continue
         by_pipeline.setdefault(pipeline, []).append(str(gid))
 
     def one(query: str, args: tuple[Any, ...] = ()) -> Any:

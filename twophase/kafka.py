@@ -87,6 +87,12 @@ FENCED_ERRORS = frozenset(
     }
 )
 
+
+def _fencing(err: KafkaError) -> bool:
+    """Whether ``err`` says this transactional producer can never write again."""
+    return err.fatal() or err.code() in FENCED_ERRORS
+
+
 #: Delivery errors of a control message that no wait mends: this client may not write the
 #: control topic, or the message can never fit.
 PERMANENT_DELIVERY_ERRORS = frozenset(
@@ -693,7 +699,7 @@ class ControlPublisher:
                 commit_transaction(producer)
             except KafkaException as exc:
                 err: KafkaError = exc.args[0]
-                if err.fatal() or err.code() in FENCED_ERRORS:
+                if _fencing(err):
                     return PublishResult(error=err.str(), fenced=True)
                 abort = err.txn_requires_abort()
                 result = PublishResult(error=err.str(), retriable=abort or err.retriable())
@@ -706,7 +712,7 @@ class ControlPublisher:
                     # transaction coordinator (Broker transport failure, neither abortable
                     # nor retriable).
                     refused = self._abort()
-                    if refused is not None and (refused.fatal() or refused.code() in FENCED_ERRORS):
+                    if refused is not None and _fencing(refused):
                         # The commit's own error need not say so (Kafka 4.1 answered a
                         # fenced EndTxn with UNKNOWN), the abort's does: a newer instance
                         # holds the transactional id. A new producer would fence it back.
