@@ -255,10 +255,15 @@ def _timed(
     assert proc.stdout is not None  # stdout=PIPE
     marks = _Marks(proc.stdout)
 
+    last = tp.last_ids(source)
+
     def rows() -> int:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            got = conn.execute(f"SELECT count(*) FROM {table}").fetchone()
-        return int(got[0]) if got else 0
+            # Counted only once each partition's last record is in (tp.last_ids).
+            ends = conn.execute(f"SELECT count(*) FROM {table} WHERE id = ANY(%s)", (last,))
+            if tp.first_int(ends.fetchone()) < len(last):
+                return 0
+            return tp.first_int(conn.execute(f"SELECT count(*) FROM {table}").fetchone())
 
     def alive() -> None:
         if proc.poll() is not None:
@@ -274,7 +279,9 @@ def _timed(
         while (got := rows()) < n:
             alive()
             if time.monotonic() > t_running + timeout_s:
-                raise TimeoutError(f"{name}: {got} of {n} records in {timeout_s}s")
+                raise TimeoutError(
+                    f"{name}: not every record visible in {timeout_s}s ({got} counted)"
+                )
             time.sleep(tp.POLL_S)
         done = time.monotonic()
         cpu = {"flink_jvm": tp._cpu_s(proc.pid)}

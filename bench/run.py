@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
     ap.add_argument("--runs", type=int, default=3, help="runs per figure (median; >= 3)")
     ap.add_argument("--records", type=int, default=1_000_000)
-    ap.add_argument("--mongo-records", type=int, default=10_000)
+    ap.add_argument("--mongo-records", type=int, default=50_000)
     ap.add_argument(
         "--participants",
         type=lambda s: [int(x) for x in s.split(",")],

@@ -139,6 +139,28 @@ class CommittedProbe:
         self.c.close()
 
 
+class MongoApplied:
+    """Sum of the MongoDB sink's positions over the source partitions: the records it has
+    applied, stored in the transaction of each part's last chunk. One small document per
+    partition, read by ``_id``: counting the target collection instead scans it on SecantusDB,
+    and polled every POLL_S while the decided parts are applied (seconds behind the offsets) it
+    took most of the server from the commits it waited for."""
+
+    def __init__(self, s: Scenario, source: Source) -> None:
+        from pymongo import MongoClient
+
+        self.client: MongoClient[dict[str, Any]] = MongoClient(s.mongo_uri)
+        self.markers = self.client[s.table]["twophase_parts"]
+        self.ids = [f"mongo:{s.name}:{source.topic}:{p}" for p in range(source.partitions)]
+
+    def total(self) -> int:
+        docs = self.markers.find({"_id": {"$in": self.ids}}, {"offset": 1})
+        return sum(int(d["offset"]) for d in docs)
+
+    def close(self) -> None:
+        self.client.close()
+
+
 def scenario(name: str, workdir: Path, source: Source, *, sinks: set[str], mode: str) -> Scenario:
     s = Scenario.on_stack(
         name,
@@ -257,6 +279,7 @@ def pipeline_run(
     if "mongo" in sinks:
         _drop_mongo(s)
     probe = CommittedProbe(source, f"twophase.{name}")
+    applied = MongoApplied(s, source) if "mongo" in sinks and mode == "exactly_once" else None
     n = source.records
     started = time.monotonic()
     try:
@@ -266,11 +289,17 @@ def pipeline_run(
             s,
             mode,
             participants,
-            lambda: probe.total() >= n and _all_visible(s, sinks, source.topic, n),
+            lambda: (
+                probe.total() >= n
+                and (applied is None or applied.total() >= n)
+                and _all_visible(s, sinks, source.topic, n)
+            ),
             timeout_s,
         )
     finally:
         probe.close()
+        if applied is not None:
+            applied.close()
     wall = time.monotonic() - started
     verified = _verify(s, sinks, source.topic)
     exact = mode == "exactly_once"
@@ -368,6 +397,46 @@ def _cleanup(s: Scenario, sinks: set[str]) -> None:
 # -- the ceilings: the same rows written straight into the store, no Kafka, no twophase -------
 
 COLUMNS = ("id", "customer", "amount", "currency", "ts", "note")
+
+
+def first_int(row: tuple[Any, ...] | None) -> int:
+    """The first column of a fetched row as an int; 0 for no row."""
+    return int(row[0]) if row else 0
+
+
+def last_ids(source: Source) -> list[int]:
+    """The ``id`` of the last record of each partition of ``source`` (in a ``{schema,
+    payload}`` envelope or not), read once, outside any clock. A sink that writes each
+    partition in order holds them all only at the end of a run: a cheap test, by key, before
+    the count that proves it (a count polled all through a run scans the target again and
+    again on the server under test)."""
+    c = Consumer(
+        {
+            "bootstrap.servers": source.bootstrap,
+            "group.id": f"bench-last-{uuid.uuid4().hex[:6]}",
+            "enable.auto.commit": False,
+        }
+    )
+    try:
+        tps = []
+        for p in range(source.partitions):
+            _, high = c.get_watermark_offsets(TopicPartition(source.topic, p), timeout=10)
+            if high > 0:
+                tps.append(TopicPartition(source.topic, p, high - 1))
+        c.assign(tps)
+        got: dict[int, int] = {}
+        deadline = time.monotonic() + 60
+        while len(got) < len(tps):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{source.topic}: last records not read")
+            for m in c.consume(len(tps), 1.0):
+                raw, partition = m.value(), m.partition()
+                if m.error() is None and raw is not None and partition is not None:
+                    value = orjson.loads(raw)
+                    got[partition] = int(value.get("payload", value)["id"])
+        return sorted(got.values())
+    finally:
+        c.close()
 
 
 def source_rows(source: Source) -> list[dict[str, Any]]:
