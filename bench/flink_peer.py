@@ -26,8 +26,8 @@ delivers exactly; a checkpoint that fails after some subtasks committed replays 
 
 A run is timed as :mod:`bench.kc_peers` times a connector: from the job's tasks running (every
 subtask's operators open: the job prints ``OPEN <subtask>``; JVM and MiniCluster start-up left
-out, as the pipeline's process start-up is) to every record visible in the table (``count(*)``,
-polled every 0.1 s). The run's ``control`` also holds ``assigned_s`` -- tasks running to every
+out, as the pipeline's process start-up is) to every record visible in the table (polled every
+0.1 s: each partition's last record by ``id``, then ``count(*)``). The run's ``control`` also holds ``assigned_s`` -- tasks running to every
 source subtask's first record (``FIRST <subtask>``: its partition assigned by the source's
 enumerator and flowing; a ``KafkaSource`` has no consumer group to watch) -- and the rate from
 then on (``records_per_s_from_assigned``), ``startup_s`` (JVM launch to tasks running) and
