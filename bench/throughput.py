@@ -82,6 +82,16 @@ class Source:
     def delete(self) -> None:
         delete_topics(self.bootstrap, [self.topic])
 
+    @classmethod
+    @contextlib.contextmanager
+    def temporary(cls, bootstrap: str, records: int, tag: str) -> Iterator[Source]:
+        """:meth:`create`, and the topic deleted afterwards."""
+        src = cls.create(bootstrap, records, tag)
+        try:
+            yield src
+        finally:
+            src.delete()
+
 
 def delete_topics(bootstrap: str, topics: list[str]) -> None:
     """Delete ``topics`` and wait for the broker's answer: a request left in an AdminClient

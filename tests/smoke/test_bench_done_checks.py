@@ -22,11 +22,8 @@ RECORDS = 600
 
 @pytest.fixture
 def source(kafka_bootstrap: str) -> Iterator[tp.Source]:
-    src = tp.Source.create(kafka_bootstrap, RECORDS, "donecheck")
-    try:
+    with tp.Source.temporary(kafka_bootstrap, RECORDS, "donecheck") as src:
         yield src
-    finally:
-        tp.delete_topics(kafka_bootstrap, [src.topic])
 
 
 def test_last_ids_are_the_last_record_of_each_partition(source: tp.Source) -> None:

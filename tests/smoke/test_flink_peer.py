@@ -32,11 +32,8 @@ RUN_TIMEOUT_S = 120.0
 
 @pytest.fixture
 def source(kafka_bootstrap: str) -> Iterator[tp.Source]:
-    src = tp.Source.create(kafka_bootstrap, RECORDS, "flinkpeer")
-    try:
+    with tp.Source.temporary(kafka_bootstrap, RECORDS, "flinkpeer") as src:
         yield src
-    finally:
-        src.delete()
 
 
 def _expected(row: dict[str, Any]) -> tuple[Any, ...]:

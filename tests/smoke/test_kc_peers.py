@@ -29,11 +29,8 @@ RUN_TIMEOUT_S = 60.0
 
 
 def _source(kafka_bootstrap: str, records: int) -> Iterator[tp.Source]:
-    src = tp.Source.create(kafka_bootstrap, records, "kcpeers")
-    try:
+    with tp.Source.temporary(kafka_bootstrap, records, "kcpeers") as src:
         yield src
-    finally:
-        tp.delete_topics(kafka_bootstrap, [src.topic])
 
 
 @pytest.fixture
