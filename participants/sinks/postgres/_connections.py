@@ -85,8 +85,6 @@ class _EventStatements:
 
     upsert: sql.Composed
     merge: sql.Composed
-    #: ``merge`` that also deletes the keys whose last change is a delete.
-    merge_deletes: sql.Composed
     delete: sql.Composed
     #: The element types of the compiled rows' arrays: place, delete flag, every column.
     oids: list[int]

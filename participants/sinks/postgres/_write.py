@@ -401,15 +401,10 @@ class _WritePath(_Markers):
             for i, value in enumerate(row.values):
                 columns[i].append(value)
         merge = settled and conn.info.server_version >= 150000
-        # A key deleted and then written again in this batch ends as its last row, and when
-        # every column of the table is the records' an UPDATE leaves the row a DELETE and an
-        # INSERT would: one MERGE deletes and writes. A column of the table's own (a default,
-        # an identity) must start afresh after a delete, so a separate DELETE goes first.
-        one_statement = merge and self._every_column_mapped()
         conn.execute(sql.SQL("SAVEPOINT {}").format(_WRITE_SAVEPOINT))
         try:
             with conn.cursor() as cur:
-                if settled and not one_statement:
+                if settled:
                     keys = self._key_idx
                     cur.execute(
                         statements.delete,
@@ -417,11 +412,7 @@ class _WritePath(_Markers):
                          *(columns[i] for i in keys)],
                     )  # fmt: skip
                 cur.execute(
-                    statements.merge_deletes
-                    if one_statement
-                    else statements.merge
-                    if merge
-                    else statements.upsert,
+                    statements.merge if merge else statements.upsert,
                     [*compiled, places, flags, *columns],
                 )
         except _ENCODE_ERRORS as exc:
@@ -476,22 +467,14 @@ class _WritePath(_Markers):
                 if updates
                 else sql.SQL("DO NOTHING")
             )
-            insert = sql.SQL("INSERT ({}) VALUES ({})").format(
-                listed, sql.SQL(", ").join(sql.SQL("s.{}").format(n) for n in names)
-            )
             merge = sql.SQL(
                 "MERGE INTO {} AS t USING ({}) AS s ON {}"
                 " WHEN MATCHED AND NOT s.{} THEN {}"
-                " WHEN NOT MATCHED AND NOT s.{} THEN {}"
-            ).format(self._target, source, matches, deleted, matched, deleted, insert)
-            # The same, deleting the keys whose last change is a delete (the rows of keys
-            # deleted earlier in the batch are updated to their last row).
-            merge_deletes = sql.SQL(
-                "MERGE INTO {} AS t USING ({}) AS s ON {}"
-                " WHEN MATCHED AND s.{} THEN DELETE"
-                " WHEN MATCHED THEN {}"
-                " WHEN NOT MATCHED AND NOT s.{} THEN {}"
-            ).format(self._target, source, matches, deleted, matched, deleted, insert)
+                " WHEN NOT MATCHED AND NOT s.{} THEN INSERT ({}) VALUES ({})"
+            ).format(
+                self._target, source, matches, deleted, matched, deleted, listed,
+                sql.SQL(", ").join(sql.SQL("s.{}").format(n) for n in names),
+            )  # fmt: skip
             # The keys with a delete among their changes, from both sets of arrays: the delete
             # flags and the key columns'.
             flagged = [1, *(2 + i for i in self._key_idx)]
@@ -503,14 +486,8 @@ class _WritePath(_Markers):
                 matches,
             )  # fmt: skip
             oids = [type_oid(t) for t in ("int8", "bool", *types)]
-            self._events_sql = _EventStatements(upsert, merge, merge_deletes, delete, oids)
+            self._events_sql = _EventStatements(upsert, merge, delete, oids)
         return self._events_sql
-
-    def _every_column_mapped(self) -> bool:
-        """Whether the records give every column of the current table but generated ones
-        (which an UPDATE computes again)."""
-        ours = sum(1 for _, generated in self._table_columns.values() if not generated)
-        return ours == len(self._mapped)
 
     def _log_rejected(self, part: PartId, rejected: list[Rejected], n: int) -> None:
         if rejected:
