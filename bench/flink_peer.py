@@ -242,6 +242,7 @@ def _timed(
         str(checkpoint_ms),
     ]
     n = source.records
+    last = tp.last_ids(source)  # before the JVM: nothing to stop if it fails
     started = time.monotonic()
     with log_path.open("w") as err:
         proc = subprocess.Popen(
@@ -254,8 +255,6 @@ def _timed(
         )
     assert proc.stdout is not None  # stdout=PIPE
     marks = _Marks(proc.stdout)
-
-    last = tp.last_ids(source)
 
     def rows() -> int:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:

@@ -56,7 +56,7 @@ of each source partition looked up by its ``id`` (both tables are keyed on it), 
 are in, ``count(*)`` of the table or the collection's document count. (Until 2026-11-27 the
 count itself was polled from the start: a scan of the growing target on the server the
 connector writes to, ten times a second -- the figures measured that way, the batch sizes
-below among them, were the connector's under that load.) The run's ``control`` also says how long the
+above among them, were the connector's under that load.) The run's ``control`` also says how long the
 tasks' consumer group took to be stable with every partition assigned (``assigned_s``) and the
 rate from then on (``records_per_s_from_assigned``), and whether the connector delivered exactly
 the records (``exact``: rows == distinct ids == the source's count). ``cpu_s`` holds the worker
@@ -284,10 +284,9 @@ def kc_jdbc_run(source: tp.Source, workdir: Path, *, timeout_s: float = 900.0) -
     pg_dsn = load_stack_env()["TWOPHASE_PG_DSN"]
     name = f"bench-kc-jdbc-{uuid.uuid4().hex[:6]}"
     table = f"{name.replace('-', '_')}_orders"
+    last = tp.last_ids(source)  # before the table: nothing to clean up if it fails
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute(f"CREATE TABLE {table} ({COLUMNS_DDL}, PRIMARY KEY (id))")
-
-    last = tp.last_ids(source)
 
     def rows() -> int:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
@@ -326,11 +325,11 @@ def kc_mongo_run(source: tp.Source, workdir: Path, *, timeout_s: float = 900.0) 
     mongo_uri = load_stack_env()["TWOPHASE_MONGO_URI"]
     name = f"bench-kc-mongo-{uuid.uuid4().hex[:6]}"
     database = name.replace("-", "_")
+    last = tp.last_ids(source)  # before the collection: nothing to clean up if it fails
     client: MongoClient[dict[str, Any]] = MongoClient(mongo_uri)
     try:
         orders = client[database]["orders"]
         orders.create_index([("id", ASCENDING)], unique=True)
-        last = tp.last_ids(source)
 
         def docs() -> int:
             # Counted only once each partition's last record is in (found by the id index):

@@ -6,6 +6,8 @@ last record by key before they count."""
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,19 +29,29 @@ def source(kafka_bootstrap: str) -> Iterator[tp.Source]:
 
 
 def test_last_ids_are_the_last_record_of_each_partition(source: tp.Source) -> None:
-    c = Consumer({"bootstrap.servers": source.bootstrap, "group.id": "donecheck-reader"})
+    c = Consumer(
+        {
+            "bootstrap.servers": source.bootstrap,
+            "group.id": f"donecheck-{uuid.uuid4().hex[:6]}",
+            "enable.auto.commit": False,
+        }
+    )
     last: dict[int, int] = {}
+    ends: dict[int, int] = {}
     try:
         for p in range(source.partitions):
-            c.assign([TopicPartition(source.topic, p, 0)])
-            _, high = c.get_watermark_offsets(TopicPartition(source.topic, p), timeout=10)
-            seen = 0
-            while seen < high:
-                for m in c.consume(1000, 1.0):
-                    value = m.value()
-                    assert m.error() is None and value is not None
-                    last[p] = orjson.loads(value)["id"]
-                    seen += 1
+            ends[p] = c.get_watermark_offsets(TopicPartition(source.topic, p), timeout=10)[1]
+        c.assign([TopicPartition(source.topic, p, 0) for p in range(source.partitions)])
+        read = 0
+        deadline = time.monotonic() + 60
+        while read < sum(ends.values()):
+            assert time.monotonic() < deadline, f"{read} of {sum(ends.values())} records read"
+            for m in c.consume(1000, 1.0):
+                value, partition, offset = m.value(), m.partition(), m.offset()
+                assert m.error() is None and value is not None and partition is not None
+                read += 1
+                if offset == ends[partition] - 1:
+                    last[partition] = orjson.loads(value)["id"]
     finally:
         c.close()
     assert len(last) == source.partitions  # 600 keyed records leave no partition empty
