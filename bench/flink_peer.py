@@ -257,12 +257,7 @@ def _timed(
     marks = _Marks(proc.stdout)
 
     def rows() -> int:
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            # Counted only once each partition's last record is in (tp.last_ids).
-            ends = conn.execute(f"SELECT count(*) FROM {table} WHERE id = ANY(%s)", (last,))
-            if tp.first_int(ends.fetchone()) < len(last):
-                return 0
-            return tp.first_int(conn.execute(f"SELECT count(*) FROM {table}").fetchone())
+        return tp.pg_rows_once_last_in(pg_dsn, table, last)
 
     def alive() -> None:
         if proc.poll() is not None:

@@ -289,12 +289,7 @@ def kc_jdbc_run(source: tp.Source, workdir: Path, *, timeout_s: float = 900.0) -
         conn.execute(f"CREATE TABLE {table} ({COLUMNS_DDL}, PRIMARY KEY (id))")
 
     def rows() -> int:
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            # Counted only once each partition's last record is in (read by key).
-            ends = conn.execute(f"SELECT count(*) FROM {table} WHERE id = ANY(%s)", (last,))
-            if tp.first_int(ends.fetchone()) < len(last):
-                return 0
-            return tp.first_int(conn.execute(f"SELECT count(*) FROM {table}").fetchone())
+        return tp.pg_rows_once_last_in(pg_dsn, table, last)
 
     try:
         seconds, wall, control, cpu = _timed(

@@ -416,6 +416,16 @@ def first_int(row: tuple[Any, ...] | None) -> int:
     return int(row[0]) if row else 0
 
 
+def pg_rows_once_last_in(pg_dsn: str, table: str, last: list[int]) -> int:
+    """``count(*)`` of ``table`` once every id of ``last`` (:func:`last_ids`) is in it, by its
+    key; 0 before."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        ends = conn.execute(f"SELECT count(*) FROM {table} WHERE id = ANY(%s)", (last,))
+        if first_int(ends.fetchone()) < len(last):
+            return 0
+        return first_int(conn.execute(f"SELECT count(*) FROM {table}").fetchone())
+
+
 def last_ids(source: Source) -> list[int]:
     """The ``id`` of the last record of each partition of ``source`` (in a ``{schema,
     payload}`` envelope or not), read once, outside any clock. A sink that writes each
