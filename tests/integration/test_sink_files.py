@@ -853,6 +853,27 @@ def test_buffered_records_are_bounded_across_many_output_files(tmp_path: Path) -
     assert by_id(parquet_rows(base)) == [r.value for r in records]
 
 
+def test_by_default_an_open_part_buffers_at_most_100k_records(tmp_path: Path) -> None:
+    """A participant's memory is bounded at any rate: without ``max_buffered_records`` a part
+    of one output file (``max_file_records`` 250,000) writes a file early past 100,000
+    records; with small files the bound is still two files' worth."""
+    base = tmp_path / "out"
+    sink = make_sink(base)
+    p = part(1)
+    records = [rec(i) for i in range(120_000)]
+    sink.begin(p)
+    for at in range(0, len(records), 10_000):
+        sink.write(p, records[at : at + 10_000])
+        op = sink._open_files.get(p)
+        assert op is not None and op.buffered <= 100_000
+    sink.prepare(p, {("orders", 0): len(records)})
+    sink.commit(p)
+    assert len(visible_files(base)) == 2  # written early at 100,000, then the rest
+    assert len(parquet_rows(base)) == len(records)
+    small = make_sink(tmp_path / "small", max_file_records=1_000)
+    assert small.config.buffered_limit == 2_000
+
+
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
 def test_100k_record_part_throughput(
     tmp_path: Path, fmt: str, capsys: pytest.CaptureFixture[str]

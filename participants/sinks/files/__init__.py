@@ -38,7 +38,8 @@ Life of a part:
   timestamp no date names -- none, or after 9999-12-31 -- goes under the null date) and
   buffered as Arrow tables (Parquet) or encoded lines (JSON Lines). A buffer that reaches
   ``max_file_records`` is written to a complete, fsynced file in the open directory; when all
-  buffers together exceed ``max_buffered_records`` the largest is written early.
+  buffers together exceed ``max_buffered_records`` (default 100,000) the largest is written
+  early.
 * ``prepare``: write the remaining buffers, write ``PREPARED.json`` (positions, the file list with
   target paths, record counts, sizes, SHA-256) atomically, fsync the directory, then rename
   ``open/{token}`` to ``prepared/{token}`` -- the atomic prepare -- and fsync both parents.
