@@ -93,12 +93,13 @@ def coordinated_writer(
     return CoordinatedWriter(cfg, chunk_rows=chunk_rows)
 
 
-def _json_lines(df: DataFrame) -> RDD[str]:
-    """The batch as JSON text, one object per row, made on the JVM (nulls kept).
+def _json_lines(df: DataFrame) -> RDD[bytes]:
+    """The batch as JSON text, one object per row, made on the JVM (nulls kept), as UTF-8 bytes.
 
     Spark's JSON writer is several times faster than pickling Rows to Python, and its output is
-    what the participants would decode from Kafka. ``DataFrame.toJSON`` would drop null fields,
-    which an upsert must see, hence ``to_json`` with ``ignoreNullFields=false``.
+    what the participants read from Kafka: the sinks that read JSON values themselves
+    (:meth:`Sink.write_raw`) take the bytes as they come. ``DataFrame.toJSON`` would drop null
+    fields, which an upsert must see, hence ``to_json`` with ``ignoreNullFields=false``.
     """
     from pyspark.rdd import RDD
     from pyspark.serializers import UTF8Deserializer
@@ -111,7 +112,7 @@ def _json_lines(df: DataFrame) -> RDD[str]:
     if jvm is None or jdf is None:
         raise FatalError("the coordinated writer needs classic PySpark (Spark Connect has no RDDs)")
     jrdd = getattr(jdf, "as")(jvm.org.apache.spark.sql.Encoders.STRING()).javaRDD()
-    return RDD(jrdd, sc, UTF8Deserializer())  # type: ignore[no-untyped-call]
+    return RDD(jrdd, sc, UTF8Deserializer(use_unicode=False))  # type: ignore[no-untyped-call]
 
 
 def _first_line(exc: BaseException, limit: int = 400) -> str:
