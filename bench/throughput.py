@@ -153,10 +153,9 @@ class MongoApplied:
     """Sum of the MongoDB sink's positions over the source partitions, each stored in the
     transaction of a part's last chunk: it reaches every record once each partition's last part
     is applied (parts of other participants may still be applying: the count after it decides).
-    One small document per
-    partition, read by ``_id``: counting the target collection instead scans it on SecantusDB,
-    and polled every POLL_S while the decided parts are applied (seconds behind the offsets) it
-    took most of the server from the commits it waited for."""
+    One small document per partition, read by ``_id``: counting the target collection instead
+    scans it on SecantusDB, and polled every POLL_S while the decided parts are applied (seconds
+    behind the offsets) it took most of the server from the commits it waited for."""
 
     def __init__(self, s: Scenario, source: Source) -> None:
         from pymongo import MongoClient

@@ -214,18 +214,36 @@ def record(i: int, rng: random.Random) -> bytes:
     )
 
 
-def produce(bootstrap: str, topic: str, start: int, count: int, *, seed: int = 7) -> None:
-    rng = random.Random(seed + start)
-    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20, "enable.idempotence": True})
+def source_producer(bootstrap: str) -> Producer:
+    """The producer the harness writes source records with (idempotent: a retried send never
+    reorders or doubles them)."""
+    return Producer({"bootstrap.servers": bootstrap, "linger.ms": 20, "enable.idempotence": True})
+
+
+def produce_into(
+    p: Producer,
+    topic: str,
+    start: int,
+    count: int,
+    rng: random.Random,
+    on_delivery: Callable[[Any, Any], None] | None = None,
+) -> None:
+    """Queue records ``start``..``start + count - 1`` (:func:`record`, keyed by id) on ``p``,
+    waiting for room when its queue is full; the caller flushes."""
     for i in range(start, start + count):
         while True:
             try:
-                p.produce(topic, key=str(i).encode(), value=record(i, rng))
+                p.produce(topic, key=str(i).encode(), value=record(i, rng), on_delivery=on_delivery)
                 break
             except BufferError:
                 p.poll(0.1)
         if i % 10_000 == 0:
             p.poll(0)
+
+
+def produce(bootstrap: str, topic: str, start: int, count: int, *, seed: int = 7) -> None:
+    p = source_producer(bootstrap)
+    produce_into(p, topic, start, count, random.Random(seed + start))
     if p.flush(60) > 0:
         raise RuntimeError("source records not delivered")
 

@@ -35,15 +35,16 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
-from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka import KafkaError, KafkaException
 
 from harness import (
     Cluster,
     Scenario,
     control_decisions,
     produce,
+    produce_into,
     read_from,
-    record,
+    source_producer,
     summary_json,
     wait_until,
 )
@@ -74,9 +75,7 @@ class _Feeder:
         self._stop = threading.Event()
         self._error: Exception | None = None
         self._failed: list[str] = []
-        self._producer = Producer(
-            {"bootstrap.servers": s.bootstrap, "linger.ms": 20, "enable.idempotence": True}
-        )
+        self._producer = source_producer(s.bootstrap)
         self._thread = threading.Thread(target=self._run, name="feeder", daemon=True)
         self._thread.start()
 
@@ -88,18 +87,9 @@ class _Feeder:
         rng = random.Random(7 + self.produced)
         try:
             while not self._stop.is_set():
-                for i in range(self.produced, self.produced + BATCH):
-                    while True:
-                        try:
-                            self._producer.produce(
-                                self.s.topic,
-                                key=str(i).encode(),
-                                value=record(i, rng),
-                                on_delivery=self._delivered,
-                            )
-                            break
-                        except BufferError:
-                            self._producer.poll(0.1)
+                produce_into(
+                    self._producer, self.s.topic, self.produced, BATCH, rng, self._delivered
+                )
                 self.produced += BATCH
                 self._producer.poll(0)
                 self._stop.wait(EVERY_S)
