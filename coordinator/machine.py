@@ -6,7 +6,8 @@ what it returns. The deterministic simulator drives the very same class.
 
 One commit cycle::
 
-    IDLE --interval--> PREPARE(T) published --> COLLECTING votes
+    IDLE --interval, or DRAINED hints covering every partition--> PREPARE(T) published
+         --> COLLECTING votes
     COLLECTING --votes of one generation cover every partition exactly once,
                  each starting at the committed position--> DECISION(T, commit)
     COLLECTING --an abort vote, a generation conflict, an overlap, a broken chain,
@@ -29,6 +30,7 @@ from twophase.protocol.messages import (
     Checkpoint,
     Complete,
     Decision,
+    Drained,
     Envelope,
     Outcome,
     Part,
@@ -73,6 +75,9 @@ class CoordinatorSettings:
     checkpoint_every: int = 20
     #: Back-off before re-publishing after a failed (non-fencing) write.
     publish_retry_ms: int = 500
+    #: A cycle starts before the interval when DRAINED hints sent after the last PREPARE cover
+    #: every source partition and hold at least this many records together; 0: never early.
+    early_min_records: int = 0
 
 
 # -- events ------------------------------------------------------------------------------------
@@ -221,6 +226,8 @@ class CoordinatorMachine:
         self.cycle: Cycle | None = None
         self.deciding: Decision | None = None
         self.next_cycle_ms = 0
+        #: The latest DRAINED hint of each participant (advisory: only ever starts a cycle early).
+        self.drained: dict[str, Drained] = {}
         self.retry_at_ms = 0
         self.outbox: Payload | None = None  # a publish to retry after a transient failure
         self.failed_cycles = 0
@@ -231,6 +238,7 @@ class CoordinatorMachine:
         self.aborted = 0
         self.last_commit_ms = 0
         self.last_cycle_ms = 0
+        self.early_cycles = 0
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -326,6 +334,11 @@ class CoordinatorMachine:
         if isinstance(msg, Applied):
             self.log.apply(event.env)
             return self._complete_finished()
+        if isinstance(msg, Drained):
+            earlier = self.drained.get(msg.participant)
+            if earlier is None or msg.after_txn >= earlier.after_txn:
+                self.drained[msg.participant] = msg
+            return self._on_tick(event.now_ms) if self.phase is Phase.IDLE else []
         # Our own PREPARE/DECISION/COMPLETE/CHECKPOINT come back; they were applied on Published.
         return []
 
@@ -440,6 +453,8 @@ class CoordinatorMachine:
         if isinstance(msg, Prepare):
             if self.cycle is not None and self.cycle.txn == msg.txn:
                 self.cycle.prepare_landed = True
+            # Hints sent before this PREPARE speak of records it has just cut.
+            self.drained = {p: h for p, h in self.drained.items() if h.after_txn >= msg.txn}
             self.log.last_txn = max(self.log.last_txn, msg.txn)
             self.log.undecided.add(msg.txn)
             return []
@@ -543,12 +558,29 @@ class CoordinatorMachine:
                     now,
                 )
             return []
-        if self.phase is Phase.IDLE and now >= self.next_cycle_ms and self.partitions:
+        if self.phase is Phase.IDLE and self.partitions:
+            if now < self.next_cycle_ms:
+                if not self._drained():
+                    return []
+                self.early_cycles += 1
             txn = max(self.log.last_txn, self.log.last_decided) + 1
             self.cycle = Cycle(txn, now, now + self.settings.vote_timeout_ms)
             self.phase = Phase.COLLECTING
             return [Publish(Prepare(txn, self.cycle.deadline_ms))]
         return []
+
+    def _drained(self) -> bool:
+        """Whether the participants' DRAINED hints since the last PREPARE cover every source
+        partition and hold enough records to start a cycle before the interval. Never after a
+        failed cycle: whatever failed it keeps the interval's pace until a cycle commits."""
+        if not self.settings.early_min_records or self.failed_cycles:
+            return False
+        last = max(self.log.last_txn, self.log.last_decided)
+        hints = [h for h in self.drained.values() if h.after_txn == last]
+        if sum(h.records for h in hints) < self.settings.early_min_records:
+            return False
+        covered = {(p.topic, p.partition) for h in hints for p in h.positions}
+        return self.partitions <= covered
 
 
 def _supersedes(vote: Vote, earlier: Vote) -> bool:

@@ -99,6 +99,7 @@ class CoordinatorRuntime:
                 vote_timeout_ms=cfg.commit.vote_timeout_ms,
                 max_failed_cycles=cfg.commit.max_failed_cycles,
                 checkpoint_every=cfg.commit.checkpoint_every,
+                early_min_records=cfg.commit.early_min_records if cfg.commit.early_idle_ms else 0,
             )
         )
         self.health = HealthServer(self.metrics, ready=self._ready, status=self.status)
@@ -164,6 +165,7 @@ class CoordinatorRuntime:
             "last_decided": m.log.last_decided,
             "committed": m.committed,
             "aborted": m.aborted,
+            "early_cycles": m.early_cycles,  # started before the interval: DRAINED hints
             "failed_cycles": m.failed_cycles,
             "alarm": m.alarm,
             "last_commit_age_s": round(time.time() - m.last_commit_ms / 1000, 3)

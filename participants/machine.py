@@ -21,9 +21,11 @@ from twophase.protocol.logview import LogView
 from twophase.protocol.messages import (
     Applied,
     Decision,
+    Drained,
     Envelope,
     Outcome,
     PartitionRange,
+    Position,
     Prepare,
     Vote,
     VoteValue,
@@ -45,10 +47,12 @@ __all__ = [
     "PrepareDone",
     "PrepareFailed",
     "PreparePart",
+    "Quiet",
     "Received",
     "Revoked",
     "Seek",
     "SendApplied",
+    "SendDrained",
     "Skipped",
     "SendVote",
     "Sweep",
@@ -158,6 +162,14 @@ class Tick:
     now_ms: int
 
 
+@dataclass(frozen=True, slots=True)
+class Quiet:
+    """The data thread has read everything its partitions hold and no record has come for
+    ``commit.early_idle_ms``: ``positions`` are the next offsets it reads."""
+
+    positions: Mapping[TP, int]
+
+
 Event = (
     Received
     | CaughtUp
@@ -171,6 +183,7 @@ Event = (
     | PrepareFailed
     | PartApplied
     | Tick
+    | Quiet
 )
 
 # -- actions -----------------------------------------------------------------------------------
@@ -231,6 +244,15 @@ class SendApplied:
 
 
 @dataclass(frozen=True, slots=True)
+class SendDrained:
+    """Tell the coordinator this participant's input is drained (advisory; best effort, on the
+    data thread, which is idle then)."""
+
+    drained: Drained
+    thread: Thread = Thread.DATA
+
+
+@dataclass(frozen=True, slots=True)
 class Sweep:
     """List the sinks' in-doubt parts and report them with ``InDoubt(sweep=True)``; then, when
     ``forget_before`` is set, have every sink forget decided parts' markers below it
@@ -266,6 +288,7 @@ Action = (
     | Seek
     | SendVote
     | SendApplied
+    | SendDrained
     | Sweep
     | Log
     | Skipped
@@ -336,6 +359,10 @@ class ParticipantMachine:
         #: The last transaction cut: PREPAREs only grow, so one at or below it is a re-read.
         self.last_cut: int = 0
         self.next_sweep_ms = 0
+        #: The transaction after which this participant last said its input is drained (one
+        #: DRAINED per transaction), and the latest after which a peer said so holding records.
+        self.drained_after = -1
+        self.peer_drained_after = -1
         # Figures for status and metrics only.
         self.votes_sent = 0
         self.rewinds = 0
@@ -400,6 +427,8 @@ class ParticipantMachine:
             return self._on_prepare_failed(event)
         if isinstance(event, PartApplied):
             return self._on_applied(event)
+        if isinstance(event, Quiet):
+            return self._on_quiet(event)
         return self._on_tick(event.now_ms)
 
     # -- control messages ----------------------------------------------------------------------
@@ -414,6 +443,10 @@ class ParticipantMachine:
                     getattr(msg, "txn", 0),
                 )
             ]
+        if isinstance(msg, Drained):
+            if msg.participant != self.me and msg.records:
+                self.peer_drained_after = max(self.peer_drained_after, msg.after_txn)
+            return []
         if event.replay or not self.caught_up:
             return []
         if isinstance(msg, Prepare):
@@ -536,6 +569,7 @@ class ParticipantMachine:
         self.member_id = event.member_id
         self.topics = event.topics
         self.assigned = True
+        self.drained_after = -1  # a new set of partitions: worth saying again
         self.fallback = dict(event.offsets)
         self.base = {tp: self._start_of(tp) for tp in event.offsets}
         actions.append(Seek(dict(self.base)))
@@ -755,6 +789,27 @@ class ParticipantMachine:
                     Log("info", f"resolving in-doubt part of {participant}: {outcome.value}", txn)
                 )
         return actions
+
+    def _on_quiet(self, event: Quiet) -> list[Action]:
+        """Say DRAINED once per transaction, when the open part holds records -- or holds none
+        but a peer said it holds some: the coordinator needs every partition covered, and an
+        idle pipeline then sends nothing at all. Never between a PREPARE and its vote: the
+        records in hand belong to the transaction being cut."""
+        after = max(self.log.last_txn, self.log.last_decided)
+        if not self.ready or self.pending_prepare or not self.base or self.drained_after == after:
+            return []
+        part = self.open
+        held = 0
+        if part is not None and part.begun and not part.cut:
+            held = sum(part.records.values()) + sum(part.dead.values())
+        if not held and self.peer_drained_after != after:
+            return []
+        self.drained_after = after
+        positions = tuple(
+            Position(t, p, event.positions.get((t, p), self.base[(t, p)]))
+            for t, p in sorted(self.base)
+        )
+        return [SendDrained(Drained(after, self.me, self.generation, positions, held))]
 
     def _on_tick(self, now: int) -> list[Action]:
         if not self.caught_up or now < self.next_sweep_ms:

@@ -261,6 +261,17 @@ class CommitConfig(_Strict):
     interval_ms: int = Field(default=1000, ge=50)
     #: A cycle whose votes are not all in after this long is aborted (its records are retried).
     vote_timeout_ms: int = Field(default=10_000, ge=100)
+    #: Start the next cycle before ``interval_ms`` once the input has gone quiet: each
+    #: participant that has read everything its partitions hold and has got no new record for
+    #: this long tells the coordinator (a DRAINED control message), and when those cover every
+    #: source partition and hold at least ``early_min_records`` records the cycle starts at once.
+    #: The end of a burst or a backfill is then committed without waiting for the tick; a steady
+    #: stream, which never goes quiet this long, keeps the interval. 0: never early.
+    early_idle_ms: int = Field(default=100, ge=0)
+    #: The fewest records (all participants' open parts together) a cycle started early by
+    #: ``early_idle_ms`` commits: a sparse stream, a few records now and then, keeps the interval
+    #: instead of committing each one on its own.
+    early_min_records: int = Field(default=10_000, ge=1)
     #: Consecutive failed cycles before the alarm (``twophase_alarm`` = 1, an ERROR line).
     max_failed_cycles: int = Field(default=5, ge=1)
     #: Decisions between two CHECKPOINT messages: bounds the tail of the control log a

@@ -54,10 +54,12 @@ from twophase.participants.machine import (
     PrepareDone,
     PrepareFailed,
     PreparePart,
+    Quiet,
     Received,
     Revoked,
     Seek,
     SendApplied,
+    SendDrained,
     SendVote,
     Skipped,
     Sweep,
@@ -93,6 +95,8 @@ T = TypeVar("T")
 
 #: Data-thread poll: short, so queued control actions (prepare, rewind) run promptly.
 CONSUME_TIMEOUT_S = 0.05
+#: A DRAINED hint is advisory: it waits at most this long for Kafka, then is dropped.
+DRAINED_SEND_TIMEOUT_S = 1.0
 #: Control-thread poll.
 CONTROL_POLL_S = 0.02
 #: Time one batch may take to write into every sink. A PREPARE waits for the batch in flight,
@@ -208,6 +212,11 @@ class ParticipantRuntime:
         #: the new position, so a batch in hand across a seek is dropped, never written.
         self._seeks = 0
         self._next_lag = 0.0
+        #: When the data thread last got a record, and when it may next tell the machine its
+        #: input is quiet (``commit.early_idle_ms``; 0: never).
+        self._quiet_s = cfg.commit.early_idle_ms / 1000
+        self._last_record = time.monotonic()
+        self._next_quiet = 0.0
         #: Fault injection (tests): read nothing, vote empty parts -- what the stall alarm sees.
         self._stall_reads = stalled("reads")
         self._batch_size = min(INITIAL_BATCH, cfg.participant.max_batch_records)
@@ -430,6 +439,12 @@ class ParticipantRuntime:
                 # is one the coordinator no longer counts (the cycle timed out and aborted).
                 self._wait_for_store(lambda: self.control.send(vote), f"txn={vote.txn} send vote")
                 _crash_point("after_vote")
+        elif isinstance(action, SendDrained):
+            # Advisory: a hint that does not go out only leaves the next cycle to the interval.
+            try:
+                self.control.send(action.drained, timeout_s=DRAINED_SEND_TIMEOUT_S)
+            except RetriableError as exc:
+                log.info("DRAINED not sent (the next cycle keeps the interval): %s", exc)
         elif isinstance(action, SendApplied):
             applied = action.applied
             with log_context(self._txn_extra(applied.txn, applied.part)):
@@ -732,9 +747,43 @@ class ParticipantRuntime:
             started = time.monotonic()
             self._write(good)
             self._adapt_batch(len(good), time.monotonic() - started)
+        if msgs:
+            self._last_record = time.monotonic()
+        elif self._quiet_s:
+            self._check_quiet()
         if time.monotonic() >= self._next_lag:
             self._next_lag = time.monotonic() + LAG_REFRESH_S
             self._update_lag()
+
+    def _check_quiet(self) -> None:
+        """Tell the machine the input is drained (:class:`Quiet`) when nothing came for
+        ``commit.early_idle_ms`` and every assigned partition is read up to its high watermark
+        (as the last fetch saw it: no broker round trip). At most once per quiet period."""
+        now = time.monotonic()
+        if (
+            now - self._last_record < self._quiet_s
+            or now < self._next_quiet
+            or self._paused
+            or self._held
+            or self._poisoned
+            or not self._assignment
+        ):
+            return
+        self._next_quiet = now + self._quiet_s
+        positions: dict[tuple[str, int], int] = {}
+        try:
+            for tp in self.consumer.position(list(self._assignment)):
+                marks = self.consumer.get_watermark_offsets(tp, cached=True)
+                if marks is None:
+                    return
+                low, high = marks
+                read_to_end = tp.offset >= high or (tp.offset < 0 and low == high)
+                if high < 0 or not read_to_end:
+                    return  # not read to the end (or not fetched yet)
+                positions[(tp.topic, tp.partition)] = max(tp.offset, high)
+        except KafkaException:
+            return
+        self._run(self._feed(Quiet(positions)), Thread.DATA)
 
     def _adapt_batch(self, n: int, seconds: float) -> None:
         """Size the next batch so that writing it into every sink takes about BATCH_TARGET_S:

@@ -17,7 +17,7 @@ EXAMPLES = sorted((Path(__file__).parents[2] / "control-topic" / "examples" / "v
 
 def test_there_is_an_example_for_every_message_type() -> None:
     types = {json.loads(p.read_text())["type"] for p in EXAMPLES}
-    assert types == {1, 2, 3, 4, 5, 6}
+    assert types == {1, 2, 3, 4, 5, 6, 7}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

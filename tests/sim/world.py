@@ -293,6 +293,8 @@ class Params:
     p_delay: float = 0.0
     #: Partitions between an actor and Kafka or a store.
     p_cut: float = 0.0
+    #: Participants read to the end say so (DRAINED), and the coordinator starts cycles early.
+    drained: bool = False
 
     @classmethod
     def calm(cls, participants: int = 3, partitions: int = 4, records: int = 30) -> Params:
@@ -312,6 +314,7 @@ class Params:
             delay_ms=extra.choice((0, 0, 40, 150, 500, 900)),
             p_delay=extra.choice((0.05, 0.2, 0.5)),
             p_cut=extra.choice((0.0, 0.0, 0.003, 0.008)),
+            drained=extra.random() < 0.5,
             participants=rng.randint(2, 4),
             partitions=rng.randint(2, 6),
             fault_steps=rng.randint(150, 500),
@@ -330,7 +333,11 @@ class Params:
 
 
 COORD_SETTINGS = dict(
-    commit_interval_ms=60, vote_timeout_ms=400, max_failed_cycles=4, publish_retry_ms=50
+    commit_interval_ms=60,
+    vote_timeout_ms=400,
+    max_failed_cycles=4,
+    publish_retry_ms=50,
+    early_min_records=1,  # DRAINED hints start cycles early whenever they cover every partition
 )
 SWEEP_MS = 300
 SESSION_TIMEOUT_MS = (100, 300)
@@ -510,6 +517,9 @@ class Participant:
                 if off < avail[index[tp]]:
                     out.append((4, self.start_batch))
                     break
+            else:
+                if w.p.drained:
+                    out.append((1, self.start_quiet))  # read to the end: the input went quiet
 
     def step_control(self) -> None:
         assert self.ctl_job is not None
@@ -632,6 +642,9 @@ class Participant:
     def start_batch(self) -> None:
         self.start_data(self.batch_job())
 
+    def start_quiet(self) -> None:
+        self.start_data(self.feed_data(pm.Quiet(dict(self.fetch))))
+
     def batch_job(self) -> Iterator[None]:
         """poll, WillWrite, write into every sink, Written: the runtime's write path."""
         w = self.world
@@ -728,6 +741,11 @@ class Participant:
         elif isinstance(a, pm.Seek):
             self.fetch = dict(a.offsets)
             self.poisoned, self.failed_txn = False, None
+        elif isinstance(a, pm.SendDrained):
+            w.seen["DRAINED sent"] += 1
+            self.outbox.append(
+                (w.now, max(self.outbox[-1][1] if self.outbox else 0, w.now), a.drained)
+            )
         else:
             raise SimViolation(f"{self.member_id}: data thread got {a!r}")
 
@@ -744,7 +762,13 @@ class Coordinator:
         self.incarnation = incarnation
         self.label = f"{name}-{incarnation}"
         self.machine = cm.CoordinatorMachine(
-            cm.CoordinatorSettings(checkpoint_every=world.p.checkpoint_every, **COORD_SETTINGS)
+            cm.CoordinatorSettings(
+                checkpoint_every=world.p.checkpoint_every,
+                # With DRAINED hints, a long interval: most cycles then start early.
+                **{**COORD_SETTINGS, "commit_interval_ms": 300}
+                if world.p.drained
+                else COORD_SETTINGS,
+            )
         )
         self.alive = True
         self.epoch = -1
@@ -784,7 +808,10 @@ class Coordinator:
             if not self.events:
                 return
             ev = self.events.popleft()
+            early = self.machine.early_cycles
             actions = self.machine.handle(ev)
+            if self.machine.early_cycles != early:
+                w.seen["cycle started early"] += 1
             if w.verbose:
                 w.trace(f"{self.label} <- {_show(ev)}")
                 for a in actions:
@@ -992,7 +1019,7 @@ class World:
         #: How often each network fault and its consequences came up (the tests check that
         #: they do).
         self.seen: Counter[str] = Counter()
-        self.records_left = self.p.records
+        self.records_left = self.p.records * (5 if self.p.drained else 1)
         self.group_offsets: dict[TP, int] = {}
         self.generation = 0
         self.members: dict[str, Participant] = {}

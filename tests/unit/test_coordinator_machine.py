@@ -23,6 +23,7 @@ from twophase.protocol.messages import (
     Checkpoint,
     Complete,
     Decision,
+    Drained,
     Envelope,
     Outcome,
     Part,
@@ -354,3 +355,90 @@ def test_a_vote_without_topics_needs_every_source_partition_as_before() -> None:
     assert m.handle(Received(env(vote(1, "b", ranges=((1, 0, 2),))), 2)) == []
     (d,) = published(m.handle(Tick(SETTINGS.vote_timeout_ms)))
     assert isinstance(d, Decision) and d.outcome is Outcome.ABORT and f"{NEW}[0]" in d.reason
+
+
+# -- DRAINED: a cycle started before the interval ----------------------------------------------
+
+EARLY = CoordinatorSettings(
+    commit_interval_ms=1000, vote_timeout_ms=5000, max_failed_cycles=2, early_min_records=100
+)
+
+
+def committed_once(settings: CoordinatorSettings = EARLY) -> CoordinatorMachine:
+    """A leader whose txn 1 committed at t=10: the next cycle is due at t=1000."""
+    m = CoordinatorMachine(settings)
+    m.handle(SourcePartitions(TPS, {(T, 0): 0, (T, 1): 0}))
+    m.handle(LeadershipAcquired(0))
+    m.handle(CaughtUp(0))
+    assert start_cycle(m) == 1
+    m.handle(Received(env(vote(1, "a", ranges=((0, 0, 5),))), 5))
+    publish_ok(m, m.handle(Received(env(vote(1, "b", ranges=((1, 0, 5),))), 10)), 10)
+    assert m.phase is Phase.IDLE and m.committed == 1 and m.next_cycle_ms == 1000
+    return m
+
+
+def drained(who: str, after: int, records: int, *partitions: int) -> Envelope:
+    positions = tuple(Position(T, p, 500) for p in partitions)
+    return env(Drained(after, who, 1, positions, records))
+
+
+def test_drained_hints_covering_every_partition_start_the_next_cycle_at_once() -> None:
+    m = committed_once()
+    assert published(m.handle(Received(drained("a", 1, 80, 0), 50))) == []
+    assert m.handle(Tick(60)) == []  # one partition is not covered yet
+    acts = m.handle(Received(drained("b", 1, 40, 1), 70))
+    (prep,) = published(acts)
+    assert isinstance(prep, Prepare) and prep.txn == 2 and m.early_cycles == 1
+    publish_ok(m, acts, 70)
+    # The normal pace goes on from the early start; the hints were used up by the PREPARE.
+    m.handle(Received(env(vote(2, "a", ranges=((0, 5, 9),))), 80))
+    publish_ok(m, m.handle(Received(env(vote(2, "b", ranges=((1, 5, 7),))), 90)), 90)
+    assert m.phase is Phase.IDLE and m.next_cycle_ms == 1070
+    assert m.handle(Tick(100)) == []
+
+
+def test_hints_that_cannot_start_a_cycle_early() -> None:
+    """Too few records, sent before the last PREPARE (stale), or after a failed cycle: the
+    cycle waits for its interval."""
+    m = committed_once()
+    m.handle(Received(drained("a", 1, 50, 0), 50))
+    m.handle(Received(drained("b", 1, 49, 1), 50))
+    assert m.handle(Tick(60)) == []  # 99 records < 100
+
+    m = committed_once()
+    m.handle(Received(drained("a", 0, 500, 0, 1), 50))  # sent before it read PREPARE 1
+    assert m.handle(Tick(60)) == []
+    m.handle(Received(drained("a", 1, 500, 0), 70))
+    m.handle(Received(drained("b", 0, 500, 1), 70))
+    assert m.handle(Tick(80)) == []
+
+    m = committed_once()
+    acts = m.handle(Tick(1000))
+    publish_ok(m, acts, 1000)
+    publish_ok(m, m.handle(Received(env(vote(2, "a", value=VoteValue.ABORT)), 1001)), 1001)
+    assert m.phase is Phase.IDLE and m.failed_cycles == 1
+    m.handle(Received(drained("a", 2, 500, 0, 1), 1010))
+    assert m.handle(Tick(1020)) == []
+    assert published(m.handle(Tick(2000)))  # the interval still starts it
+
+
+def test_hints_count_only_when_the_early_start_is_on() -> None:
+    m = committed_once(
+        CoordinatorSettings(commit_interval_ms=1000, vote_timeout_ms=5000, early_min_records=0)
+    )
+    m.handle(Received(drained("a", 1, 10**6, 0, 1), 50))
+    assert m.handle(Tick(60)) == []
+
+
+def test_hints_read_while_a_cycle_collects_start_the_next_one_when_it_is_decided() -> None:
+    m = committed_once()
+    acts = m.handle(Tick(1000))
+    publish_ok(m, acts, 1000)
+    # Both cut txn 2 and drained again before the decision: their open parts follow txn 2.
+    m.handle(Received(drained("a", 2, 300, 0), 1005))
+    m.handle(Received(drained("b", 2, 300, 1), 1006))
+    m.handle(Received(env(vote(2, "a", ranges=((0, 5, 9),))), 1010))
+    acts = publish_ok(m, m.handle(Received(env(vote(2, "b", ranges=((1, 5, 7),))), 1020)), 1020)
+    assert m.phase is Phase.IDLE
+    (prep,) = published(m.handle(Tick(1021)))
+    assert isinstance(prep, Prepare) and prep.txn == 3

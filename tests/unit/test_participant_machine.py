@@ -18,10 +18,12 @@ from twophase.participants.machine import (
     PrepareDone,
     PrepareFailed,
     PreparePart,
+    Quiet,
     Received,
     Revoked,
     Seek,
     SendApplied,
+    SendDrained,
     SendVote,
     Sweep,
     Thread,
@@ -32,6 +34,7 @@ from twophase.participants.machine import (
 from twophase.protocol.messages import (
     Applied,
     Decision,
+    Drained,
     Envelope,
     Outcome,
     Part,
@@ -309,3 +312,60 @@ def test_a_prepare_in_flight_at_start_up_is_not_voted_when_own_part_is_prepared(
     m.handle(CaughtUp())
     m.handle(InDoubt((("pg", 4, "a"),)))
     assert of(m.handle(Assigned(2, "a-2", {TP0: 7})), PreparePart) == []
+
+
+# -- DRAINED: read to the end, the input quiet ---------------------------------------------------
+
+
+def test_a_quiet_participant_holding_records_says_drained_once_per_transaction() -> None:
+    m = machine()
+    assert m.handle(Quiet({TP0: 0, TP1: 10})) == []  # nothing in hand, no peer holds any
+    write(m, {TP0: (4, 4, 1)})
+    (send,) = m.handle(Quiet({TP0: 5, TP1: 10}))
+    assert send == SendDrained(
+        Drained(0, "a", 3, (Position(T, 0, 5), Position(T, 1, 10)), 5), thread=Thread.DATA
+    )
+    assert m.handle(Quiet({TP0: 5, TP1: 10})) == []  # said already for this transaction
+    prepare_and_vote(m, 1)
+    write(m, {TP1: (11, 2, 0)})
+    (send,) = m.handle(Quiet({TP0: 5, TP1: 12}))
+    assert send.drained.after_txn == 1 and send.drained.records == 2
+
+
+def test_between_a_prepare_and_its_vote_nothing_is_said() -> None:
+    """The records in hand belong to the transaction being cut, not to the next one."""
+    m = machine()
+    write(m, {TP0: (4, 5, 0)})
+    assert m.handle(Received(env(Prepare(1, 0)))) == [PreparePart(1)]
+    assert m.handle(Quiet({TP0: 5, TP1: 10})) == []
+    m.handle(Cut(1))
+    assert m.handle(Quiet({TP0: 5, TP1: 10})) == []
+    m.handle(PrepareDone(1))
+    assert m.handle(Quiet({TP0: 5, TP1: 10})) == []  # the new open part holds nothing
+
+
+def test_an_empty_participant_answers_a_peer_that_holds_records() -> None:
+    """The coordinator needs every partition covered: a participant whose partitions got
+    nothing says drained too -- but only once a peer holding records has (an idle pipeline
+    sends nothing)."""
+    m = machine()
+    peer = Drained(0, "b", 3, (Position(T, 2, 9),), 0)
+    m.handle(Received(env(peer)))
+    assert m.handle(Quiet({TP0: 0, TP1: 10})) == []  # the peer holds nothing either
+    m.handle(Received(env(Drained(0, "b", 3, (Position(T, 2, 9),), 700))))
+    (send,) = m.handle(Quiet({TP0: 0, TP1: 10}))
+    assert send.drained.records == 0 and send.drained.after_txn == 0
+    # Its own hint, read back, is not a peer's.
+    other = machine(name="c")
+    other.handle(Received(env(Drained(0, "c", 3, (Position(T, 0, 1),), 700))))
+    assert other.handle(Quiet({TP0: 0, TP1: 10})) == []
+
+
+def test_a_new_assignment_is_worth_saying_again() -> None:
+    m = machine()
+    write(m, {TP0: (4, 5, 0)})
+    assert m.handle(Quiet({TP0: 5, TP1: 10}))
+    m.handle(Assigned(4, "a-2", {TP0: 0}))
+    write(m, {TP0: (2, 3, 0)})
+    (send,) = m.handle(Quiet({TP0: 3}))
+    assert send.drained.generation == 4 and send.drained.positions == (Position(T, 0, 3),)

@@ -50,6 +50,7 @@ _SCHEMA_FILES = {
     MessageType.APPLIED: "applied.json",
     MessageType.COMPLETE: "complete.json",
     MessageType.CHECKPOINT: "checkpoint.json",
+    MessageType.DRAINED: "drained.json",
 }
 
 

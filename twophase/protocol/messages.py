@@ -18,6 +18,7 @@ __all__ = [
     "Checkpoint",
     "Complete",
     "Decision",
+    "Drained",
     "Envelope",
     "MessageType",
     "Outcome",
@@ -81,6 +82,7 @@ class MessageType(enum.IntEnum):
     APPLIED = 4
     COMPLETE = 5
     CHECKPOINT = 6
+    DRAINED = 7
 
 
 class Outcome(enum.StrEnum):
@@ -360,7 +362,45 @@ class Checkpoint:
         )
 
 
-Payload: TypeAlias = Prepare | Vote | Decision | Applied | Complete | Checkpoint
+@dataclass(frozen=True, slots=True)
+class Drained:
+    """Participant -> coordinator, advisory: this participant has read everything its partitions
+    hold and nothing new has come for a while; its open part (after transaction ``after_txn``)
+    holds ``records`` records. When such hints cover every source partition the coordinator may
+    start the next cycle before its interval. It never moves any state: a lost, late or stale
+    hint costs at most a cycle started early or at the interval."""
+
+    TYPE: ClassVar[MessageType] = MessageType.DRAINED
+    #: The last transaction this participant saw PREPAREd: its open part follows it.
+    after_txn: int
+    participant: str
+    generation: int
+    #: Each assigned partition and the next offset this participant reads in it.
+    positions: tuple[Position, ...] = ()
+    #: Records (written and dead-lettered) its open part holds.
+    records: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "after_txn": self.after_txn,
+            "participant": self.participant,
+            "generation": self.generation,
+            "positions": [p.to_json() for p in self.positions],
+            "records": self.records,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Drained:
+        return cls(
+            read_int(d, "after_txn", 0),
+            read_str(d, "participant", min_len=1),
+            read_int(d, "generation", -1),
+            tuple(Position.from_json(p) for p in _objects(d, "positions")),
+            read_int(d, "records", 0),
+        )
+
+
+Payload: TypeAlias = Prepare | Vote | Decision | Applied | Complete | Checkpoint | Drained
 
 PAYLOAD_TYPES: dict[MessageType, type[Payload]] = {
     MessageType.PREPARE: Prepare,
@@ -369,6 +409,7 @@ PAYLOAD_TYPES: dict[MessageType, type[Payload]] = {
     MessageType.APPLIED: Applied,
     MessageType.COMPLETE: Complete,
     MessageType.CHECKPOINT: Checkpoint,
+    MessageType.DRAINED: Drained,
 }
 
 
