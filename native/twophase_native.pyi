@@ -1,5 +1,7 @@
 """twophase's optional compiled hot path: JSON and Avro source values -> PostgreSQL binary COPY."""
 
+from collections.abc import Sequence
+
 class CopyEncoder:
     """Encodes JSON objects into binary COPY rows of one table's mapped columns."""
 
@@ -55,3 +57,7 @@ def copy_columns(payload: bytes, oids: list[int]) -> list[bytes]:
     fields per row, each as one PostgreSQL binary array whose elements have type ``oids[j]``:
     what ``unnest($1::int8[], ...)`` reads back as the same rows. ValueError when ``payload``
     is not such a stream."""
+
+def join_lines(values: Sequence[bytes], utf8: bool = False) -> bytes | None:
+    """The values joined by line breaks, or None when one is empty, does not start with
+    ``{``, holds a line break, or (``utf8``) is not valid UTF-8."""

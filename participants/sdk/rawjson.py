@@ -20,6 +20,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
+try:
+    from twophase_native import join_lines as _native_join
+except ImportError:  # the compiled extension is optional
+    _native_join = None  # type: ignore[assignment]
+
 __all__ = ["ARROW_ERRORS", "exact_doubles", "join_lines", "read_lines", "strings_for_timestamps"]
 
 #: What Arrow raises for data it cannot read or convert.
@@ -38,9 +43,19 @@ _EXACT_DOUBLE = float(2**53)
 def join_lines(values: Sequence[bytes], *, utf8: bool = False) -> bytes | None:
     """The values as one newline-delimited buffer, or None when one value would not be one
     line holding one object (a value with a line break, or that does not start with ``{``),
-    or, with ``utf8``, when the buffer is not valid UTF-8 (Arrow does not check it)."""
+    or, with ``utf8``, when the buffer is not valid UTF-8 (Arrow does not check it). One pass
+    in compiled code when ``twophase_native`` is installed (values of type ``bytes``)."""
     if not values:
         return None
+    if _native_join is not None:
+        try:
+            return _native_join(values, utf8)
+        except TypeError:
+            pass  # not a sequence of bytes: the same checks in Python
+    return _join_lines_py(values, utf8=utf8)
+
+
+def _join_lines_py(values: Sequence[bytes], *, utf8: bool = False) -> bytes | None:
     data = b"\n".join(values)
     # Exactly the n - 1 line breaks the join put there, each followed by a ``{``: no value
     # holds a line break and every value starts with ``{`` (counted in C, not per value).
