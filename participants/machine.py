@@ -359,9 +359,11 @@ class ParticipantMachine:
         #: The last transaction cut: PREPAREs only grow, so one at or below it is a re-read.
         self.last_cut: int = 0
         self.next_sweep_ms = 0
-        #: The transaction after which this participant last said its input is drained (one
-        #: DRAINED per transaction), and the latest after which a peer said so holding records.
+        #: The transaction after which this participant last said its input is drained, the
+        #: records it held then, and the latest transaction after which a peer said so holding
+        #: records.
         self.drained_after = -1
+        self.drained_records = 0
         self.peer_drained_after = -1
         # Figures for status and metrics only.
         self.votes_sent = 0
@@ -791,20 +793,25 @@ class ParticipantMachine:
         return actions
 
     def _on_quiet(self, event: Quiet) -> list[Action]:
-        """Say DRAINED once per transaction, when the open part holds records -- or holds none
-        but a peer said it holds some: the coordinator needs every partition covered, and an
-        idle pipeline then sends nothing at all. Never between a PREPARE and its vote: the
-        records in hand belong to the transaction being cut."""
+        """Say DRAINED when the open part holds records -- or holds none but a peer said it
+        holds some: the coordinator needs every partition covered, and an idle pipeline then
+        sends nothing at all. Once per transaction, and again only when the part has more than
+        doubled since (a pause inside a burst, then the rest of it; a reply with nothing, then
+        records of its own): a few messages per cycle at most. Never between a PREPARE and its
+        vote: the records in hand belong to the transaction being cut."""
         after = max(self.log.last_txn, self.log.last_decided)
-        if not self.ready or self.pending_prepare or not self.base or self.drained_after == after:
+        if not self.ready or self.pending_prepare or not self.base:
             return []
         part = self.open
         held = 0
         if part is not None and part.begun and not part.cut:
             held = sum(part.records.values()) + sum(part.dead.values())
+        if self.drained_after == after and held <= 2 * self.drained_records:
+            return []
         if not held and self.peer_drained_after != after:
             return []
         self.drained_after = after
+        self.drained_records = held
         positions = tuple(
             Position(t, p, event.positions.get((t, p), self.base[(t, p)]))
             for t, p in sorted(self.base)

@@ -491,6 +491,27 @@ class ControlWriter:
     def envelope(self, payload: Payload) -> Envelope:
         return new_envelope(self.cfg.pipeline, self.sender, payload)
 
+    def post(self, payload: Payload) -> None:
+        """Produce an advisory message without waiting for it (DRAINED): a delivery that
+        fails is logged and forgotten, and a full local queue drops it."""
+
+        def on_delivery(err: KafkaError | None, _msg: Message) -> None:
+            if err is not None:
+                log.info("advisory control message not delivered: %s", err.str())
+
+        value, headers = encode(self.envelope(payload), self.cfg.hmac_key)
+        try:
+            self.producer.produce(
+                self.cfg.control_topic,
+                value=value,
+                key=self.cfg.pipeline.encode(),
+                headers=list(headers),
+                on_delivery=on_delivery,
+            )
+        except BufferError:
+            log.info("advisory control message dropped: the producer's queue is full")
+        self.producer.poll(0)
+
     def send(self, payload: Payload, *, timeout_s: float = CALL_TIMEOUT_S) -> None:
         value, headers = encode(self.envelope(payload), self.cfg.hmac_key)
         errors: list[KafkaError] = []

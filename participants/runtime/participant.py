@@ -85,7 +85,7 @@ from twophase.participants.sdk import (
     SinkError,
     UnknownPartError,
 )
-from twophase.protocol.messages import Outcome, Prepare
+from twophase.protocol.messages import Drained, Outcome, Prepare
 from twophase.retry import KAFKA, STORE, STORE_WAIT_S
 
 __all__ = ["ParticipantRuntime", "consume_timeout"]
@@ -100,8 +100,6 @@ CONSUME_TIMEOUT_S = 0.05
 #: after a DRAINED): a shorter wait, so the cut does not wait ~25 ms on average for the consume.
 CONSUME_TIMEOUT_DUE_S = 0.005
 PREPARE_DUE_S = (0.05, 0.25)
-#: A DRAINED hint is advisory: it waits at most this long for Kafka, then is dropped.
-DRAINED_SEND_TIMEOUT_S = 1.0
 #: Control-thread poll.
 CONTROL_POLL_S = 0.02
 #: Time one batch may take to write into every sink. A PREPARE waits for the batch in flight,
@@ -149,8 +147,8 @@ def consume_timeout(
 ) -> float:
     """How long the data thread's consume may wait: short while the next PREPARE is due -- from
     a little before one interval after the last one was read until it is read (or a little
-    after it was due), and right after a DRAINED went out -- long otherwise, so an idle
-    participant does not spin. (Monotonic seconds.)"""
+    after it was due), and right after a DRAINED, this participant's or a peer's -- long
+    otherwise, so an idle participant does not spin. (Monotonic seconds.)"""
     lead, grace = PREPARE_DUE_S
     due = prepare_seen + interval_s
     if due - lead <= now <= due + grace or now - drained_sent <= grace:
@@ -236,11 +234,14 @@ class ParticipantRuntime:
         self._quiet_s = cfg.commit.early_idle_ms / 1000
         self._last_record = time.monotonic()
         self._next_quiet = 0.0
-        #: When the control thread last read a PREPARE, and when a DRAINED went out (monotonic
-        #: seconds; plain floats, written by one thread and read by the other).
+        #: When the control thread last read a PREPARE, and when a DRAINED went out or a peer's
+        #: was read (monotonic seconds; plain floats: a stale read costs one longer consume).
         self._interval_s = cfg.commit.interval_ms / 1000
         self._prepare_seen = 0.0
         self._drained_sent = 0.0
+        #: Where the consumer was last assigned or sought to, per partition: librdkafka's
+        #: position() knows nothing (-1001) until a record is consumed after either.
+        self._sought: dict[tuple[str, int], int] = {}
         #: Fault injection (tests): read nothing, vote empty parts -- what the stall alarm sees.
         self._stall_reads = stalled("reads")
         self._batch_size = min(INITIAL_BATCH, cfg.participant.max_batch_records)
@@ -465,11 +466,10 @@ class ParticipantRuntime:
                 _crash_point("after_vote")
         elif isinstance(action, SendDrained):
             # Advisory: a hint that does not go out only leaves the next cycle to the interval.
-            try:
-                self.control.send(action.drained, timeout_s=DRAINED_SEND_TIMEOUT_S)
-                self._drained_sent = time.monotonic()
-            except RetriableError as exc:
-                log.info("DRAINED not sent (the next cycle keeps the interval): %s", exc)
+            # Not flushed: the producer is shared with votes and dead letters, and the data
+            # thread must not wait for them.
+            self.control.post(action.drained)
+            self._drained_sent = time.monotonic()
         elif isinstance(action, SendApplied):
             applied = action.applied
             with log_context(self._txn_extra(applied.txn, applied.part)):
@@ -736,6 +736,8 @@ class ParticipantRuntime:
                 if isinstance(env.payload, Prepare):
                     self._prepare_seen = time.monotonic()
                     delay_point("on_prepare")
+                elif isinstance(env.payload, Drained):
+                    self._drained_sent = time.monotonic()  # a peer's: a PREPARE may come now
                 self._run(self._feed(Received(env), Thread.CONTROL), Thread.CONTROL)
             self._run(self._feed(Tick(_now_ms()), Thread.CONTROL), Thread.CONTROL)
 
@@ -807,11 +809,11 @@ class ParticipantRuntime:
                 marks = self.consumer.get_watermark_offsets(tp, cached=True)
                 if marks is None:
                     return
-                low, high = marks
-                read_to_end = tp.offset >= high or (tp.offset < 0 and low == high)
-                if high < 0 or not read_to_end:
+                _low, high = marks
+                at = tp.offset if tp.offset >= 0 else self._sought.get((tp.topic, tp.partition), -1)
+                if high < 0 or at < high:
                     return  # not read to the end (or not fetched yet)
-                positions[(tp.topic, tp.partition)] = max(tp.offset, high)
+                positions[(tp.topic, tp.partition)] = at
         except KafkaException:
             return
         self._run(self._feed(Quiet(positions)), Thread.DATA)
@@ -969,6 +971,7 @@ class ParticipantRuntime:
             tp = TopicPartition(topic, partition, offset)
             self.consumer.pause([tp])
             self.consumer.seek(tp)
+            self._sought[(topic, partition)] = offset
             self._held[(topic, partition)] = offset
 
     def _release_held(self) -> None:
@@ -993,6 +996,7 @@ class ParticipantRuntime:
         # sink held a record stalled its partitions for good).
         self._release_held()
         self._resume()
+        self._sought.update(((t.topic, t.partition), t.offset) for t in targets)
         for tp in targets:
             try:
                 self.consumer.seek(tp)
@@ -1032,6 +1036,7 @@ class ParticipantRuntime:
             if isinstance(a, Seek):
                 start = dict(a.offsets)
         self._assignment = [TopicPartition(t, p, start[(t, p)]) for t, p in sorted(start)]
+        self._sought = dict(start)
         consumer.assign(self._assignment)
         if self._assignment:
             # librdkafka keeps a partition's pause flag across unassign/assign: one paused before

@@ -4,12 +4,23 @@ files, every count read from the sinks and the control topic themselves."""
 
 from __future__ import annotations
 
+import random
+import signal
 import time
 from pathlib import Path
 
 import psycopg
 
-from harness import Cluster, control_decisions, produce, verify, wait_until
+from harness import (
+    Cluster,
+    control_decisions,
+    produce,
+    read_from,
+    record,
+    source_producer,
+    verify,
+    wait_until,
+)
 from tests.e2e.e2e_support import read_topic, scenario
 
 #: Far longer than the test waits for the burst: a commit of it before this came early.
@@ -73,3 +84,59 @@ def control_decisions_live(c: Cluster) -> bool:
     """The coordinator's log says a cycle committed (the control topic cannot be read to its
     end while the coordinator holds a transaction open on it)."""
     return "committed (" in c.log_tail("coord-0", 400)
+
+
+def test_partitions_that_got_nothing_since_an_assignment_do_not_hold_an_early_cycle_back(
+    tmp_path: Path,
+) -> None:
+    """Participants restarted over partitions that hold records (so librdkafka knows no position
+    until a record is consumed), then a burst into one partition only: the three that got
+    nothing are read to their end too, and the burst commits when the input goes quiet."""
+    s = scenario(
+        tmp_path,
+        "early-skew",
+        mongo=False,
+        extra={
+            "commit": {
+                "interval_ms": INTERVAL_MS,
+                "vote_timeout_ms": 20_000,
+                "early_idle_ms": 100,
+                "early_min_records": 10_000,
+            }
+        },
+    )
+    produce(s.bootstrap, s.topic, 0, BURST)  # every partition holds records before they start
+    c = Cluster(s)
+    c.start("coordinator", "coord-0")
+    c.start("participant", "p-0")
+    c.start("participant", "p-1")
+    try:
+        wait_until(lambda: _rows(s.pg_dsn, s.table) == BURST, 90, "the first records committed")
+        names = ("p-0", "p-1")
+        since = {n: (c.logs / f"{n}.log").stat().st_size for n in names}
+        for name in names:  # new processes, new assignments: no position known
+            c.kill(name, signal.SIGTERM)
+        for name in names:
+            c.start("participant", name)
+
+        def settled() -> bool:
+            return all(
+                "assigned 2 partitions" in read_from(c.logs / f"{n}.log", since[n]) for n in names
+            )
+
+        wait_until(settled, 60, "both restarted participants assigned two partitions")
+        time.sleep(3)
+        p = source_producer(s.bootstrap)
+        rng = random.Random(3)
+        for i in range(BURST, 2 * BURST):
+            p.produce(s.topic, partition=0, key=str(i).encode(), value=record(i, rng))
+            if i % 5000 == 0:
+                p.poll(0)
+        assert p.flush(60) == 0
+        produced = time.monotonic()
+        wait_until(lambda: _rows(s.pg_dsn, s.table) == 2 * BURST, 30, "the skewed burst")
+        assert time.monotonic() - produced < 20
+    finally:
+        c.stop_all()
+    for sink, report in verify(s, set(range(2 * BURST))).items():
+        assert report.ok, f"{sink}: {report}"

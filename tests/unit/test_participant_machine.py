@@ -369,3 +369,25 @@ def test_a_new_assignment_is_worth_saying_again() -> None:
     write(m, {TP0: (2, 3, 0)})
     (send,) = m.handle(Quiet({TP0: 3}))
     assert send.drained.generation == 4 and send.drained.positions == (Position(T, 0, 3),)
+
+
+def test_said_again_only_when_the_part_has_more_than_doubled() -> None:
+    """A pause inside a burst, then the rest of it: the later, larger part is said too (the
+    first hint may have been below the coordinator's minimum); small growth is not."""
+    m = machine()
+    write(m, {TP0: (9, 10, 0)})
+    (first,) = m.handle(Quiet({TP0: 10, TP1: 10}))
+    assert first.drained.records == 10
+    write(m, {TP0: (19, 10, 0)})  # 20 records: not more than double
+    assert m.handle(Quiet({TP0: 20, TP1: 10})) == []
+    write(m, {TP0: (20, 1, 0)})  # 21
+    (again,) = m.handle(Quiet({TP0: 21, TP1: 10}))
+    assert again.drained.records == 21 and again.drained.after_txn == first.drained.after_txn
+    # A reply that held nothing is followed by one with the participant's own records.
+    other = machine(name="c")
+    other.handle(Received(env(Drained(0, "b", 3, (Position(T, 2, 9),), 700))))
+    (reply,) = other.handle(Quiet({TP0: 0, TP1: 10}))
+    assert reply.drained.records == 0
+    write(other, {TP1: (10, 1, 0)})
+    (own,) = other.handle(Quiet({TP0: 0, TP1: 11}))
+    assert own.drained.records == 1

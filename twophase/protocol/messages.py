@@ -371,7 +371,8 @@ class Drained:
     hint costs at most a cycle started early or at the interval."""
 
     TYPE: ClassVar[MessageType] = MessageType.DRAINED
-    #: The last transaction this participant saw PREPAREd: its open part follows it.
+    #: The last transaction this participant knows of, prepared or decided: its open part
+    #: follows it.
     after_txn: int
     participant: str
     generation: int
