@@ -499,27 +499,16 @@ class ControlWriter:
             if err is not None:
                 log.info("advisory control message not delivered: %s", err.str())
 
-        value, headers = encode(self.envelope(payload), self.cfg.hmac_key)
         try:
-            self.producer.produce(
-                self.cfg.control_topic,
-                value=value,
-                key=self.cfg.pipeline.encode(),
-                headers=list(headers),
-                on_delivery=on_delivery,
-            )
+            self._produce(payload, on_delivery)
         except BufferError:
             log.info("advisory control message dropped: the producer's queue is full")
         self.producer.poll(0)
 
-    def send(self, payload: Payload, *, timeout_s: float = CALL_TIMEOUT_S) -> None:
+    def _produce(
+        self, payload: Payload, on_delivery: Callable[[KafkaError | None, Message], None]
+    ) -> None:
         value, headers = encode(self.envelope(payload), self.cfg.hmac_key)
-        errors: list[KafkaError] = []
-
-        def on_delivery(err: KafkaError | None, _msg: Message) -> None:
-            if err is not None:
-                errors.append(err)
-
         self.producer.produce(
             self.cfg.control_topic,
             value=value,
@@ -527,6 +516,15 @@ class ControlWriter:
             headers=list(headers),
             on_delivery=on_delivery,
         )
+
+    def send(self, payload: Payload, *, timeout_s: float = CALL_TIMEOUT_S) -> None:
+        errors: list[KafkaError] = []
+
+        def on_delivery(err: KafkaError | None, _msg: Message) -> None:
+            if err is not None:
+                errors.append(err)
+
+        self._produce(payload, on_delivery)
         if self.producer.flush(timeout_s) > 0:
             raise RetriableError(f"control message not delivered within {timeout_s}s")
         if errors:

@@ -13,6 +13,7 @@ import psycopg
 
 from harness import (
     Cluster,
+    Scenario,
     control_decisions,
     produce,
     read_from,
@@ -28,6 +29,17 @@ INTERVAL_MS = 60_000
 BURST = 30_000
 
 
+def _scenario(tmp_path: Path, prefix: str) -> Scenario:
+    """PostgreSQL and files, a 60 s interval, early cycles at their defaults."""
+    commit = {
+        "interval_ms": INTERVAL_MS,
+        "vote_timeout_ms": 20_000,
+        "early_idle_ms": 100,
+        "early_min_records": 10_000,
+    }
+    return scenario(tmp_path, prefix, mongo=False, extra={"commit": commit})
+
+
 def _rows(dsn: str, table: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(f"SELECT count(*) FROM {table}").fetchone()
@@ -37,19 +49,7 @@ def _rows(dsn: str, table: str) -> int:
 def test_a_burst_commits_when_the_input_goes_quiet_and_a_trickle_waits_for_the_interval(
     tmp_path: Path,
 ) -> None:
-    s = scenario(
-        tmp_path,
-        "early",
-        mongo=False,
-        extra={
-            "commit": {
-                "interval_ms": INTERVAL_MS,
-                "vote_timeout_ms": 20_000,
-                "early_idle_ms": 100,
-                "early_min_records": 10_000,
-            }
-        },
-    )
+    s = _scenario(tmp_path, "early")
     c = Cluster(s)
     c.start("coordinator", "coord-0")
     c.start("participant", "p-0")
@@ -92,19 +92,7 @@ def test_partitions_that_got_nothing_since_an_assignment_do_not_hold_an_early_cy
     """Participants restarted over partitions that hold records (so librdkafka knows no position
     until a record is consumed), then a burst into one partition only: the three that got
     nothing are read to their end too, and the burst commits when the input goes quiet."""
-    s = scenario(
-        tmp_path,
-        "early-skew",
-        mongo=False,
-        extra={
-            "commit": {
-                "interval_ms": INTERVAL_MS,
-                "vote_timeout_ms": 20_000,
-                "early_idle_ms": 100,
-                "early_min_records": 10_000,
-            }
-        },
-    )
+    s = _scenario(tmp_path, "early-skew")
     produce(s.bootstrap, s.topic, 0, BURST)  # every partition holds records before they start
     c = Cluster(s)
     c.start("coordinator", "coord-0")
