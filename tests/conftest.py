@@ -13,6 +13,7 @@ import os
 import shlex
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -202,6 +203,31 @@ def spark_jars(stack_env: dict[str, str]) -> list[str]:
     if missing:
         _stack_down(f"Spark connector jars missing: {missing}")
     return jars
+
+
+@pytest.fixture
+def recorded_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Every ``time.sleep`` the test's own thread asks for, recorded instead of slept.
+
+    Only the test's thread: ``time.sleep`` is one function for the whole process, and the
+    suite's process keeps threads that outlive their tests (py4j's finalizer of the session's
+    Spark gateway, pymongo's monitors) and sleep in loops. Replaced for every thread, each of
+    those loops spins and fills the list -- 20 GB within one test before this fixture, and the
+    kernel killed the suite. tests/unit/test_suite_rules.py keeps any other test from
+    replacing a ``time`` function for the whole process.
+    """
+    asked: list[float] = []
+    real_sleep = time.sleep
+    mine = threading.get_ident()
+
+    def sleep(seconds: float) -> None:
+        if threading.get_ident() == mine:
+            asked.append(seconds)
+        else:
+            real_sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    return asked
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ast
 import logging
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,11 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
-def waits(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """Every wait the policy asks for, instead of sleeping it."""
-    asked: list[float] = []
-    monkeypatch.setattr(time, "sleep", asked.append)
-    return asked
+def waits(recorded_sleeps: list[float]) -> list[float]:
+    """Every wait the policy asks for in the test's thread, instead of sleeping it."""
+    return recorded_sleeps
 
 
 def failing(*errors: BaseException) -> tuple[Callable[[], str], list[int]]:
