@@ -11,6 +11,18 @@ complete -- here, every table holding exactly the keys the changes leave, checke
 
 The events are generated here in Debezium's schemaless JSON shape (``before``, ``after``,
 ``op``, ``source``), not captured by a connector: the figure is the pipeline's, not Debezium's.
+
+The peer (:func:`kc_cdc_run`) is what a Debezium user runs today: Debezium's JDBC sink on the
+stack's Kafka Connect worker, applying the same events -- copied once, not timed, to topics of
+their own with key and value in the JsonConverter's ``{schema, payload}`` envelope, as
+Debezium's source writes them with ``schemas.enable=true`` -- into replica tables made like the
+pipeline's: upserts by the record key, deletes (``delete.enabled``), its reduction buffer (a key
+changed twice within one batch otherwise fails the batch's upsert), and the JDBC peer's batch
+settings (:mod:`bench.kc_peers`). It is timed as that module times its runs, from the connector
+RUNNING (``records_per_s_from_assigned`` from its group's assignment) to the last change of
+every source partition applied -- index lookups of each partition's last surviving key and of
+the keys deleted after it -- and then checked row by row (id, name, amount) against what the
+changes leave. At least once: what it would apply twice after a crash is not measured here.
 """
 
 from __future__ import annotations
@@ -19,16 +31,19 @@ import random
 import time
 import uuid
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import orjson
 import psycopg
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
+from bench import kc_peers
 from bench import throughput as tp
-from harness import Scenario, control_summary
+from harness import Scenario, control_summary, load_stack_env
 from twophase.config import load_config
 from twophase.kafka import create_topics
 from twophase.retry import KAFKA
@@ -203,3 +218,256 @@ def plain_source(bootstrap: str, records: int) -> tp.Source:
     return tp.Source.create(
         bootstrap, records, "cdcplain", partitions=len(TABLES) * PARTITIONS_PER_TOPIC
     )
+
+
+# -- the peer: Debezium's JDBC sink on the same change events -------------------------------------
+
+#: A replica row in Kafka Connect's schema, typed as the replica tables are (``COLUMNS``):
+#: ``amount`` a Connect ``Decimal`` of scale 2, read exactly from the JSON number.
+ROW_FIELDS: list[dict[str, Any]] = [
+    {"field": "id", "type": "int64", "optional": False},
+    {"field": "name", "type": "string", "optional": True},
+    {
+        "field": "amount",
+        "type": "bytes",
+        "optional": True,
+        "name": "org.apache.kafka.connect.data.Decimal",
+        "version": 1,
+        "parameters": {"scale": "2", "connect.decimal.precision": "12"},
+    },
+    {"field": "note", "type": "string", "optional": True},
+]
+
+
+def _schemas(prefix: str, table: str) -> tuple[bytes, bytes]:
+    """The JsonConverter ``schema`` of a change event's key and of its value (Debezium's
+    envelope: ``before``, ``after``, ``source``, ``op``, ``ts_ms``), as JSON."""
+    name = f"{prefix}.public.{table}"
+    row = {"type": "struct", "name": f"{name}.Value", "optional": True, "fields": ROW_FIELDS}
+    key = {
+        "type": "struct",
+        "name": f"{name}.Key",
+        "optional": False,
+        "fields": [{"field": "id", "type": "int64", "optional": False}],
+    }
+    source = {
+        "type": "struct",
+        "name": "io.debezium.connector.postgresql.Source",
+        "optional": False,
+        "fields": [
+            {"field": "connector", "type": "string", "optional": False},
+            {"field": "table", "type": "string", "optional": False},
+            {"field": "lsn", "type": "int64", "optional": True},
+            {"field": "ts_ms", "type": "int64", "optional": False},
+        ],
+    }
+    value = {
+        "type": "struct",
+        "name": f"{name}.Envelope",
+        "optional": False,
+        "fields": [
+            {**row, "field": "before"},
+            {**row, "field": "after"},
+            {**source, "field": "source"},
+            {"field": "op", "type": "string", "optional": False},
+            {"field": "ts_ms", "type": "int64", "optional": True},
+        ],
+    }
+    return orjson.dumps(key), orjson.dumps(value)
+
+
+@dataclass
+class Enveloped:
+    """The change events re-produced in the JsonConverter's ``{schema, payload}`` envelope (key
+    and value), what the replica must hold at the end, and how to tell a run is done cheaply."""
+
+    source: tp.Source  # records = events + tombstones; partitions = all topics' together
+    prefix: str
+    #: Per table: id -> (name, amount) of every key the changes leave.
+    final: dict[str, dict[int, tuple[str, Decimal]]]
+    #: Per table and source partition: the last change of a key that is left (its id and name)
+    #: and the ids changed after it (all deleted by the end). Once that row holds that name and
+    #: those ids are gone, the connector applied the partition (it applies one in order).
+    marks: list[tuple[str, int, str, list[int]]]
+
+    @property
+    def topics(self) -> list[str]:
+        return [f"{self.prefix}.public.{t}" for t in TABLES]
+
+    def delete(self) -> None:
+        tp.delete_topics(self.source.bootstrap, self.topics)
+
+
+def enveloped_changes(changes: Changes) -> Enveloped:
+    """``changes`` copied, partition for partition and key for key, to topics of their own with
+    keys and values in the JsonConverter's envelope (``amount`` as a JSON number): what
+    Debezium's PostgreSQL source writes with ``schemas.enable=true`` (not timed)."""
+    prefix = f"{changes.prefix}kc"
+    admin = AdminClient({"bootstrap.servers": changes.bootstrap})
+    for f in admin.create_topics(
+        [NewTopic(f"{prefix}.public.{t}", PARTITIONS_PER_TOPIC, 1) for t in TABLES]
+    ).values():
+        f.result()
+    producer = Producer(
+        {"bootstrap.servers": changes.bootstrap, "linger.ms": 20, "enable.idempotence": True}
+    )
+    consumer = Consumer(
+        {
+            "bootstrap.servers": changes.bootstrap,
+            "group.id": f"bench-cdc-envelope-{uuid.uuid4().hex[:6]}",
+            "enable.partition.eof": True,
+            "enable.auto.commit": False,
+        }
+    )
+    heads = {t: _schemas(prefix, t) for t in TABLES}
+    final: dict[str, dict[int, tuple[str, Decimal]]] = {t: {} for t in TABLES}
+    # Per (table, partition): the ids in the order of their changes, last change last.
+    order: dict[tuple[str, int], list[int]] = {}
+    tps = [TopicPartition(t, p, 0) for t in changes.topics for p in range(PARTITIONS_PER_TOPIC)]
+    consumer.assign(tps)
+    copied = eof = 0
+    try:
+        while eof < len(tps):
+            for m in consumer.consume(10_000, 1.0):
+                err = m.error()
+                if err is not None:
+                    if err.code() != KafkaError._PARTITION_EOF:
+                        raise RuntimeError(f"copying change events: {err}")
+                    eof += 1
+                    continue
+                table = (m.topic() or "").rsplit(".", 1)[1]
+                partition = m.partition() or 0
+                key_schema, value_schema = heads[table]
+                key = orjson.loads(m.key() or b"null")
+                raw = m.value()
+                value = None
+                if raw is not None:
+                    event = orjson.loads(raw)
+                    after = event.get("after")
+                    if event["op"] == "d":
+                        final[table].pop(key["id"], None)
+                    else:
+                        final[table][key["id"]] = (after["name"], Decimal(after["amount"]))
+                        # A JSON number, which the JsonConverter reads into the Decimal exactly.
+                        after["amount"] = float(after["amount"])
+                    value = b'{"schema":%s,"payload":%s}' % (value_schema, orjson.dumps(event))
+                    ids = order.setdefault((table, partition), [])
+                    ids.append(key["id"])
+                framed = b'{"schema":%s,"payload":%s}' % (key_schema, orjson.dumps(key))
+                while True:
+                    try:
+                        producer.produce(
+                            f"{prefix}.public.{table}", value, framed, partition=partition
+                        )
+                        break
+                    except BufferError:
+                        producer.poll(0.1)
+                copied += 1
+            producer.poll(0)
+        if producer.flush(120) > 0:
+            raise RuntimeError("enveloped change events not delivered")
+        if copied != changes.messages:
+            raise RuntimeError(f"copied {copied} of {changes.messages} change events")
+    except BaseException:
+        tp.delete_topics(changes.bootstrap, [f"{prefix}.public.{t}" for t in TABLES])
+        raise
+    finally:
+        consumer.close()
+    marks = []
+    for (table, _partition), ids in sorted(order.items()):
+        live = final[table]
+        last = max((i for i, k in enumerate(ids) if k in live), default=-1)
+        after = sorted({k for k in ids[last + 1 :]})
+        if last >= 0:
+            marks.append((table, ids[last], live[ids[last]][0], after))
+    source = tp.Source(
+        changes.bootstrap, f"{prefix}.public.{TABLES[0]}", changes.messages, len(tps)
+    )
+    return Enveloped(source, prefix, final, marks)
+
+
+def kc_cdc_config(env: Enveloped, pg_dsn: str, name: str) -> dict[str, str]:
+    """Debezium's JDBC sink over the enveloped change events: Debezium's own events, so it
+    applies ``op`` itself -- upserts by the record key, deletes with ``delete.enabled`` -- into
+    ``<name>_<table>`` (a ``RegexRouter`` on the topic), its batch settings as the JDBC peer's
+    (:mod:`bench.kc_peers`)."""
+    url, user, password = tp.jdbc(pg_dsn)
+    prefix = env.prefix.replace(".", "\\.")
+    return {
+        "connector.class": kc_peers.JDBC_CLASS,
+        "topics": ",".join(env.topics),
+        "tasks.max": str(env.source.partitions),
+        "key.converter": "org.apache.kafka.connect.json.JsonConverter",
+        "key.converter.schemas.enable": "true",
+        "value.converter": "org.apache.kafka.connect.json.JsonConverter",
+        "value.converter.schemas.enable": "true",
+        "connection.url": url,
+        "connection.username": user,
+        "connection.password": password,
+        "connection.pool.min_size": "1",
+        "insert.mode": "upsert",
+        "delete.enabled": "true",
+        "primary.key.mode": "record_key",
+        "schema.evolution": "none",
+        "dialect.postgres.unnest.insert.enabled": "true",
+        # A key changed twice in one batch: without the reduction buffer its upsert of the two
+        # rows fails ("ON CONFLICT DO UPDATE command cannot affect row a second time"); with
+        # it, each batch holds a key's latest state only (the connector's documented setting).
+        "use.reduction.buffer": "true",
+        "batch.size": str(kc_peers.JDBC_BATCH),
+        "consumer.override.max.poll.records": str(kc_peers.JDBC_BATCH),
+        "consumer.override.max.partition.fetch.bytes": str(kc_peers.FETCH_BYTES),
+        "transforms": "route",
+        "transforms.route.type": "org.apache.kafka.connect.transforms.RegexRouter",
+        "transforms.route.regex": f"{prefix}\\.public\\.(.*)",
+        "transforms.route.replacement": f"{name.replace('-', '_')}_$1",
+    }
+
+
+def _replica(dsn: str, tables: dict[str, str]) -> dict[str, dict[int, tuple[str, Decimal]]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return {
+            t: {r[0]: (r[1], r[2]) for r in conn.execute(f'SELECT id, name, amount FROM "{n}"')}
+            for t, n in tables.items()
+        }
+
+
+def kc_cdc_run(env: Enveloped, workdir: Path, *, timeout_s: float = 900.0) -> tp.RunResult:
+    """One run of Debezium's JDBC sink over the enveloped change events into fresh replica
+    tables, timed as :mod:`bench.kc_peers` times its runs (from RUNNING); done when every
+    partition's mark is applied (index lookups, polled), then checked row by row."""
+    del workdir
+    pg_dsn = load_stack_env()["TWOPHASE_PG_DSN"]
+    name = f"bench-kc-cdc-{uuid.uuid4().hex[:6]}"
+    tables = {t: f"{name.replace('-', '_')}_{t}" for t in TABLES}
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for table in tables.values():
+            conn.execute(f'CREATE TABLE "{table}" ({COLUMNS})')
+    n = env.source.records
+    probe = psycopg.connect(pg_dsn, autocommit=True)
+
+    def visible() -> int:
+        for table, key, name_, gone in env.marks:
+            t = tables[table]
+            row = probe.execute(f'SELECT name FROM "{t}" WHERE id = %s', (key,)).fetchone()
+            if row is None or row[0] != name_:
+                return 0
+            if gone:
+                left = probe.execute(f'SELECT 1 FROM "{t}" WHERE id = ANY(%s) LIMIT 1', (gone,))
+                if left.fetchone() is not None:
+                    return 0
+        return n if _replica(pg_dsn, tables) == env.final else 0
+
+    try:
+        seconds, wall, control, cpu = kc_peers._timed(
+            name, kc_cdc_config(env, pg_dsn, name), env.source, visible, timeout_s
+        )
+        rows = {t: len(r) for t, r in _replica(pg_dsn, tables).items()}
+    finally:
+        probe.close()
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            for table in tables.values():
+                conn.execute(f'DROP TABLE IF EXISTS "{table}"')
+    control |= {"connector": kc_peers.JDBC_CLASS, "batch_size": kc_peers.JDBC_BATCH}
+    control["exact"] = True  # visible() compared every row with what the changes leave
+    return tp.RunResult("kafka_connect", ["pg"], n, n / seconds, seconds, wall, rows, control, cpu)

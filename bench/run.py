@@ -19,7 +19,8 @@ Sections (``--only`` picks some):
   by a PostgreSQL-only exactly-once pipeline (:mod:`bench.avro`).
 * ``cdc``        -- Debezium change events of three tables (40% creates, 50% updates, 10%
   deletes) through one topic_pattern into PostgreSQL replica tables (table template, upsert)
-  vs as many plain JSON inserts into one table (:mod:`bench.cdc`).
+  vs as many plain JSON inserts into one table, and vs Debezium's JDBC sink applying the same
+  change events on the stack's Kafka Connect worker (:mod:`bench.cdc`).
 * ``iceberg``    -- the exactly-once pipeline into an Iceberg table vs pyiceberg's own
   ``append`` of the same rows as Arrow, and vs Iceberg's Kafka Connect sink on the same records
   (:mod:`bench.iceberg_kc`); the pipeline's commit latency p99 (:mod:`bench.iceberg`).
@@ -293,7 +294,8 @@ def cdc(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[str, 
     say(f"cdc: producing {args.cdc_events:,} change events and as many plain records")
     changes = cdc_bench.Changes.create(bootstrap, args.cdc_events)
     plain = cdc_bench.plain_source(bootstrap, changes.messages)
-    details: dict[str, list[dict[str, Any]]] = {"cdc": [], "plain": []}
+    framed = cdc_bench.enveloped_changes(changes)
+    details: dict[str, list[dict[str, Any]]] = {"cdc": [], "plain": [], "kafka_connect": []}
 
     def run_cdc() -> float:
         r = cdc_bench.cdc_run(changes, work)
@@ -305,16 +307,27 @@ def cdc(args: argparse.Namespace, env: dict[str, str], work: Path) -> dict[str, 
         details["plain"].append(r.asdict())
         return r.records_per_s
 
+    def run_kc() -> float:
+        r = cdc_bench.kc_cdc_run(framed, work)
+        details["kafka_connect"].append(r.asdict())
+        return r.records_per_s
+
     try:
-        got = alternate(args.runs, {"cdc": run_cdc, "plain": run_plain})
+        got = alternate(args.runs, {"cdc": run_cdc, "plain": run_plain, "kafka_connect": run_kc})
     finally:
         changes.delete()
         plain.delete()
-    c, p = median(got["cdc"]), median(got["plain"])
+        framed.delete()
+    c, p, k = median(got["cdc"]), median(got["plain"]), median(got["kafka_connect"])
+    k_assigned = kc_peers._median_from_assigned(details["kafka_connect"])
     return {
         "cdc_records_per_s": round(c),
         "cdc_plain_records_per_s": round(p),
         "cdc_over_plain": round(c / p, 3),
+        # Debezium's JDBC sink applying the same change events (at least once).
+        "cdc_kc_jdbc_records_per_s": round(k),
+        "cdc_over_kc_jdbc": round(c / k, 2),
+        "cdc_over_kc_jdbc_from_assigned": round(c / k_assigned, 2) if k_assigned else None,
         "_runs": details,
     }
 
@@ -400,7 +413,9 @@ def chart(res: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    fig.suptitle(f"twophase benchmarks ({res['started']}, {res['machine']['cpus']} CPUs)")
+    # A results file merged by section (each re-run on its own) says when its newest one ran.
+    when = max([res["started"], *(res.get("sections_started") or {}).values()])
+    fig.suptitle(f"twophase benchmarks (newest section {when}, {res['machine']['cpus']} CPUs)")
 
     ax = axes[0][0]
     bars = {
@@ -416,21 +431,26 @@ def chart(res: dict[str, Any], path: Path) -> None:
         ax.text(i, v, f"{v:,}", ha="center", va="bottom")
 
     ax = axes[0][1]
+    values = {k: v["value"] for k, v in targets(res).items()}
     ratios = {
-        "EO / ALO": ("eo_over_alo", 0.9),
-        "PG pipeline\n/ COPY": ("pg_pipeline_over_copy", 0.8),
-        "Spark coordinated\n/ plain": ("spark_ratio", 0.8),
-        "Mongo pipeline\n/ direct*": ("mongo_over_direct", 0.3),
+        "EO/ALO": "eo_over_alo",
+        "PG/COPY": "pg_pipeline_over_copy",
+        "PG+files\n/PG": "pg_files_over_pg",
+        "Mongo*/\ndirect": "mongo_over_direct",
+        "Avro/\nJSON": "avro_over_json",
+        "CDC/\nplain": "cdc_over_plain",
+        "Iceberg/\nappend": "iceberg_over_append",
+        "Spark/\nplain": "spark_ratio",
+        "Spark/\nDelta": "spark_over_delta",
     }
-    names = [k for k, (f, _) in ratios.items() if res.get(f) is not None]
-    vals = [res[ratios[k][0]] for k in names]
+    names = [k for k, f in ratios.items() if values.get(f) is not None]
+    vals = [float(values[ratios[k]]) for k in names]
     ax.bar(names, vals, color="#805ad5")
     for i, k in enumerate(names):
-        bound = ratios[k][1]
-        if bound is not None:
-            ax.hlines(bound, i - 0.4, i + 0.4, colors="red", linestyles="dashed")
+        ax.hlines(TARGETS[ratios[k]][1], i - 0.4, i + 0.4, colors="red", linestyles="dashed")
         ax.text(i, vals[i], f"{vals[i]:.2f}", ha="center", va="bottom")
-    ax.set_title("Ratios (dashed: target; *SecantusDB test server)")
+    ax.tick_params(axis="x", labelsize=8)
+    ax.set_title("Ratios, same run (dashed: target; *SecantusDB test server)")
 
     ax = axes[1][0]
     cl = res.get("commit_latency_ms") or {}
@@ -438,7 +458,8 @@ def chart(res: dict[str, Any], path: Path) -> None:
         ns = sorted(cl, key=int)
         ax.plot([int(n) for n in ns], [cl[n]["p50"] for n in ns], "o-", label="p50")
         ax.plot([int(n) for n in ns], [cl[n]["p99"] for n in ns], "s-", label="p99")
-        ax.axhline(250, color="red", linestyle="dashed", label="p99 target @8")
+        goals = [(n, TARGETS[f"commit_latency_p99_ms_at_{n}"][1]) for n in (8, 16)]
+        ax.plot([n for n, _ in goals], [g for _, g in goals], "rx", ms=10, label="p99 target")
         ax.set_xscale("log", base=2)
         ax.set_xticks([int(n) for n in ns], ns)
         ax.legend()
@@ -446,17 +467,33 @@ def chart(res: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("participants")
 
     ax = axes[1][1]
-    sp = {
-        "Spark\ncoordinated": res.get("spark_coordinated_rows_per_s"),
-        "Spark\nplain COPY": res.get("spark_plain_rows_per_s"),
-        "Mongo\npipeline*": res.get("mongo_pipeline_records_per_s"),
-        "Mongo\ninsert_many*": res.get("mongo_direct_records_per_s"),
+    # twophase (exactly once) beside what users run today, on the same records in the same run.
+    pairs = {
+        "PG upsert /\nKC Debezium JDBC": (
+            "kc_jdbc_pg_pipeline_records_per_s",
+            "peer_kc_jdbc_records_per_s",
+        ),
+        "MongoDB* /\nKC MongoDB": (
+            "kc_mongo_pipeline_records_per_s",
+            "peer_kc_mongo_records_per_s",
+        ),
+        "CDC /\nKC Debezium JDBC": ("cdc_records_per_s", "cdc_kc_jdbc_records_per_s"),
+        "Iceberg /\nIceberg KC": ("iceberg_pipeline_records_per_s", "iceberg_kc_records_per_s"),
+        "Spark /\nDelta": ("spark_coordinated_rows_per_s", "spark_delta_rows_per_s"),
     }
-    shown = {k: v for k, v in sp.items() if v}
-    ax.bar(list(shown), list(shown.values()), color="#dd6b20")
-    for i, v in enumerate(shown.values()):
-        ax.text(i, v, f"{v:,}", ha="center", va="bottom")
-    ax.set_title("Spark rows/s and MongoDB docs/s (*SecantusDB, slow test server)")
+    shown = {k: (res[a], res[b]) for k, (a, b) in pairs.items() if res.get(a) and res.get(b)}
+    xs = list(range(len(shown)))
+    ours = [a for a, _ in shown.values()]
+    peers = [b for _, b in shown.values()]
+    ax.bar([x - 0.2 for x in xs], ours, 0.4, color="#2f855a", label="twophase")
+    ax.bar([x + 0.2 for x in xs], peers, 0.4, color="#a0aec0", label="peer")
+    ax.set_yscale("log")
+    ax.set_xticks(xs, list(shown), fontsize=8)
+    for x, (a, b) in zip(xs, shown.values(), strict=True):
+        ax.text(x, max(a, b) * 1.15, f"x{a / b:.2f}", ha="center", va="bottom")
+    ax.set_ylim(top=max(ours + peers, default=1) * 4)
+    ax.legend(loc="lower right")
+    ax.set_title("twophase vs what users run today (records/s, log; *SecantusDB)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import kc_peers
+from bench import cdc, kc_peers
 from bench import throughput as tp
 
 pytestmark = [pytest.mark.stack, pytest.mark.connect]
@@ -65,3 +65,26 @@ def test_debezium_jdbc_sink_upserts_exactly_the_records(source: tp.Source, tmp_p
 def test_mongodb_sink_upserts_exactly_the_records(mongo_source: tp.Source, tmp_path: Path) -> None:
     r = kc_peers.kc_mongo_run(mongo_source, tmp_path, timeout_s=RUN_TIMEOUT_S)
     _exact(r, "mongo", MONGO_RECORDS)
+
+
+#: Change events for the CDC peer: ~3,300 with the deletes' tombstones, three tables.
+CDC_EVENTS = 3_000
+
+
+def test_debezium_jdbc_sink_applies_the_change_events(
+    connect_url: str, kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """The CDC section's peer: creates, updates and deletes of three tables, applied by the
+    connector into replica tables that must then hold exactly what the changes leave (the run
+    compares every row), with a key changed twice in one batch (the reduction buffer's case)."""
+    del connect_url
+    changes = cdc.Changes.create(kafka_bootstrap, CDC_EVENTS)
+    framed = cdc.enveloped_changes(changes)
+    try:
+        r = cdc.kc_cdc_run(framed, tmp_path, timeout_s=RUN_TIMEOUT_S)
+    finally:
+        framed.delete()
+        changes.delete()
+    assert r.control["exact"] is True, r.asdict()
+    assert r.verified == {t: len(ids) for t, ids in changes.live.items()}, r.asdict()
+    assert r.records == changes.messages and r.cpu_s["connect_worker"] > 0, r.asdict()
