@@ -37,7 +37,7 @@ from typing import Any
 
 import orjson
 import psycopg
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Consumer, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
@@ -222,19 +222,11 @@ def plain_source(bootstrap: str, records: int) -> tp.Source:
 
 # -- the peer: Debezium's JDBC sink on the same change events -------------------------------------
 
-#: A replica row in Kafka Connect's schema, typed as the replica tables are (``COLUMNS``):
-#: ``amount`` a Connect ``Decimal`` of scale 2, read exactly from the JSON number.
+#: A replica row in Kafka Connect's schema, typed as the replica tables are (``COLUMNS``).
 ROW_FIELDS: list[dict[str, Any]] = [
     {"field": "id", "type": "int64", "optional": False},
     {"field": "name", "type": "string", "optional": True},
-    {
-        "field": "amount",
-        "type": "bytes",
-        "optional": True,
-        "name": "org.apache.kafka.connect.data.Decimal",
-        "version": 1,
-        "parameters": {"scale": "2", "connect.decimal.precision": "12"},
-    },
+    kc_peers.AMOUNT_FIELD,
     {"field": "note", "type": "string", "optional": True},
 ]
 
@@ -308,71 +300,40 @@ def enveloped_changes(changes: Changes) -> Enveloped:
         [NewTopic(f"{prefix}.public.{t}", PARTITIONS_PER_TOPIC, 1) for t in TABLES]
     ).values():
         f.result()
-    producer = Producer(
-        {"bootstrap.servers": changes.bootstrap, "linger.ms": 20, "enable.idempotence": True}
-    )
-    consumer = Consumer(
-        {
-            "bootstrap.servers": changes.bootstrap,
-            "group.id": f"bench-cdc-envelope-{uuid.uuid4().hex[:6]}",
-            "enable.partition.eof": True,
-            "enable.auto.commit": False,
-        }
-    )
     heads = {t: _schemas(prefix, t) for t in TABLES}
     final: dict[str, dict[int, tuple[str, Decimal]]] = {t: {} for t in TABLES}
     # Per (table, partition): the ids in the order of their changes, last change last.
     order: dict[tuple[str, int], list[int]] = {}
+
+    def wrap(m: Message) -> tuple[str, bytes | None, bytes | None, int]:
+        table = (m.topic() or "").rsplit(".", 1)[1]
+        partition = m.partition() or 0
+        key_schema, value_schema = heads[table]
+        key = orjson.loads(m.key() or b"null")
+        raw = m.value()
+        value = None
+        if raw is not None:  # a tombstone stays one
+            event = orjson.loads(raw)
+            after = event.get("after")
+            if event["op"] == "d":
+                final[table].pop(key["id"], None)
+            else:
+                final[table][key["id"]] = (after["name"], Decimal(after["amount"]))
+                # A JSON number, which the JsonConverter reads into the Decimal exactly.
+                after["amount"] = float(after["amount"])
+            value = b'{"schema":%s,"payload":%s}' % (value_schema, orjson.dumps(event))
+            order.setdefault((table, partition), []).append(key["id"])
+        framed = b'{"schema":%s,"payload":%s}' % (key_schema, orjson.dumps(key))
+        return f"{prefix}.public.{table}", framed, value, partition
+
     tps = [TopicPartition(t, p, 0) for t in changes.topics for p in range(PARTITIONS_PER_TOPIC)]
-    consumer.assign(tps)
-    copied = eof = 0
     try:
-        while eof < len(tps):
-            for m in consumer.consume(10_000, 1.0):
-                err = m.error()
-                if err is not None:
-                    if err.code() != KafkaError._PARTITION_EOF:
-                        raise RuntimeError(f"copying change events: {err}")
-                    eof += 1
-                    continue
-                table = (m.topic() or "").rsplit(".", 1)[1]
-                partition = m.partition() or 0
-                key_schema, value_schema = heads[table]
-                key = orjson.loads(m.key() or b"null")
-                raw = m.value()
-                value = None
-                if raw is not None:
-                    event = orjson.loads(raw)
-                    after = event.get("after")
-                    if event["op"] == "d":
-                        final[table].pop(key["id"], None)
-                    else:
-                        final[table][key["id"]] = (after["name"], Decimal(after["amount"]))
-                        # A JSON number, which the JsonConverter reads into the Decimal exactly.
-                        after["amount"] = float(after["amount"])
-                    value = b'{"schema":%s,"payload":%s}' % (value_schema, orjson.dumps(event))
-                    ids = order.setdefault((table, partition), [])
-                    ids.append(key["id"])
-                framed = b'{"schema":%s,"payload":%s}' % (key_schema, orjson.dumps(key))
-                while True:
-                    try:
-                        producer.produce(
-                            f"{prefix}.public.{table}", value, framed, partition=partition
-                        )
-                        break
-                    except BufferError:
-                        producer.poll(0.1)
-                copied += 1
-            producer.poll(0)
-        if producer.flush(120) > 0:
-            raise RuntimeError("enveloped change events not delivered")
+        copied = kc_peers.copy_records(changes.bootstrap, tps, wrap)
         if copied != changes.messages:
             raise RuntimeError(f"copied {copied} of {changes.messages} change events")
     except BaseException:
         tp.delete_topics(changes.bootstrap, [f"{prefix}.public.{t}" for t in TABLES])
         raise
-    finally:
-        consumer.close()
     marks = []
     for (table, _partition), ids in sorted(order.items()):
         live = final[table]
@@ -391,32 +352,19 @@ def kc_cdc_config(env: Enveloped, pg_dsn: str, name: str) -> dict[str, str]:
     applies ``op`` itself -- upserts by the record key, deletes with ``delete.enabled`` -- into
     ``<name>_<table>`` (a ``RegexRouter`` on the topic), its batch settings as the JDBC peer's
     (:mod:`bench.kc_peers`)."""
-    url, user, password = tp.jdbc(pg_dsn)
     prefix = env.prefix.replace(".", "\\.")
-    return {
-        "connector.class": kc_peers.JDBC_CLASS,
+    config = kc_peers.jdbc_config(env.source, pg_dsn, "${topic}")  # the topic as routed
+    del config["primary.key.fields"]  # the record key's fields
+    return config | {
         "topics": ",".join(env.topics),
-        "tasks.max": str(env.source.partitions),
         "key.converter": "org.apache.kafka.connect.json.JsonConverter",
         "key.converter.schemas.enable": "true",
-        "value.converter": "org.apache.kafka.connect.json.JsonConverter",
-        "value.converter.schemas.enable": "true",
-        "connection.url": url,
-        "connection.username": user,
-        "connection.password": password,
-        "connection.pool.min_size": "1",
-        "insert.mode": "upsert",
-        "delete.enabled": "true",
         "primary.key.mode": "record_key",
-        "schema.evolution": "none",
-        "dialect.postgres.unnest.insert.enabled": "true",
+        "delete.enabled": "true",
         # A key changed twice in one batch: without the reduction buffer its upsert of the two
         # rows fails ("ON CONFLICT DO UPDATE command cannot affect row a second time"); with
         # it, each batch holds a key's latest state only (the connector's documented setting).
         "use.reduction.buffer": "true",
-        "batch.size": str(kc_peers.JDBC_BATCH),
-        "consumer.override.max.poll.records": str(kc_peers.JDBC_BATCH),
-        "consumer.override.max.partition.fetch.bytes": str(kc_peers.FETCH_BYTES),
         "transforms": "route",
         "transforms.route.type": "org.apache.kafka.connect.transforms.RegexRouter",
         "transforms.route.regex": f"{prefix}\\.public\\.(.*)",

@@ -83,7 +83,14 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import (
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 from pymongo import ASCENDING, MongoClient
@@ -127,6 +134,16 @@ COLUMNS_DDL = (
     "id bigint NOT NULL, customer text, amount numeric(12,2), currency text, "
     "ts timestamptz, note text"
 )
+#: ``amount numeric(12,2)`` in Kafka Connect's schema: a Connect ``Decimal`` of scale 2, which the
+#: JsonConverter reads exactly from a JSON number.
+AMOUNT_FIELD: dict[str, Any] = {
+    "field": "amount",
+    "type": "bytes",
+    "optional": True,
+    "name": "org.apache.kafka.connect.data.Decimal",
+    "version": 1,
+    "parameters": {"scale": "2", "connect.decimal.precision": "12"},
+}
 #: The JsonConverter schema of bench.throughput's records, typed as the pipeline's table.
 VALUE_SCHEMA: dict[str, Any] = {
     "type": "struct",
@@ -135,14 +152,7 @@ VALUE_SCHEMA: dict[str, Any] = {
     "fields": [
         {"field": "id", "type": "int64", "optional": False},
         {"field": "customer", "type": "string", "optional": True},
-        {
-            "field": "amount",
-            "type": "bytes",
-            "optional": True,
-            "name": "org.apache.kafka.connect.data.Decimal",
-            "version": 1,
-            "parameters": {"scale": "2", "connect.decimal.precision": "12"},
-        },
+        AMOUNT_FIELD,
         {"field": "currency", "type": "string", "optional": True},
         {
             "field": "ts",
@@ -171,49 +181,65 @@ def enveloped(source: tp.Source) -> tp.Source:
         topic
     ].result()
     head = b'{"schema":' + json.dumps(VALUE_SCHEMA, separators=(",", ":")).encode() + b',"payload":'
-    consumer = Consumer(
-        {
-            "bootstrap.servers": source.bootstrap,
-            "group.id": f"bench-envelope-{uuid.uuid4().hex[:6]}",
-            "enable.partition.eof": True,
-            "enable.auto.commit": False,
-        }
-    )
-    producer = Producer(
-        {"bootstrap.servers": source.bootstrap, "linger.ms": 20, "enable.idempotence": True}
-    )
-    consumer.assign([TopicPartition(source.topic, p, 0) for p in range(source.partitions)])
-    copied = eof = 0
+
+    def wrap(m: Message) -> tuple[str, bytes | None, bytes, int]:
+        return topic, m.key(), head + (m.value() or b"null") + b"}", m.partition() or 0
+
     try:
-        while eof < source.partitions:
-            for m in consumer.consume(10_000, 1.0):
-                err = m.error()
-                if err is not None:
-                    if err.code() != KafkaError._PARTITION_EOF:
-                        raise RuntimeError(f"copying {source.topic}: {err}")
-                    eof += 1
-                    continue
-                value = head + (m.value() or b"null") + b"}"
-                partition = m.partition()
-                assert partition is not None  # a consumed message has one
-                while True:
-                    try:
-                        producer.produce(topic, value, m.key(), partition=partition)
-                        break
-                    except BufferError:
-                        producer.poll(0.1)
-                copied += 1
-            producer.poll(0)
-        if producer.flush(60) > 0:
-            raise RuntimeError(f"{topic}: enveloped records not delivered")
+        tps = [TopicPartition(source.topic, p, 0) for p in range(source.partitions)]
+        copied = copy_records(source.bootstrap, tps, wrap)
         if copied != source.records:
             raise RuntimeError(f"{topic}: copied {copied} of {source.records} records")
     except BaseException:
         tp.delete_topics(source.bootstrap, [topic])
         raise
+    return tp.Source(source.bootstrap, topic, source.records, source.partitions)
+
+
+def copy_records(
+    bootstrap: str,
+    tps: list[TopicPartition],
+    rewrite: Callable[[Message], tuple[str, bytes | None, bytes | None, int]],
+) -> int:
+    """Every record of ``tps``, read to its end, produced again as ``rewrite`` makes it --
+    ``(topic, key, value, partition)`` -- in order per partition (idempotent producer);
+    how many (not timed: the peers' inputs are made this way)."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"bench-copy-{uuid.uuid4().hex[:6]}",
+            "enable.partition.eof": True,
+            "enable.auto.commit": False,
+        }
+    )
+    producer = Producer(
+        {"bootstrap.servers": bootstrap, "linger.ms": 20, "enable.idempotence": True}
+    )
+    consumer.assign(tps)
+    copied = eof = 0
+    try:
+        while eof < len(tps):
+            for m in consumer.consume(10_000, 1.0):
+                err = m.error()
+                if err is not None:
+                    if err.code() != KafkaError._PARTITION_EOF:
+                        raise RuntimeError(f"copying {m.topic()}: {err}")
+                    eof += 1
+                    continue
+                topic, key, value, partition = rewrite(m)
+                while True:
+                    try:
+                        producer.produce(topic, value, key, partition=partition)
+                        break
+                    except BufferError:
+                        producer.poll(0.1)
+                copied += 1
+            producer.poll(0)
+        if producer.flush(120) > 0:
+            raise RuntimeError("copied records not delivered")
     finally:
         consumer.close()
-    return tp.Source(source.bootstrap, topic, source.records, source.partitions)
+    return copied
 
 
 # -- connector settings -----------------------------------------------------------------------
