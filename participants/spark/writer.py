@@ -10,6 +10,7 @@ import json
 import logging
 import time
 from collections import deque
+from contextlib import suppress
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -165,6 +166,16 @@ class CoordinatedWriter:
     # -- the foreachBatch entry point -------------------------------------------------------------
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
+        try:
+            self._batch(df, batch_id)
+        except BaseException:
+            # Spark ends the query on this error. The sinks' connections must not outlive it: a
+            # driver that restarts its query kept one set per failure (PostgreSQL sessions count
+            # against max_connections). A later call -- this writer reused -- opens them again.
+            self._close_sinks()
+            raise
+
+    def _batch(self, df: DataFrame, batch_id: int) -> None:
         query_id = df.sparkSession.sparkContext.getLocalProperty("sql.streaming.queryId")
         owner = f"spark:{query_id}" if query_id else DIRECT_OWNER
         self._marks = {"started": time.monotonic()}
@@ -189,9 +200,13 @@ class CoordinatedWriter:
         """Release the driver's clients. Prepared parts stay for the next writer to resolve."""
         self._publisher.close()
         self._offsets.close()
-        for sink in self._sinks or []:
-            sink.close()
-        self._sinks = None
+        self._close_sinks()
+
+    def _close_sinks(self) -> None:
+        sinks, self._sinks = self._sinks, None
+        for sink in sinks or []:
+            with suppress(Exception):  # closing what failed must not hide why it failed
+                sink.close()
 
     # -- carrying out actions ----------------------------------------------------------------------
 

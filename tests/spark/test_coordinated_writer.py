@@ -253,6 +253,14 @@ def test_a_row_one_sink_rejects_aborts_the_whole_batch(
     message = str(caught.value)
     assert "batch 1 aborted: sink pg rejected 1 row" in message, message
     assert 'violates check constraint "amount_not_negative"' in message, message
+    # The failed query's driver sessions ended with it: a driver that restarts its query kept
+    # one set per failure before (they count against max_connections).
+    driver = f"twophase/{cfg.pipeline}/pg/spark-driver"[:63]  # PostgreSQL keeps 63 bytes
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (driver,)
+        ).fetchone()
+    assert row is not None and row[0] == 0, f"{row} driver sessions of {cfg.pipeline} left open"
 
     checks = check_sinks(cfg, set(range(100)))
     print(checks_json(checks))
