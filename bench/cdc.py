@@ -53,6 +53,24 @@ PARTITIONS_PER_TOPIC = 2
 COLUMNS = "id bigint PRIMARY KEY, name text, amount numeric(12, 2), note text"
 
 
+def change_topics(prefix: str) -> list[str]:
+    """The change topics of ``prefix``, one per table, named as Debezium names them."""
+    return [f"{prefix}.public.{t}" for t in TABLES]
+
+
+def _make_tables(dsn: str, tables: dict[str, str]) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for table in tables.values():
+            conn.execute(f'DROP TABLE IF EXISTS "{table}"')
+            conn.execute(f'CREATE TABLE "{table}" ({COLUMNS})')
+
+
+def _drop_tables(dsn: str, tables: dict[str, str]) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for table in tables.values():
+            conn.execute(f'DROP TABLE IF EXISTS "{table}"')
+
+
 @dataclass
 class Changes:
     """The change topics (produced once, read by every run) and what they leave per table."""
@@ -64,13 +82,13 @@ class Changes:
 
     @property
     def topics(self) -> list[str]:
-        return [f"{self.prefix}.public.{t}" for t in TABLES]
+        return change_topics(self.prefix)
 
     @classmethod
     def create(cls, bootstrap: str, events: int, seed: int = 11) -> Changes:
         prefix = f"benchcdc{uuid.uuid4().hex[:6]}"
         admin = AdminClient({"bootstrap.servers": bootstrap})
-        topics = [f"{prefix}.public.{t}" for t in TABLES]
+        topics = change_topics(prefix)
         for f in admin.create_topics(
             [NewTopic(t, PARTITIONS_PER_TOPIC, 1) for t in topics]
         ).values():
@@ -182,10 +200,7 @@ def cdc_run(changes: Changes, workdir: Path, *, timeout_s: float = 900.0) -> tp.
         }
     )
     create_topics(load_config(s.write()))
-    with psycopg.connect(s.pg_dsn, autocommit=True) as conn:
-        for table in tables.values():
-            conn.execute(f'DROP TABLE IF EXISTS "{table}"')
-            conn.execute(f'CREATE TABLE "{table}" ({COLUMNS})')
+    _make_tables(s.pg_dsn, tables)
     probe = Consumer({"bootstrap.servers": changes.bootstrap, "group.id": f"twophase.{name}"})
     started = time.monotonic()
     try:
@@ -204,9 +219,7 @@ def cdc_run(changes: Changes, workdir: Path, *, timeout_s: float = 900.0) -> tp.
     wall = time.monotonic() - started
     control = control_summary(s)
     rows = {t: len(ids) for t, ids in _replica_ids(s.pg_dsn, tables).items()}
-    with psycopg.connect(s.pg_dsn, autocommit=True) as conn:
-        for table in tables.values():
-            conn.execute(f'DROP TABLE IF EXISTS "{table}"')
+    _drop_tables(s.pg_dsn, tables)
     n = changes.messages
     return tp.RunResult(
         "exactly_once", ["pg"], n, n / seconds, seconds, wall, rows, control, cpu, rss
@@ -284,7 +297,7 @@ class Enveloped:
 
     @property
     def topics(self) -> list[str]:
-        return [f"{self.prefix}.public.{t}" for t in TABLES]
+        return change_topics(self.prefix)
 
     def delete(self) -> None:
         tp.delete_topics(self.source.bootstrap, self.topics)
@@ -297,7 +310,7 @@ def enveloped_changes(changes: Changes) -> Enveloped:
     prefix = f"{changes.prefix}kc"
     admin = AdminClient({"bootstrap.servers": changes.bootstrap})
     for f in admin.create_topics(
-        [NewTopic(f"{prefix}.public.{t}", PARTITIONS_PER_TOPIC, 1) for t in TABLES]
+        [NewTopic(t, PARTITIONS_PER_TOPIC, 1) for t in change_topics(prefix)]
     ).values():
         f.result()
     heads = {t: _schemas(prefix, t) for t in TABLES}
@@ -332,7 +345,7 @@ def enveloped_changes(changes: Changes) -> Enveloped:
         if copied != changes.messages:
             raise RuntimeError(f"copied {copied} of {changes.messages} change events")
     except BaseException:
-        tp.delete_topics(changes.bootstrap, [f"{prefix}.public.{t}" for t in TABLES])
+        tp.delete_topics(changes.bootstrap, change_topics(prefix))
         raise
     marks = []
     for (table, _partition), ids in sorted(order.items()):
@@ -341,9 +354,7 @@ def enveloped_changes(changes: Changes) -> Enveloped:
         after = sorted({k for k in ids[last + 1 :]})
         if last >= 0:
             marks.append((table, ids[last], live[ids[last]][0], after))
-    source = tp.Source(
-        changes.bootstrap, f"{prefix}.public.{TABLES[0]}", changes.messages, len(tps)
-    )
+    source = tp.Source(changes.bootstrap, change_topics(prefix)[0], changes.messages, len(tps))
     return Enveloped(source, prefix, final, marks)
 
 
@@ -372,12 +383,13 @@ def kc_cdc_config(env: Enveloped, pg_dsn: str, name: str) -> dict[str, str]:
     }
 
 
-def _replica(dsn: str, tables: dict[str, str]) -> dict[str, dict[int, tuple[str, Decimal]]]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        return {
-            t: {r[0]: (r[1], r[2]) for r in conn.execute(f'SELECT id, name, amount FROM "{n}"')}
-            for t, n in tables.items()
-        }
+def _replica(
+    conn: psycopg.Connection[Any], tables: dict[str, str]
+) -> dict[str, dict[int, tuple[str, Decimal]]]:
+    return {
+        t: {r[0]: (r[1], r[2]) for r in conn.execute(f'SELECT id, name, amount FROM "{n}"')}
+        for t, n in tables.items()
+    }
 
 
 def kc_cdc_run(env: Enveloped, workdir: Path, *, timeout_s: float = 900.0) -> tp.RunResult:
@@ -388,11 +400,10 @@ def kc_cdc_run(env: Enveloped, workdir: Path, *, timeout_s: float = 900.0) -> tp
     pg_dsn = load_stack_env()["TWOPHASE_PG_DSN"]
     name = f"bench-kc-cdc-{uuid.uuid4().hex[:6]}"
     tables = {t: f"{name.replace('-', '_')}_{t}" for t in TABLES}
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        for table in tables.values():
-            conn.execute(f'CREATE TABLE "{table}" ({COLUMNS})')
+    _make_tables(pg_dsn, tables)
     n = env.source.records
     probe = psycopg.connect(pg_dsn, autocommit=True)
+    rows: dict[str, int] = {}
 
     def visible() -> int:
         for table, key, name_, gone in env.marks:
@@ -404,18 +415,17 @@ def kc_cdc_run(env: Enveloped, workdir: Path, *, timeout_s: float = 900.0) -> tp
                 left = probe.execute(f'SELECT 1 FROM "{t}" WHERE id = ANY(%s) LIMIT 1', (gone,))
                 if left.fetchone() is not None:
                     return 0
-        return n if _replica(pg_dsn, tables) == env.final else 0
+        replica = _replica(probe, tables)
+        rows.update((t, len(r)) for t, r in replica.items())
+        return n if replica == env.final else 0
 
     try:
         seconds, wall, control, cpu = kc_peers._timed(
             name, kc_cdc_config(env, pg_dsn, name), env.source, visible, timeout_s
         )
-        rows = {t: len(r) for t, r in _replica(pg_dsn, tables).items()}
     finally:
         probe.close()
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            for table in tables.values():
-                conn.execute(f'DROP TABLE IF EXISTS "{table}"')
+        _drop_tables(pg_dsn, tables)
     control |= {"connector": kc_peers.JDBC_CLASS, "batch_size": kc_peers.JDBC_BATCH}
     control["exact"] = True  # visible() compared every row with what the changes leave
     return tp.RunResult("kafka_connect", ["pg"], n, n / seconds, seconds, wall, rows, control, cpu)
