@@ -61,3 +61,20 @@ def copy_columns(payload: bytes, oids: list[int]) -> list[bytes]:
 def join_lines(values: Sequence[bytes], utf8: bool = False) -> bytes | None:
     """The values joined by line breaks, or None when one is empty, does not start with
     ``{``, holds a line break, or (``utf8``) is not valid UTF-8."""
+
+def flat_columns(
+    values: list[bytes],
+) -> (
+    tuple[
+        list[tuple[str, str, int, bytes | None, bytes, bytes | None]],
+        list[int],
+    ]
+    | None
+):
+    """``values`` (each one JSON object of scalars) as Arrow buffers: per top-level field, in
+    the order fields first appear, (name, kind -- "null", "int64", "double", "string" or
+    "bool" --, null count, validity bitmap or None when no null, data buffer -- values, or the
+    bits of a bool column --, int32 offsets of a string column or None), and the rows that are
+    an empty object: what pyarrow's inference makes of the decoded objects. None when the
+    reader cannot vouch for that (a nested value, a repeated key, a field of two kinds Arrow
+    does not unify, an integer of more than 18 digits, invalid JSON or UTF-8)."""

@@ -1382,11 +1382,295 @@ fn join_lines<'py>(py: Python<'py>, values: Vec<Bound<'py, PyBytes>>, utf8: bool
     Ok(Some(joined))
 }
 
+// ----------------------------------------------------------------- flat objects -> Arrow
+
+/// Integers of at most this magnitude are exactly doubles: an integer column that meets a
+/// float becomes a double column only when every integer in it is this small (pyarrow's rule).
+const EXACT_DOUBLE_INT: i64 = 1 << 53;
+
+#[derive(Clone, Copy, PartialEq)]
+enum FlatKind {
+    Null,
+    Int,
+    Float,
+    Str,
+    Bool,
+}
+
+/// One top-level field's column as it is read: every row so far (`valid` says which hold a
+/// value), in the storage of its kind.
+struct FlatColumn {
+    name: Vec<u8>,
+    kind: FlatKind,
+    valid: Vec<bool>,
+    ints: Vec<i64>,
+    floats: Vec<f64>,
+    bools: Vec<bool>,
+    offsets: Vec<i32>,
+    data: Vec<u8>,
+}
+
+impl FlatColumn {
+    fn new(name: Vec<u8>) -> Self {
+        FlatColumn {
+            name,
+            kind: FlatKind::Null,
+            valid: Vec::new(),
+            ints: Vec::new(),
+            floats: Vec::new(),
+            bools: Vec::new(),
+            offsets: vec![0],
+            data: Vec::new(),
+        }
+    }
+
+    /// Rows up to `rows` that did not set this field: nulls.
+    fn pad(&mut self, rows: usize) {
+        while self.valid.len() < rows {
+            self.push_null();
+        }
+    }
+
+    fn push_null(&mut self) {
+        self.valid.push(false);
+        match self.kind {
+            FlatKind::Null => {}
+            FlatKind::Int => self.ints.push(0),
+            FlatKind::Float => self.floats.push(0.0),
+            FlatKind::Bool => self.bools.push(false),
+            FlatKind::Str => self.offsets.push(*self.offsets.last().unwrap_or(&0)),
+        }
+    }
+
+    /// Becomes `kind` (from Null): the rows so far are nulls in its storage.
+    fn become_kind(&mut self, kind: FlatKind) {
+        let n = self.valid.len();
+        self.kind = kind;
+        match kind {
+            FlatKind::Null => {}
+            FlatKind::Int => self.ints.resize(n, 0),
+            FlatKind::Float => self.floats.resize(n, 0.0),
+            FlatKind::Bool => self.bools.resize(n, false),
+            FlatKind::Str => self.offsets.resize(n + 1, 0),
+        }
+    }
+
+    /// A value for the current row (the column padded to it); None when the column's values
+    /// would not be one Arrow type by pyarrow's inference (or a double would not be exact).
+    fn push(&mut self, tok: Tok, scratch: &mut Vec<u8>) -> Option<()> {
+        let kind = match tok {
+            Tok::Null => {
+                self.push_null();
+                return Some(());
+            }
+            Tok::Int(_) => FlatKind::Int,
+            Tok::Float(_) => FlatKind::Float,
+            Tok::Str(..) => FlatKind::Str,
+            Tok::True | Tok::False => FlatKind::Bool,
+            Tok::Absent | Tok::Composite => return None,
+        };
+        if self.kind == FlatKind::Null {
+            self.become_kind(kind);
+        } else if self.kind == FlatKind::Int && kind == FlatKind::Float {
+            // pyarrow: integers and floats in one column make a double column, refused when
+            // an integer is not exactly a double.
+            let mut floats = Vec::with_capacity(self.ints.len() + 1);
+            for (&v, &ok) in self.ints.iter().zip(&self.valid) {
+                if ok && v.unsigned_abs() > EXACT_DOUBLE_INT as u64 {
+                    return None;
+                }
+                floats.push(v as f64);
+            }
+            self.floats = floats;
+            self.ints = Vec::new();
+            self.kind = FlatKind::Float;
+        }
+        self.valid.push(true);
+        match (self.kind, tok) {
+            (FlatKind::Int, Tok::Int(v)) => self.ints.push(v),
+            (FlatKind::Float, Tok::Float(v)) => self.floats.push(v),
+            (FlatKind::Float, Tok::Int(v)) => {
+                if v.unsigned_abs() > EXACT_DOUBLE_INT as u64 {
+                    return None;
+                }
+                self.floats.push(v as f64)
+            }
+            (FlatKind::Bool, Tok::True) => self.bools.push(true),
+            (FlatKind::Bool, Tok::False) => self.bools.push(false),
+            (FlatKind::Str, Tok::Str(raw, escaped)) => {
+                if escaped {
+                    unescape(raw, scratch)?;
+                    self.data.extend_from_slice(scratch);
+                } else {
+                    self.data.extend_from_slice(raw);
+                }
+                self.offsets.push(i32::try_from(self.data.len()).ok()?);
+            }
+            _ => return None, // kinds that pyarrow would not put in one column
+        }
+        Some(())
+    }
+}
+
+/// The bits of `flags`, least significant first (Arrow's validity and boolean layout).
+fn bitmap(flags: &[bool]) -> Vec<u8> {
+    let mut out = vec![0u8; flags.len().div_ceil(8)];
+    for (i, &f) in flags.iter().enumerate() {
+        if f {
+            out[i / 8] |= 1 << (i % 8);
+        }
+    }
+    out
+}
+
+/// The flat objects of `docs` as columns, in the order their fields first appear; the rows
+/// that are an empty object. None when a value is not one object of scalars (after optional
+/// whitespace) in valid UTF-8, repeats a key, or a field's values are not one Arrow type.
+fn flat_all(docs: &[&[u8]]) -> Option<(Vec<FlatColumn>, Vec<usize>)> {
+    let mut columns: Vec<FlatColumn> = Vec::new();
+    let mut by_name: HashMap<Vec<u8>, usize> = HashMap::new();
+    // The column of each field position in the previous row: rows of one shape skip the map.
+    let mut hint: Vec<usize> = Vec::new();
+    let mut empty = Vec::new();
+    let mut key = Vec::new();
+    let mut scratch = Vec::new();
+    for (row, doc) in docs.iter().enumerate() {
+        std::str::from_utf8(doc).ok()?;
+        let mut p = Parser { s: doc, i: 0 };
+        p.ws();
+        if p.s.get(p.i) != Some(&b'{') {
+            return None;
+        }
+        p.i += 1;
+        p.ws();
+        if p.s.get(p.i) == Some(&b'}') {
+            p.i += 1;
+            empty.push(row);
+        } else {
+            let mut position = 0usize;
+            loop {
+                p.ws();
+                if p.s.get(p.i) != Some(&b'"') {
+                    return None;
+                }
+                p.i += 1;
+                let (raw, escaped) = p.string()?;
+                let name: &[u8] = if escaped {
+                    unescape(raw, &mut key)?;
+                    &key
+                } else {
+                    raw
+                };
+                p.ws();
+                if p.s.get(p.i) != Some(&b':') {
+                    return None;
+                }
+                p.i += 1;
+                p.ws();
+                let tok = p.value(0)?;
+                let at = match hint.get(position) {
+                    Some(&c) if columns[c].name == name => c,
+                    _ => match by_name.get(name) {
+                        Some(&c) => c,
+                        None => {
+                            columns.push(FlatColumn::new(name.to_vec()));
+                            by_name.insert(name.to_vec(), columns.len() - 1);
+                            columns.len() - 1
+                        }
+                    },
+                };
+                if position < hint.len() {
+                    hint[position] = at;
+                } else {
+                    hint.push(at);
+                }
+                position += 1;
+                let column = &mut columns[at];
+                if column.valid.len() > row {
+                    return None; // a repeated key: orjson keeps the last, in the first's place
+                }
+                column.pad(row);
+                column.push(tok, &mut scratch)?;
+                p.ws();
+                match p.s.get(p.i)? {
+                    b',' => p.i += 1,
+                    b'}' => {
+                        p.i += 1;
+                        break;
+                    }
+                    _ => return None,
+                }
+            }
+        }
+        p.ws();
+        if p.i != doc.len() {
+            return None;
+        }
+    }
+    for column in &mut columns {
+        column.pad(docs.len());
+    }
+    Some((columns, empty))
+}
+
+/// One column for Python: (name, kind, null count, validity bitmap or None, data, offsets or
+/// None).
+type FlatOut<'py> = (String, &'static str, usize, Option<Bound<'py, PyBytes>>, Bound<'py, PyBytes>, Option<Bound<'py, PyBytes>>);
+
+/// `values` (bytes, each one JSON object of scalars) as Arrow buffers: per top-level field, in
+/// the order fields first appear, (name, kind -- "null", "int64", "double", "string" or
+/// "bool" --, null count, validity bitmap or None when no null, data buffer -- values, or the
+/// bits of a bool column --, int32 offsets of a string column or None), and the rows that are
+/// an empty object. What pyarrow's inference makes of the decoded objects (``pa.array`` of
+/// their dicts), or None when this reader cannot vouch for that: a value that is not one
+/// object of scalars in valid UTF-8, a repeated key, a field whose values are of two kinds
+/// Arrow does not unify (integers and floats make doubles, when every integer is exact),
+/// integers of more than 18 digits, and what the JSON grammar refuses.
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+fn flat_columns<'py>(py: Python<'py>, values: &Bound<'py, PyList>) -> PyResult<Option<(Vec<FlatOut<'py>>, Vec<usize>)>> {
+    let owned = bytes_of(values)?;
+    let docs: Vec<&[u8]> = owned.iter().map(|b| b.as_bytes()).collect();
+    let Some((columns, empty)) = py.detach(|| flat_all(&docs)) else {
+        return Ok(None);
+    };
+    let mut out = Vec::with_capacity(columns.len());
+    for c in columns {
+        let Ok(name) = String::from_utf8(c.name) else {
+            return Ok(None);
+        };
+        let nulls = c.valid.iter().filter(|&&v| !v).count();
+        let validity = if nulls > 0 { Some(PyBytes::new(py, &bitmap(&c.valid))) } else { None };
+        let (kind, data, offsets): (&'static str, Vec<u8>, Option<Vec<u8>>) = match c.kind {
+            FlatKind::Null => ("null", Vec::new(), None),
+            FlatKind::Int => ("int64", c.ints.iter().flat_map(|v| v.to_le_bytes()).collect(), None),
+            FlatKind::Float => ("double", c.floats.iter().flat_map(|v| v.to_le_bytes()).collect(), None),
+            FlatKind::Bool => ("bool", bitmap(&c.bools), None),
+            FlatKind::Str => (
+                "string",
+                c.data,
+                Some(c.offsets.iter().flat_map(|v| v.to_le_bytes()).collect()),
+            ),
+        };
+        let (validity, nulls) = if c.kind == FlatKind::Null { (None, c.valid.len()) } else { (validity, nulls) };
+        out.push((
+            name,
+            kind,
+            nulls,
+            validity,
+            PyBytes::new(py, &data),
+            offsets.map(|o| PyBytes::new(py, &o)),
+        ));
+    }
+    Ok(Some((out, empty)))
+}
+
 #[pymodule]
 fn twophase_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<CopyEncoder>()?;
     m.add_class::<AvroCopyEncoder>()?;
     m.add_function(wrap_pyfunction!(copy_columns, m)?)?;
     m.add_function(wrap_pyfunction!(join_lines, m)?)?;
+    m.add_function(wrap_pyfunction!(flat_columns, m)?)?;
     Ok(())
 }

@@ -21,11 +21,20 @@ import pyarrow.compute as pc
 import pyarrow.json as pa_json
 
 try:
+    from twophase_native import flat_columns as _native_flat
     from twophase_native import join_lines as _native_join
 except ImportError:  # the compiled extension is optional
     _native_join = None  # type: ignore[assignment]
+    _native_flat = None  # type: ignore[assignment]
 
-__all__ = ["ARROW_ERRORS", "exact_doubles", "join_lines", "read_lines", "strings_for_timestamps"]
+__all__ = [
+    "ARROW_ERRORS",
+    "exact_doubles",
+    "join_lines",
+    "read_flat",
+    "read_lines",
+    "strings_for_timestamps",
+]
 
 #: What Arrow raises for data it cannot read or convert.
 ARROW_ERRORS: tuple[type[BaseException], ...] = (
@@ -68,6 +77,44 @@ def _join_lines_py(values: Sequence[bytes], *, utf8: bool = False) -> bytes | No
         except UnicodeDecodeError:
             return None
     return data
+
+
+_FLAT_TYPES = {
+    "int64": pa.int64(),
+    "double": pa.float64(),
+    "string": pa.string(),
+    "bool": pa.bool_(),
+}
+
+
+def read_flat(values: Sequence[bytes]) -> tuple[dict[str, pa.Array], list[int]] | None:
+    """Values that are each one JSON object of scalars, as one Arrow array per top-level field
+    (in the order the fields first appear) and the rows that are an empty object -- exactly
+    what pyarrow's inference makes of the decoded objects (``pa.array`` of their dicts), read
+    in one compiled pass without Arrow's JSON reader. None when ``twophase_native`` is not
+    installed or cannot vouch for the batch (a nested value, a repeated key, a field whose
+    values Arrow would not put in one type, what ``orjson`` would refuse or read otherwise):
+    the caller then takes its other path."""
+    if _native_flat is None or not values:
+        return None
+    try:
+        read = _native_flat(values if isinstance(values, list) else list(values))
+    except TypeError:
+        return None  # not bytes
+    if read is None:
+        return None
+    columns, empty = read
+    n = len(values)
+    fields: dict[str, pa.Array] = {}
+    for name, kind, nulls, validity, data, offsets in columns:
+        if kind == "null":
+            fields[name] = pa.nulls(n)
+            continue
+        buffers = [None if validity is None else pa.py_buffer(validity), pa.py_buffer(data)]
+        if offsets is not None:
+            buffers.insert(1, pa.py_buffer(offsets))
+        fields[name] = pa.Array.from_buffers(_FLAT_TYPES[kind], n, buffers, null_count=nulls)
+    return fields, empty
 
 
 def read_lines(

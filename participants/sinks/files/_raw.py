@@ -24,6 +24,7 @@ import pyarrow.json as pa_json
 from twophase.participants.sdk.rawjson import (
     exact_doubles,
     join_lines,
+    read_flat,
     read_lines,
     strings_for_timestamps,
 )
@@ -70,6 +71,13 @@ class RawReader:
         self._strings: pa.Schema | None = None
 
     def read(self, values: Sequence[bytes]) -> RawRead | None:
+        flat = read_flat(values)
+        if flat is not None:
+            # Objects of scalars, read in one compiled pass: the decoded path's types exactly.
+            columns, empty_rows = flat
+            if self.source_columns and any(c in columns for c in SOURCE_COLUMNS):
+                return None  # some value has a field that collides with a source column
+            return RawRead(len(values), columns, [] if self.source_columns else empty_rows)
         data = join_lines(values, utf8=True)
         if data is None:
             return None
