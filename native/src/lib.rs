@@ -120,6 +120,25 @@ fn has_special(word: u64) -> bool {
 }
 
 impl<'a> Parser<'a> {
+    /// A parser inside the top-level object of `doc` (its opening brace consumed); None when
+    /// `doc` is not valid UTF-8 (orjson refuses it) or does not start with an object.
+    fn object(doc: &'a [u8]) -> Option<Parser<'a>> {
+        std::str::from_utf8(doc).ok()?;
+        let mut p = Parser { s: doc, i: 0 };
+        p.ws();
+        if p.s.get(p.i) != Some(&b'{') {
+            return None;
+        }
+        p.i += 1;
+        Some(p)
+    }
+
+    /// Whether only whitespace is left.
+    fn at_end(&mut self) -> bool {
+        self.ws();
+        self.i == self.s.len()
+    }
+
     #[inline]
     fn ws(&mut self) {
         while let Some(&b) = self.s.get(self.i) {
@@ -895,13 +914,7 @@ impl CopyEncoder {
     /// Every member of the record key `key` (a JSON object of scalars) that feeds a column
     /// holds the same value in the row.
     fn key_agrees(&self, key: &[u8], caps: &Caps) -> Option<()> {
-        std::str::from_utf8(key).ok()?;
-        let mut p = Parser { s: key, i: 0 };
-        p.ws();
-        if p.s.get(p.i) != Some(&b'{') {
-            return None;
-        }
-        p.i += 1;
+        let mut p = Parser::object(key)?;
         let mut count = 0;
         let mut envelope_names = 0;
         members(&mut p, |name, p| {
@@ -920,21 +933,14 @@ impl CopyEncoder {
             }
             Some(())
         })?;
-        p.ws();
         // A Kafka Connect envelope ({schema, payload}) is unwrapped by the Python path.
-        (p.i == key.len() && !(count == 2 && envelope_names == 2)).then_some(())
+        (p.at_end() && !(count == 2 && envelope_names == 2)).then_some(())
     }
 
     /// One record's row appended to `out`, or None (and `out` as it was).
     fn row(&self, index: usize, doc: &[u8], key: Option<&[u8]>, out: &mut Vec<u8>, scratch: &mut Scratch) -> Option<()> {
-        std::str::from_utf8(doc).ok()?; // orjson refuses invalid UTF-8; so do we
-        let mut p = Parser { s: doc, i: 0 };
+        let mut p = Parser::object(doc)?; // orjson refuses invalid UTF-8; so do we
         let mut caps: Caps = [Tok::Absent; MAX_COLUMNS];
-        p.ws();
-        if p.s.get(p.i) != Some(&b'{') {
-            return None;
-        }
-        p.i += 1;
         let deleted = match &self.envelope {
             None => {
                 self.capture(&mut p, &mut caps)?;
@@ -942,8 +948,7 @@ impl CopyEncoder {
             }
             Some(env) => self.capture_event(env, &mut p, &mut caps)?,
         };
-        p.ws();
-        if p.i != doc.len() {
+        if !p.at_end() {
             return None;
         }
         if let Some(key) = key {
@@ -1553,78 +1558,40 @@ fn flat_all(docs: &[&[u8]]) -> Option<(Vec<FlatColumn>, Vec<usize>)> {
     // The column of each field position in the previous row: rows of one shape skip the map.
     let mut hint: Vec<usize> = Vec::new();
     let mut empty = Vec::new();
-    let mut key = Vec::new();
     let mut scratch = Vec::new();
     for (row, doc) in docs.iter().enumerate() {
-        std::str::from_utf8(doc).ok()?;
-        let mut p = Parser { s: doc, i: 0 };
-        p.ws();
-        if p.s.get(p.i) != Some(&b'{') {
-            return None;
-        }
-        p.i += 1;
-        p.ws();
-        if p.s.get(p.i) == Some(&b'}') {
-            p.i += 1;
-            empty.push(row);
-        } else {
-            let mut position = 0usize;
-            loop {
-                p.ws();
-                if p.s.get(p.i) != Some(&b'"') {
-                    return None;
-                }
-                p.i += 1;
-                let (raw, escaped) = p.string()?;
-                let name: &[u8] = if escaped {
-                    unescape(raw, &mut key)?;
-                    &key
-                } else {
-                    raw
-                };
-                p.ws();
-                if p.s.get(p.i) != Some(&b':') {
-                    return None;
-                }
-                p.i += 1;
-                p.ws();
-                let tok = p.value(0)?;
-                let at = match hint.get(position) {
-                    Some(&c) if columns[c].name == name => c,
-                    _ => match by_name.get(name) {
-                        Some(&c) => c,
-                        None => {
-                            columns.push(FlatColumn::new(name.to_vec()));
-                            by_name.insert(name.to_vec(), columns.len() - 1);
-                            columns.len() - 1
-                        }
-                    },
-                };
-                if position < hint.len() {
-                    hint[position] = at;
-                } else {
-                    hint.push(at);
-                }
-                position += 1;
-                let column = &mut columns[at];
-                if column.valid.len() > row {
-                    return None; // a repeated key: orjson keeps the last, in the first's place
-                }
-                column.pad(row);
-                column.push(tok, &mut scratch)?;
-                p.ws();
-                match p.s.get(p.i)? {
-                    b',' => p.i += 1,
-                    b'}' => {
-                        p.i += 1;
-                        break;
+        let mut p = Parser::object(doc)?;
+        let mut position = 0usize;
+        members(&mut p, |name, p| {
+            let tok = p.value(0)?;
+            let at = match hint.get(position) {
+                Some(&c) if columns[c].name == name => c,
+                _ => match by_name.get(name) {
+                    Some(&c) => c,
+                    None => {
+                        columns.push(FlatColumn::new(name.to_vec()));
+                        by_name.insert(name.to_vec(), columns.len() - 1);
+                        columns.len() - 1
                     }
-                    _ => return None,
-                }
+                },
+            };
+            if position < hint.len() {
+                hint[position] = at;
+            } else {
+                hint.push(at);
             }
+            position += 1;
+            let column = &mut columns[at];
+            if column.valid.len() > row {
+                return None; // a repeated key: orjson keeps the last, in the first's place
+            }
+            column.pad(row);
+            column.push(tok, &mut scratch)
+        })?;
+        if position == 0 {
+            empty.push(row);
         }
-        p.ws();
-        if p.i != doc.len() {
+        if !p.at_end() {
             return None;
         }
     }
