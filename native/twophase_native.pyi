@@ -1,6 +1,7 @@
 """twophase's optional compiled hot path: JSON and Avro source values -> PostgreSQL binary COPY."""
 
 from collections.abc import Sequence
+from typing import Any
 
 class CopyEncoder:
     """Encodes JSON objects into binary COPY rows of one table's mapped columns."""
@@ -78,3 +79,17 @@ def flat_columns(
     an empty object: what pyarrow's inference makes of the decoded objects. None when the
     reader cannot vouch for that (a nested value, a repeated key, a field of two kinds Arrow
     does not unify, an integer of more than 18 digits, invalid JSON or UTF-8)."""
+
+def scan_values(
+    msgs: list[Any], max_record_bytes: int
+) -> tuple[
+    list[Any],
+    list[bytes],
+    list[tuple[int, int]],
+    list[tuple[str, int, int, int]],
+    int,
+]:
+    """The runtime's scan of a consumed batch whose values every sink reads itself: the
+    messages kept and their values, the set-aside ones by index with their size (-1: a null
+    value; else a value over ``max_record_bytes``), the runs of one partition in order (topic,
+    partition, highest offset, values kept), and the kept values' total size."""

@@ -11,7 +11,8 @@
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList};
+use pyo3::intern;
+use pyo3::types::{PyBytes, PyList, PyString};
 use apache_avro::types::Value as AvroValue;
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -1653,6 +1654,74 @@ fn flat_columns<'py>(py: Python<'py>, values: &Bound<'py, PyList>) -> PyResult<O
     Ok(Some((out, empty)))
 }
 
+// ------------------------------------------------------------- the runtime's batch scan
+
+/// An int attribute of a message, or 0 when it has none (Python's `m.partition() or 0`).
+fn int_or_zero(v: Bound<'_, PyAny>) -> PyResult<i64> {
+    if v.is_none() {
+        Ok(0)
+    } else {
+        v.extract()
+    }
+}
+
+/// One run of consecutive messages of one partition: (topic, partition, highest offset (-1
+/// before any), values kept).
+type ScanRun<'py> = (Bound<'py, PyAny>, i64, i64, usize);
+
+/// The runtime's scan of a consumed batch whose values every sink reads itself (the Python
+/// loop it replaces: `participants/decoding/json.py` `_decode_batch` with `decode=False`): the
+/// messages kept and their values (bytes), the set-aside ones by index with their size (-1: a
+/// null value, a tombstone; else a value over `max_record_bytes`), the runs of one partition in
+/// order, and the kept values' total size. Each message's `topic()` (or ""), `partition()`,
+/// `offset()` (or 0) and `value()` are read once, as the loop read them.
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+fn scan_values<'py>(
+    py: Python<'py>,
+    msgs: &Bound<'py, PyList>,
+    max_record_bytes: usize,
+) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>, Vec<(usize, isize)>, Vec<ScanRun<'py>>, usize)> {
+    let kept = PyList::empty(py);
+    let values = PyList::empty(py);
+    let mut set_aside = Vec::new();
+    let mut runs: Vec<ScanRun<'py>> = Vec::new();
+    let no_topic = PyString::intern(py, "").into_any();
+    let mut size = 0usize;
+    for (i, m) in msgs.iter().enumerate() {
+        let topic = m.call_method0(intern!(py, "topic"))?;
+        let topic = if topic.is_truthy()? { topic } else { no_topic.clone() };
+        let partition = int_or_zero(m.call_method0(intern!(py, "partition"))?)?;
+        let offset = int_or_zero(m.call_method0(intern!(py, "offset"))?)?;
+        let same = match runs.last() {
+            Some((t, p, _, _)) => *p == partition && (t.is(&topic) || t.eq(&topic)?),
+            None => false,
+        };
+        if !same {
+            runs.push((topic, partition, -1, 0));
+        }
+        let Some(run) = runs.last_mut() else { unreachable!("a run was just pushed") };
+        if offset > run.2 {
+            run.2 = offset;
+        }
+        let value = m.call_method0(intern!(py, "value"))?;
+        if value.is_none() {
+            set_aside.push((i, -1));
+            continue;
+        }
+        let n = value.cast::<PyBytes>()?.as_bytes().len();
+        if n > max_record_bytes {
+            set_aside.push((i, n as isize));
+            continue;
+        }
+        kept.append(&m)?;
+        values.append(&value)?;
+        run.3 += 1;
+        size += n;
+    }
+    Ok((kept, values, set_aside, runs, size))
+}
+
 #[pymodule]
 fn twophase_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<CopyEncoder>()?;
@@ -1660,5 +1729,6 @@ fn twophase_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(copy_columns, m)?)?;
     m.add_function(wrap_pyfunction!(join_lines, m)?)?;
     m.add_function(wrap_pyfunction!(flat_columns, m)?)?;
+    m.add_function(wrap_pyfunction!(scan_values, m)?)?;
     Ok(())
 }

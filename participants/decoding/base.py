@@ -21,7 +21,16 @@ from twophase.participants.decoding.connect import ConnectError, unwrap
 from twophase.participants.decoding.formats import ValueFormat, value_format
 from twophase.participants.sdk import RawBatch, RawShape, Record, RecordSchema
 
-__all__ = ["Decoded", "Decoder", "Row", "Undecodable", "record_of"]
+__all__ = ["TOMBSTONE", "Decoded", "Decoder", "Row", "Undecodable", "oversize", "record_of"]
+
+#: Why a null value (a tombstone) is set aside when the source does not delete with them.
+TOMBSTONE = "null value (tombstone): nothing to write"
+
+
+def oversize(n: int, limit: int) -> str:
+    """Why a value of ``n`` bytes is set aside under ``participant.max_record_bytes`` ``limit``."""
+    return f"oversize: {n} bytes > {limit}"
+
 
 #: A Kafka message's headers, as confluent-kafka gives them.
 Headers = list[tuple[str, str | bytes | None]] | dict[str, str | bytes | None] | None
@@ -210,7 +219,7 @@ class Decoder(ABC):
         schema = source = None
         if value is None:
             if self.tombstones != "delete":
-                return "null value (tombstone): nothing to write"
+                return TOMBSTONE
             fields: dict[str, Any] = {}
         else:
             obj = self.decode_value(value, m.headers(), topic)
@@ -342,10 +351,10 @@ class _Scan:
         value = m.value()
         if value is None:
             if not keep_tombstones:
-                self.bad.append(Undecodable(m, "null value (tombstone): nothing to write"))
+                self.bad.append(Undecodable(m, TOMBSTONE))
             return None
         if len(value) > max_record_bytes:
-            self.bad.append(Undecodable(m, f"oversize: {len(value)} bytes > {max_record_bytes}"))
+            self.bad.append(Undecodable(m, oversize(len(value), max_record_bytes)))
             return None
         return value
 

@@ -16,15 +16,22 @@ from confluent_kafka import Message
 
 from twophase.config import SchemaRegistryConfig, SourceConfig
 from twophase.participants.decoding.base import (
+    TOMBSTONE,
     Decoded,
     Decoder,
     Headers,
     Row,
     Undecodable,
+    oversize,
     record_of,
 )
 from twophase.participants.decoding.formats import exact, loads_exact, maybe_wide
 from twophase.participants.sdk import AVRO, PLAIN_JSON, Record
+
+try:
+    from twophase_native import scan_values as _native_scan
+except ImportError:  # the compiled extension is optional
+    _native_scan = None  # type: ignore[assignment]
 
 __all__ = ["JsonDecoder"]
 
@@ -94,7 +101,10 @@ def _decode_batch(
     """JSON objects become :class:`Record`; anything else is returned with the reason.
 
     ``decode=False``: only tombstones and oversize values are set aside; the rest are kept
-    as bytes (for sinks that read JSON themselves)."""
+    as bytes (for sinks that read JSON themselves) -- in one compiled pass when
+    ``twophase_native`` is installed (:func:`_scan`)."""
+    if not decode and _native_scan is not None:
+        return _scan(decoder, msgs, max_record_bytes)
     good: list[Record] = []
     bad: list[Undecodable] = []
     kept: list[Message] = []
@@ -122,11 +132,11 @@ def _decode_batch(
             run_last = offset
         value = m.value()
         if value is None:
-            bad.append(Undecodable(m, "null value (tombstone): nothing to write"))
+            bad.append(Undecodable(m, TOMBSTONE))
             continue
         n = len(value)
         if n > max_record_bytes:
-            bad.append(Undecodable(m, f"oversize: {n} bytes > {max_record_bytes}"))
+            bad.append(Undecodable(m, oversize(n, max_record_bytes)))
             continue
         if not decode:
             kept.append(m)
@@ -149,6 +159,24 @@ def _decode_batch(
     if run_partition >= 0:
         _merge_run(last, counts, (run_topic, run_partition), run_last, run_good)
     return Decoded(good, bad, last, counts, size, kept, values, decoder)
+
+
+def _scan(decoder: Decoder, msgs: Sequence[Message], max_record_bytes: int) -> Decoded:
+    """:func:`_decode_batch` with ``decode=False``, the loop in compiled code
+    (``twophase_native.scan_values``; the same reads of each message, the same outcome)."""
+    assert _native_scan is not None
+    kept, values, set_aside, runs, size = _native_scan(
+        msgs if isinstance(msgs, list) else list(msgs), max_record_bytes
+    )
+    bad = [
+        Undecodable(msgs[i], TOMBSTONE if n < 0 else oversize(n, max_record_bytes))
+        for i, n in set_aside
+    ]
+    last: dict[tuple[str, int], int] = {}
+    counts: dict[tuple[str, int], int] = {}
+    for topic, partition, run_last, run_good in runs:
+        _merge_run(last, counts, (topic, partition), run_last, run_good)
+    return Decoded([], bad, last, counts, size, kept, values, decoder)
 
 
 def _merge_run(
