@@ -9,6 +9,7 @@ decoded (:attr:`JsonDecoder.raw_shape`). Integers of any width decode exactly.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import suppress
 from typing import Any
 
 import orjson
@@ -104,7 +105,8 @@ def _decode_batch(
     as bytes (for sinks that read JSON themselves) -- in one compiled pass when
     ``twophase_native`` is installed (:func:`_scan`)."""
     if not decode and _native_scan is not None:
-        return _scan(decoder, msgs, max_record_bytes)
+        with suppress(TypeError):  # a value that is not bytes (never from Kafka): the loop below
+            return _scan(decoder, msgs, max_record_bytes)
     good: list[Record] = []
     bad: list[Undecodable] = []
     kept: list[Message] = []

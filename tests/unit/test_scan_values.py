@@ -70,3 +70,12 @@ def test_the_compiled_scan_gives_what_the_python_loop_gives(
             json_decoding.TOMBSTONE,
             *(json_decoding.oversize(n, LIMIT) for n in range(LIMIT + 1, LIMIT + 16)),
         }
+
+
+def test_a_value_that_is_not_bytes_takes_the_python_loop() -> None:
+    """Never from Kafka, but a batch the compiled pass cannot read is not lost: the loop reads
+    it as it always did."""
+    msgs = [Message(topic="t", partition=0, offset=1, value='{"a":1}')]
+    d = JsonDecoder().decode_batch(msgs, LIMIT, decode=False)
+    assert d.kept == msgs and d.values == ['{"a":1}'] and d.bad == []
+    assert d.last == {("t", 0): 1} and d.counts == {("t", 0): 1}
