@@ -1415,40 +1415,26 @@ fn join_lines<'py>(py: Python<'py>, values: Vec<Bound<'py, PyBytes>>, utf8: bool
 /// float becomes a double column only when every integer in it is this small (pyarrow's rule).
 const EXACT_DOUBLE_INT: i64 = 1 << 53;
 
-#[derive(Clone, Copy, PartialEq)]
-enum FlatKind {
+/// A column's values in the storage of its kind (Null until a value sets the kind).
+enum FlatData {
     Null,
-    Int,
-    Float,
-    Str,
-    Bool,
+    Int(Vec<i64>),
+    Float(Vec<f64>),
+    Str { offsets: Vec<i32>, data: Vec<u8> },
+    Bool(Vec<bool>),
 }
 
 /// One top-level field's column as it is read: every row so far (`valid` says which hold a
 /// value), in the storage of its kind.
 struct FlatColumn {
     name: Vec<u8>,
-    kind: FlatKind,
     valid: Vec<bool>,
-    ints: Vec<i64>,
-    floats: Vec<f64>,
-    bools: Vec<bool>,
-    offsets: Vec<i32>,
-    data: Vec<u8>,
+    data: FlatData,
 }
 
 impl FlatColumn {
     fn new(name: Vec<u8>) -> Self {
-        FlatColumn {
-            name,
-            kind: FlatKind::Null,
-            valid: Vec::new(),
-            ints: Vec::new(),
-            floats: Vec::new(),
-            bools: Vec::new(),
-            offsets: vec![0],
-            data: Vec::new(),
-        }
+        FlatColumn { name, valid: Vec::new(), data: FlatData::Null }
     }
 
     /// Rows up to `rows` that did not set this field: nulls.
@@ -1460,78 +1446,66 @@ impl FlatColumn {
 
     fn push_null(&mut self) {
         self.valid.push(false);
-        match self.kind {
-            FlatKind::Null => {}
-            FlatKind::Int => self.ints.push(0),
-            FlatKind::Float => self.floats.push(0.0),
-            FlatKind::Bool => self.bools.push(false),
-            FlatKind::Str => self.offsets.push(*self.offsets.last().unwrap_or(&0)),
-        }
-    }
-
-    /// Becomes `kind` (from Null): the rows so far are nulls in its storage.
-    fn become_kind(&mut self, kind: FlatKind) {
-        let n = self.valid.len();
-        self.kind = kind;
-        match kind {
-            FlatKind::Null => {}
-            FlatKind::Int => self.ints.resize(n, 0),
-            FlatKind::Float => self.floats.resize(n, 0.0),
-            FlatKind::Bool => self.bools.resize(n, false),
-            FlatKind::Str => self.offsets.resize(n + 1, 0),
+        match &mut self.data {
+            FlatData::Null => {}
+            FlatData::Int(v) => v.push(0),
+            FlatData::Float(v) => v.push(0.0),
+            FlatData::Bool(v) => v.push(false),
+            FlatData::Str { offsets, .. } => offsets.push(*offsets.last().unwrap_or(&0)),
         }
     }
 
     /// A value for the current row (the column padded to it); None when the column's values
     /// would not be one Arrow type by pyarrow's inference (or a double would not be exact).
     fn push(&mut self, tok: Tok, scratch: &mut Vec<u8>) -> Option<()> {
-        let kind = match tok {
-            Tok::Null => {
+        let n = self.valid.len();
+        match (&self.data, tok) {
+            (_, Tok::Null) => {
                 self.push_null();
                 return Some(());
             }
-            Tok::Int(_) => FlatKind::Int,
-            Tok::Float(_) => FlatKind::Float,
-            Tok::Str(..) => FlatKind::Str,
-            Tok::True | Tok::False => FlatKind::Bool,
-            Tok::Absent | Tok::Composite => return None,
-        };
-        if self.kind == FlatKind::Null {
-            self.become_kind(kind);
-        } else if self.kind == FlatKind::Int && kind == FlatKind::Float {
-            // pyarrow: integers and floats in one column make a double column, refused when
-            // an integer is not exactly a double.
-            let mut floats = Vec::with_capacity(self.ints.len() + 1);
-            for (&v, &ok) in self.ints.iter().zip(&self.valid) {
-                if ok && v.unsigned_abs() > EXACT_DOUBLE_INT as u64 {
-                    return None;
-                }
-                floats.push(v as f64);
+            (_, Tok::Absent | Tok::Composite) => return None,
+            // The first value sets the kind: the rows so far are nulls in its storage.
+            (FlatData::Null, Tok::Int(_)) => self.data = FlatData::Int(vec![0; n]),
+            (FlatData::Null, Tok::Float(_)) => self.data = FlatData::Float(vec![0.0; n]),
+            (FlatData::Null, Tok::True | Tok::False) => self.data = FlatData::Bool(vec![false; n]),
+            (FlatData::Null, Tok::Str(..)) => {
+                self.data = FlatData::Str { offsets: vec![0; n + 1], data: Vec::new() }
             }
-            self.floats = floats;
-            self.ints = Vec::new();
-            self.kind = FlatKind::Float;
+            (FlatData::Int(ints), Tok::Float(_)) => {
+                // pyarrow: integers and floats in one column make a double column, refused
+                // when an integer is not exactly a double.
+                let mut floats = Vec::with_capacity(n + 1);
+                for (&v, &ok) in ints.iter().zip(&self.valid) {
+                    if ok && v.unsigned_abs() > EXACT_DOUBLE_INT as u64 {
+                        return None;
+                    }
+                    floats.push(v as f64);
+                }
+                self.data = FlatData::Float(floats);
+            }
+            _ => {}
         }
         self.valid.push(true);
-        match (self.kind, tok) {
-            (FlatKind::Int, Tok::Int(v)) => self.ints.push(v),
-            (FlatKind::Float, Tok::Float(v)) => self.floats.push(v),
-            (FlatKind::Float, Tok::Int(v)) => {
-                if v.unsigned_abs() > EXACT_DOUBLE_INT as u64 {
+        match (&mut self.data, tok) {
+            (FlatData::Int(v), Tok::Int(x)) => v.push(x),
+            (FlatData::Float(v), Tok::Float(x)) => v.push(x),
+            (FlatData::Float(v), Tok::Int(x)) => {
+                if x.unsigned_abs() > EXACT_DOUBLE_INT as u64 {
                     return None;
                 }
-                self.floats.push(v as f64)
+                v.push(x as f64)
             }
-            (FlatKind::Bool, Tok::True) => self.bools.push(true),
-            (FlatKind::Bool, Tok::False) => self.bools.push(false),
-            (FlatKind::Str, Tok::Str(raw, escaped)) => {
+            (FlatData::Bool(v), Tok::True) => v.push(true),
+            (FlatData::Bool(v), Tok::False) => v.push(false),
+            (FlatData::Str { offsets, data }, Tok::Str(raw, escaped)) => {
                 if escaped {
                     unescape(raw, scratch)?;
-                    self.data.extend_from_slice(scratch);
+                    data.extend_from_slice(scratch);
                 } else {
-                    self.data.extend_from_slice(raw);
+                    data.extend_from_slice(raw);
                 }
-                self.offsets.push(i32::try_from(self.data.len()).ok()?);
+                offsets.push(i32::try_from(data.len()).ok()?);
             }
             _ => return None, // kinds that pyarrow would not put in one column
         }
@@ -1630,18 +1604,17 @@ fn flat_columns<'py>(py: Python<'py>, values: &Bound<'py, PyList>) -> PyResult<O
         };
         let nulls = c.valid.iter().filter(|&&v| !v).count();
         let validity = if nulls > 0 { Some(PyBytes::new(py, &bitmap(&c.valid))) } else { None };
-        let (kind, data, offsets): (&'static str, Vec<u8>, Option<Vec<u8>>) = match c.kind {
-            FlatKind::Null => ("null", Vec::new(), None),
-            FlatKind::Int => ("int64", c.ints.iter().flat_map(|v| v.to_le_bytes()).collect(), None),
-            FlatKind::Float => ("double", c.floats.iter().flat_map(|v| v.to_le_bytes()).collect(), None),
-            FlatKind::Bool => ("bool", bitmap(&c.bools), None),
-            FlatKind::Str => (
-                "string",
-                c.data,
-                Some(c.offsets.iter().flat_map(|v| v.to_le_bytes()).collect()),
-            ),
+        let (kind, data, offsets): (&'static str, Vec<u8>, Option<Vec<u8>>) = match c.data {
+            FlatData::Null => ("null", Vec::new(), None),
+            FlatData::Int(v) => ("int64", v.iter().flat_map(|x| x.to_le_bytes()).collect(), None),
+            FlatData::Float(v) => ("double", v.iter().flat_map(|x| x.to_le_bytes()).collect(), None),
+            FlatData::Bool(v) => ("bool", bitmap(&v), None),
+            FlatData::Str { offsets, data } => {
+                ("string", data, Some(offsets.iter().flat_map(|x| x.to_le_bytes()).collect()))
+            }
         };
-        let (validity, nulls) = if c.kind == FlatKind::Null { (None, c.valid.len()) } else { (validity, nulls) };
+        // A column of nulls only: Arrow's null type holds no validity bitmap.
+        let (validity, nulls) = if kind == "null" { (None, c.valid.len()) } else { (validity, nulls) };
         out.push((
             name,
             kind,
