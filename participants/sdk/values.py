@@ -18,6 +18,7 @@ import json
 import math
 import re
 import uuid
+from collections.abc import Callable
 from datetime import date, datetime, time, timedelta
 from decimal import Decimal
 from typing import Any
@@ -29,10 +30,13 @@ __all__ = [
     "INT64_MIN",
     "MAX_DECIMAL_DIGITS",
     "BadValue",
+    "Nested",
+    "array_of",
     "describe",
     "fit_decimal",
     "from_base64",
     "json_text",
+    "nested",
     "to_bool",
     "to_date",
     "to_decimal",
@@ -52,6 +56,43 @@ _INT_STRING = re.compile(r"\A[+-]?[0-9]+\Z")
 
 class BadValue(ValueError):
     """A JSON value that the target type cannot hold exactly; the message is the reason."""
+
+
+class Nested(ValueError):
+    """A value inside an array, map or record refused: ``where`` below the top-level field
+    (``.a[2].b``) and ``reason``."""
+
+    def __init__(self, where: str, reason: str) -> None:
+        super().__init__(reason)
+        self.where = where
+        self.reason = reason
+
+
+def nested(piece: str, exc: ValueError) -> Nested:
+    """``exc`` (raised converting the value at ``piece``: ``[2]``, ``.b``) as :class:`Nested`,
+    its place prefixed with ``piece``."""
+    if isinstance(exc, Nested):
+        return Nested(piece + exc.where, exc.reason)
+    return Nested(piece, str(exc))
+
+
+def array_of(item: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """The converter of a JSON array whose items ``item`` converts (a null item stays None); a
+    value that is not an array raises :class:`BadValue`, a refused item :class:`Nested`
+    naming its index."""
+
+    def array(value: Any) -> list[Any]:
+        if value.__class__ is not list:
+            raise wrong(value, "an array")
+        out = []
+        for i, x in enumerate(value):
+            try:
+                out.append(None if x is None else item(x))
+            except ValueError as exc:
+                raise nested(f"[{i}]", exc) from None
+        return out
+
+    return array
 
 
 def describe(value: Any) -> str:

@@ -60,6 +60,37 @@ def test_the_value_rules_refuse_only_with_bad_value(value: Any) -> None:
     _refused_or_kept(values.to_uuid, value)
 
 
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(json_values)
+def test_an_array_converter_names_the_item_it_refuses(value: Any) -> None:
+    """An array of arrays of bigints: a value is converted item by item (nulls kept), or
+    refused with BadValue (not an array) or Nested whose ``where`` leads to the item the inner
+    rule refuses, for the reason that rule gives."""
+
+    def bigint(v: Any) -> int:
+        return values.to_integer(v, *INT64, "bigint")
+
+    convert = values.array_of(values.array_of(bigint))
+    try:
+        got = convert(value)
+    except values.Nested as exc:
+        indexes = [int(i) for i in re.findall(r"\[(\d+)\]", exc.where)]
+        assert exc.where == "".join(f"[{i}]" for i in indexes)
+        item = value
+        for i in indexes:
+            item = item[i]
+        with pytest.raises(values.BadValue) as refused:
+            (bigint if len(indexes) == 2 else values.array_of(bigint))(item)
+        assert str(refused.value) == exc.reason
+        return
+    except values.BadValue:
+        assert not isinstance(value, list)
+        return
+    assert got == [
+        None if a is None else [None if x is None else bigint(x) for x in a] for a in value
+    ]
+
+
 def test_an_integer_string_too_long_for_int_is_out_of_range() -> None:
     try:
         values.to_integer("1" * 5_000, *INT64, "bigint")

@@ -128,21 +128,6 @@ _SIMPLE: dict[str, pa.DataType] = {
 # -- each value, exactly ----------------------------------------------------------------------
 
 
-class _At(ValueError):
-    """A nested value refused: where below the top-level field (``.a[2].b``), and why."""
-
-    def __init__(self, where: str, reason: str) -> None:
-        super().__init__(reason)
-        self.where = where
-        self.reason = reason
-
-
-def _below(piece: str, exc: ValueError) -> _At:
-    if isinstance(exc, _At):
-        return _At(piece + exc.where, exc.reason)
-    return _At(piece, str(exc))
-
-
 Convert = Callable[[Any], Any]
 
 
@@ -225,20 +210,7 @@ def converter(t: FieldType) -> Convert:
 
         return decimal
     if kind == "array":
-        item = converter(t.items or _JSON)
-
-        def array(value: Any) -> Any:
-            if value.__class__ is not list:
-                raise values.wrong(value, "an array")
-            out = []
-            for i, x in enumerate(value):
-                try:
-                    out.append(None if x is None else item(x))
-                except ValueError as exc:
-                    raise _below(f"[{i}]", exc) from None
-            return out
-
-        return array
+        return values.array_of(converter(t.items or _JSON))
     if kind == "map":
         inner = converter(t.values or _JSON)
 
@@ -250,7 +222,7 @@ def converter(t: FieldType) -> Convert:
                 try:
                     out.append((k, None if x is None else inner(x)))
                 except ValueError as exc:
-                    raise _below(f".{k}", exc) from None
+                    raise values.nested(f".{k}", exc) from None
             return out
 
         return mapping
@@ -265,14 +237,14 @@ def converter(t: FieldType) -> Convert:
                 raise values.wrong(value, "an object (a record)")
             if not value.keys() <= names:
                 extra = next(k for k in value if k not in names)
-                raise _At(f".{extra}", "not a field of the record's schema")
+                raise values.Nested(f".{extra}", "not a field of the record's schema")
             out = {}
             for name, convert in fields:
                 x = value.get(name)
                 try:
                     out[name] = None if x is None else convert(x)
                 except ValueError as exc:
-                    raise _below(f".{name}", exc) from None
+                    raise values.nested(f".{name}", exc) from None
             return out
 
         return record
@@ -340,7 +312,7 @@ class TypedRows:
                 continue
             try:
                 out.append(convert(raw))
-            except _At as exc:
+            except values.Nested as exc:
                 raise Mismatch(name + exc.where, exc.reason) from None
             except ValueError as exc:
                 raise Mismatch(name, str(exc)) from None

@@ -45,21 +45,6 @@ _EPOCH_LOCAL = datetime(1970, 1, 1)
 Convert = Callable[[Any], Any]
 
 
-class _At(ValueError):
-    """A value refused: where (``a.b[2]``) and why."""
-
-    def __init__(self, where: str, reason: str) -> None:
-        super().__init__(f"field {where!r}: {reason}")
-        self.where = where
-        self.reason = reason
-
-
-def _below(piece: str, exc: ValueError) -> _At:
-    if isinstance(exc, _At):
-        return _At(piece + exc.where, exc.reason)
-    return _At(piece, str(exc))
-
-
 def _string(value: Any) -> Any:
     if value.__class__ is not str:
         raise values.wrong(value, "a string")
@@ -148,20 +133,7 @@ def converter(t: FieldType) -> Convert:
     if kind == "array":
         if t.items is None:
             return _as_is
-        item = converter(t.items)
-
-        def array(value: Any) -> Any:
-            if value.__class__ is not list:
-                raise values.wrong(value, "an array")
-            out = []
-            for i, x in enumerate(value):
-                try:
-                    out.append(None if x is None else item(x))
-                except ValueError as exc:
-                    raise _below(f"[{i}]", exc) from None
-            return out
-
-        return array
+        return values.array_of(converter(t.items))
     if kind == "map":
         if t.values is None:
             return _as_is
@@ -175,7 +147,7 @@ def converter(t: FieldType) -> Convert:
                 try:
                     out[k] = None if x is None else inner(x)
                 except ValueError as exc:
-                    raise _below(f".{k}", exc) from None
+                    raise values.nested(f".{k}", exc) from None
             return out
 
         return mapping
@@ -205,7 +177,7 @@ def _fields(fields: Mapping[str, Convert], value: Mapping[str, Any], sep: str) -
         try:
             out[k] = convert(x)
         except ValueError as exc:
-            raise _below(f"{sep}{k}", exc) from None
+            raise values.nested(f"{sep}{k}", exc) from None
     return out
 
 
@@ -243,5 +215,5 @@ class TypedDocuments:
             self._compiled[key] = fields
         try:
             return _fields(fields, value, "")
-        except _At as exc:
+        except values.Nested as exc:
             raise ValueError(f"field {exc.where!r}: {exc.reason}") from None
