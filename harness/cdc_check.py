@@ -243,6 +243,19 @@ def staged_files(path: Path, pipeline: str) -> int:
     return sum(len(list((book / d).iterdir())) for d in ("open", "prepared") if (book / d).is_dir())
 
 
+def left_behind(
+    pg_dsn: str, mongo_uri: str, database: str, files: Path, pipeline: str
+) -> tuple[int, int, int]:
+    """``pipeline``'s parts still prepared in PostgreSQL, staged in MongoDB's ``database``, open
+    or prepared in the files sink at ``files``: all 0 once every transaction is decided and
+    applied (or rolled back)."""
+    return (
+        pg_prepared(pg_dsn, pipeline),
+        mongo_staged(mongo_uri, database, pipeline),
+        staged_files(files, pipeline),
+    )
+
+
 def _sorted(table: Table, rows: Sequence[Row]) -> list[Row]:
     """Rows in key order, compared as :func:`_strict` values (so no two types ever meet)."""
     return sorted(rows, key=lambda r: _strict_row(table.key_of(r)))

@@ -441,13 +441,8 @@ def report(
 
 
 def left_behind(s: Scenario, replicas: Replicas) -> tuple[int, int, int]:
-    """Parts of the pipeline still prepared in PostgreSQL, staged in MongoDB, open or prepared
-    in the files: all 0 once every transaction is decided and applied (or rolled back)."""
-    return (
-        cdc_check.pg_prepared(s.pg_dsn, s.name),
-        cdc_check.mongo_staged(s.mongo_uri, replicas.name, s.name),
-        cdc_check.staged_files(replicas.files, s.name),
-    )
+    """:func:`cdc_check.left_behind` of the demo's pipeline and replicas."""
+    return cdc_check.left_behind(s.pg_dsn, s.mongo_uri, replicas.name, replicas.files, s.name)
 
 
 def drop_replicas(s: Scenario, replicas: Replicas, tables: list[str]) -> None:

@@ -267,11 +267,7 @@ def test_a_debezium_change_stream_replicates_exactly_through_kills(
         assert read_topic(kafka_bootstrap, f"{s.name}.dlq") == []
 
         def left_behind() -> tuple[int, int, int]:
-            return (
-                cdc_check.pg_prepared(pg_dsn, s.name),
-                cdc_check.mongo_staged(mongo_uri, s.table, s.name),
-                cdc_check.staged_files(files, s.name),
-            )
+            return cdc_check.left_behind(pg_dsn, mongo_uri, s.table, files, s.name)
 
         # Equal is not yet done: the killed participant's aborted part stays prepared (no reader
         # sees it) until the restarted p-0 has worked through its recovery, which waits out the
