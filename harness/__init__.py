@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,10 +29,13 @@ from twophase.retry import KAFKA
 if TYPE_CHECKING:
     from pyiceberg.catalog.sql import SqlCatalog
 
+    from twophase.protocol.messages import Envelope
+
 __all__ = [
     "Cluster",
     "Scenario",
     "control_decisions",
+    "control_envelopes",
     "control_summary",
     "iceberg_catalog",
     "end_offsets",
@@ -487,42 +490,55 @@ def _verify_iceberg(s: Scenario, expected: set[int]) -> SinkReport:
     return _counts_report(ids, expected, int(row[0]) if row else 0, len(on_disk - referenced))
 
 
-def control_summary(s: Scenario) -> dict[str, Any]:
-    """Commits, aborts and commit latency, read from the control topic."""
+def control_envelopes(s: Scenario, group: str) -> Iterator[Envelope]:
+    """Every envelope on ``s``'s control topic that decodes, in log order, as a
+    ``read_committed`` reader sees them, up to the topic's end (read it once the pipeline is
+    stopped: a running one never lets it end)."""
     from twophase.protocol.codec import DecodeError, decode
-    from twophase.protocol.messages import Decision, Prepare
 
     c = Consumer(
         {
             "bootstrap.servers": s.bootstrap,
-            "group.id": "twophase-harness-summary",
+            "group.id": group,
             "isolation.level": "read_committed",
             "enable.partition.eof": True,
             "auto.offset.reset": "earliest",
         }
     )
     c.assign([TopicPartition(f"twophase.control.{s.name}", 0, 0)])
+    try:
+        while True:
+            m = c.poll(5)
+            if m is None:
+                return
+            err = m.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    return
+                continue
+            raw = m.headers()
+            headers = (
+                [(k, v) for k, v in raw if isinstance(v, bytes)] if isinstance(raw, list) else []
+            )
+            try:
+                yield decode(m.value(), headers, key=s.hmac_key.encode())
+            except DecodeError:
+                continue
+    finally:
+        c.close()
+
+
+def control_summary(s: Scenario) -> dict[str, Any]:
+    """Commits, aborts and commit latency, read from the control topic."""
+    from twophase.protocol.messages import Decision, Prepare
+
     prepared_at: dict[int, int] = {}
     latencies: list[int] = []
     #: (decision time, records committed so far over every source partition) per commit.
     progress: list[tuple[int, int]] = []
     commits = aborts = 0
     reasons: dict[str, int] = {}
-    while True:
-        m = c.poll(5)
-        if m is None:
-            break
-        err = m.error()
-        if err is not None:
-            if err.code() == KafkaError._PARTITION_EOF:
-                break
-            continue
-        raw = m.headers()
-        headers = [(k, v) for k, v in raw if isinstance(v, bytes)] if isinstance(raw, list) else []
-        try:
-            env = decode(m.value(), headers, key=s.hmac_key.encode())
-        except DecodeError:
-            continue
+    for env in control_envelopes(s, "twophase-harness-summary"):
         p = env.payload
         if isinstance(p, Prepare):
             prepared_at[p.txn] = env.ts_ms
@@ -538,7 +554,6 @@ def control_summary(s: Scenario) -> dict[str, Any]:
                 aborts += 1
                 key = p.reason.split(":")[0][:60]
                 reasons[key] = reasons.get(key, 0) + 1
-    c.close()
     latencies.sort()
 
     def pct(q: float) -> int | None:
@@ -562,39 +577,13 @@ def control_summary(s: Scenario) -> dict[str, Any]:
 def control_decisions(s: Scenario) -> list[tuple[int, int, str, str]]:
     """Every decision on the control topic: (time in ms, txn, outcome, reason), in log order.
     Read once the pipeline is stopped (a running one never lets the control topic end)."""
-    from twophase.protocol.codec import DecodeError, decode
     from twophase.protocol.messages import Decision
 
-    c = Consumer(
-        {
-            "bootstrap.servers": s.bootstrap,
-            "group.id": "twophase-harness-decisions",
-            "isolation.level": "read_committed",
-            "enable.partition.eof": True,
-            "auto.offset.reset": "earliest",
-        }
-    )
-    c.assign([TopicPartition(f"twophase.control.{s.name}", 0, 0)])
     out: list[tuple[int, int, str, str]] = []
-    while True:
-        m = c.poll(5)
-        if m is None:
-            break
-        err = m.error()
-        if err is not None:
-            if err.code() == KafkaError._PARTITION_EOF:
-                break
-            continue
-        raw = m.headers()
-        headers = [(k, v) for k, v in raw if isinstance(v, bytes)] if isinstance(raw, list) else []
-        try:
-            env = decode(m.value(), headers, key=s.hmac_key.encode())
-        except DecodeError:
-            continue
+    for env in control_envelopes(s, "twophase-harness-decisions"):
         p = env.payload
         if isinstance(p, Decision):
             out.append((env.ts_ms, p.txn, p.outcome.value, p.reason))
-    c.close()
     return out
 
 
