@@ -329,6 +329,29 @@ def test_random_batches_write_the_same_files(tmp_path: Path, seed: int) -> None:
     same_both_ways(tmp_path, batches, source_columns=seed % 2 == 0)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_runs_of_nested_and_flat_batches_write_the_same_files(tmp_path: Path, seed: int) -> None:
+    """The compiled reading of flat batches steps aside for a while after it refuses a batch
+    (nested values), longer while it keeps refusing, and comes back: over long random runs of
+    flat and nested batches, each batch is written exactly as the decoded path writes it."""
+    rng = random.Random(seed)
+    batches, offset = [], 0
+    nested = False
+    for _ in range(40):
+        if rng.random() < 0.3:
+            nested = not nested  # runs of either kind, of random length
+        batch = []
+        for _ in range(rng.randrange(1, 6)):
+            value: dict[str, Any] = {"id": offset, "n": f"r{offset}", "x": rng.random()}
+            if nested and rng.random() < 0.5:
+                value["tags"] = {"k": [offset, None]}
+            batch.append(msg(offset, value))
+            offset += 1
+        batches.append(batch)
+    reads = same_both_ways(tmp_path, batches)
+    assert all(reads)
+
+
 def test_only_inferred_parquet_reads_raw(tmp_path: Path) -> None:
     """A configured schema, JSON Lines or an op_column: the sink takes decoded records."""
     assert files_sink(tmp_path / "a", True).accepts_raw()

@@ -56,6 +56,11 @@ def _depth(kind: Any) -> int:
     return 0
 
 
+#: The most batches a refusal of the compiled reading (:func:`read_flat`) sends straight to
+#: Arrow's reader before it is tried again.
+FLAT_SKIP_MAX = 32
+
+
 class RawReader:
     """JSON object values into the fields :meth:`Columns.of` makes of their records.
 
@@ -69,9 +74,27 @@ class RawReader:
         self.source_columns = source_columns
         #: Top-level fields the last batch held ISO strings in: read as strings up front.
         self._strings: pa.Schema | None = None
+        #: Batches to hand straight to Arrow's reader before trying the compiled reading again,
+        #: and how many the next refusal skips: 0 after a batch it reads, then 1, 2, 4 ... up
+        #: to FLAT_SKIP_MAX while it keeps refusing. A stream of nested values is not read
+        #: twice per batch; a flat stream with a nested batch now and then loses nothing.
+        self._flat_skip = 0
+        self._flat_backoff = 0
+
+    def _read_flat(self, values: Sequence[bytes]) -> tuple[dict[str, pa.Array], list[int]] | None:
+        if self._flat_skip > 0:
+            self._flat_skip -= 1
+            return None
+        flat = read_flat(values)
+        if flat is None:
+            self._flat_skip = self._flat_backoff
+            self._flat_backoff = min(max(1, 2 * self._flat_backoff), FLAT_SKIP_MAX)
+        else:
+            self._flat_backoff = 0
+        return flat
 
     def read(self, values: Sequence[bytes]) -> RawRead | None:
-        flat = read_flat(values)
+        flat = self._read_flat(values)
         if flat is not None:
             # Objects of scalars, read in one compiled pass: the decoded path's types exactly.
             columns, empty_rows = flat
