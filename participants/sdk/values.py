@@ -58,7 +58,7 @@ class BadValue(ValueError):
     """A JSON value that the target type cannot hold exactly; the message is the reason."""
 
 
-class Nested(ValueError):
+class Nested(BadValue):
     """A value inside an array, map or record refused: ``where`` below the top-level field
     (``.a[2].b``) and ``reason``."""
 
