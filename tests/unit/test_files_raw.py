@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -29,6 +29,7 @@ from twophase.participants.sdk import (
     SinkContext,
 )
 from twophase.participants.sinks.files import FileSink
+from twophase.participants.sinks.files import _raw as raw_module
 from twophase.participants.sinks.files._raw import RawRead
 
 JSON = JsonDecoder()
@@ -115,8 +116,8 @@ def run(
         reader = sink._raw
         plain = reader.read
 
-        def spy(values: Sequence[bytes]) -> RawRead | None:
-            got = plain(values)
+        def spy(values: Sequence[bytes], stream: Hashable = None) -> RawRead | None:
+            got = plain(values, stream)
             reads.append(got is not None)
             return got
 
@@ -350,6 +351,34 @@ def test_runs_of_nested_and_flat_batches_write_the_same_files(tmp_path: Path, se
         batches.append(batch)
     reads = same_both_ways(tmp_path, batches)
     assert all(reads)
+
+
+def test_the_compiled_reading_steps_aside_per_stream_and_comes_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Refusals in a row of one stream skip the compiled reading for 1, 2, 4 ... of its next
+    readings; another stream is tried as usual; a reading it takes resets the stream."""
+    tried: list[str] = []
+    real = raw_module.read_flat
+
+    def counting(values: Sequence[bytes]) -> Any:
+        tried.append(values[0].decode())
+        return real(values)
+
+    monkeypatch.setattr(raw_module, "read_flat", counting)
+    reader = raw_module.RawReader(False)
+    nested = [b'{"id":1,"tags":{"a":1}}']
+    for _ in range(12):
+        assert reader.read(nested, "a") is not None  # Arrow's reader takes it either way
+    assert len(tried) == 5  # readings 1, 2, 4, 7 and 12: skipped 0, 1, 2, 4 between them
+    assert reader.read([b'{"id":2}'], "b") is not None
+    assert len(tried) == 6  # stream b is not held back by stream a
+    for _ in range(9):
+        assert reader.read([b'{"id":3}'], "a") is not None  # 8 skipped, then read compiled
+    assert len(tried) == 7
+    reader.read(nested, "a")
+    reader.read(nested, "a")
+    assert len(tried) == 9  # after a reading it took, the next refusal skips none
 
 
 def test_only_inferred_parquet_reads_raw(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ deeper than the limit shows in the inferred type, an empty object by its bytes.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,9 +56,11 @@ def _depth(kind: Any) -> int:
     return 0
 
 
-#: The most batches a refusal of the compiled reading (:func:`read_flat`) sends straight to
-#: Arrow's reader before it is tried again.
+#: The most readings of one stream that a run of refusals of the compiled reading
+#: (:func:`read_flat`) sends straight to Arrow's reader before it is tried again.
 FLAT_SKIP_MAX = 32
+#: Streams whose refusals are remembered (forgotten all at once past this many).
+_STREAMS_KEPT = 1024
 
 
 class RawReader:
@@ -74,27 +76,37 @@ class RawReader:
         self.source_columns = source_columns
         #: Top-level fields the last batch held ISO strings in: read as strings up front.
         self._strings: pa.Schema | None = None
-        #: Batches to hand straight to Arrow's reader before trying the compiled reading again,
-        #: and how many the next refusal skips: 0 after a batch it reads, then 1, 2, 4 ... up
-        #: to FLAT_SKIP_MAX while it keeps refusing. A stream of nested values is not read
-        #: twice per batch; a flat stream with a nested batch now and then loses nothing.
-        self._flat_skip = 0
-        self._flat_backoff = 0
+        #: Per stream: [readings to hand straight to Arrow's reader before the compiled reading
+        #: is tried again, how many the next refusal skips]. A refusal after a reading it took
+        #: skips none; each refusal in a row after it skips 1, 2, 4 ... up to FLAT_SKIP_MAX. A
+        #: stream of nested values is not read twice per batch; a flat stream with a nested
+        #: batch now and then loses nothing.
+        self._flat: dict[Hashable, list[int]] = {}
 
-    def _read_flat(self, values: Sequence[bytes]) -> tuple[dict[str, pa.Array], list[int]] | None:
-        if self._flat_skip > 0:
-            self._flat_skip -= 1
+    def _read_flat(
+        self, values: Sequence[bytes], stream: Hashable
+    ) -> tuple[dict[str, pa.Array], list[int]] | None:
+        state = self._flat.get(stream)
+        if state is None:
+            if len(self._flat) >= _STREAMS_KEPT:
+                self._flat.clear()
+            state = self._flat[stream] = [0, 0]
+        if state[0] > 0:
+            state[0] -= 1
             return None
         flat = read_flat(values)
         if flat is None:
-            self._flat_skip = self._flat_backoff
-            self._flat_backoff = min(max(1, 2 * self._flat_backoff), FLAT_SKIP_MAX)
+            state[0] = state[1]
+            state[1] = min(max(1, 2 * state[1]), FLAT_SKIP_MAX)
         else:
-            self._flat_backoff = 0
+            state[1] = 0
         return flat
 
-    def read(self, values: Sequence[bytes]) -> RawRead | None:
-        flat = self._read_flat(values)
+    def read(self, values: Sequence[bytes], stream: Hashable = None) -> RawRead | None:
+        """The values read (None: decode them instead). ``stream``: what they belong to (the
+        files sink: the output dataset), so that one stream's nested values do not keep
+        another's flat ones from the compiled reading."""
+        flat = self._read_flat(values, stream)
         if flat is not None:
             # Objects of scalars, read in one compiled pass: the decoded path's types exactly.
             columns, empty_rows = flat

@@ -420,7 +420,9 @@ class FileSink(sdk.BatchingSink):
         chunks: dict[Key, Columns | None] = {}
         values = batch.values
         for key, at in groups.items():
-            read = self._raw.read(values if len(at) == len(values) else [values[i] for i in at])
+            read = self._raw.read(
+                values if len(at) == len(values) else [values[i] for i in at], key[0]
+            )
             if read is None:
                 return None
             fields = read.fields
