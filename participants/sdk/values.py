@@ -60,12 +60,15 @@ class BadValue(ValueError):
 
 class Nested(BadValue):
     """A value inside an array, map or record refused: ``where`` below the top-level field
-    (``.a[2].b``) and ``reason``."""
+    (``.a[2].b``) and ``reason``; its text names both (``[2].b: expected ...``)."""
 
     def __init__(self, where: str, reason: str) -> None:
-        super().__init__(reason)
+        super().__init__(where, reason)
         self.where = where
         self.reason = reason
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.reason}"
 
 
 def nested(piece: str, exc: ValueError) -> Nested:

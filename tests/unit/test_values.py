@@ -5,6 +5,7 @@ stop a pipeline). Property-based, derandomized: a failure replays by running the
 from __future__ import annotations
 
 import contextlib
+import pickle
 import re
 import uuid
 from datetime import date
@@ -82,6 +83,9 @@ def test_an_array_converter_names_the_item_it_refuses(value: Any) -> None:
         with pytest.raises(values.BadValue) as refused:
             (bigint if len(indexes) == 2 else values.array_of(bigint))(item)
         assert str(refused.value) == exc.reason
+        assert str(exc) == f"{exc.where}: {exc.reason}"
+        again = pickle.loads(pickle.dumps(exc))  # an exception crosses processes intact
+        assert (type(again), again.where, again.reason) == (values.Nested, exc.where, exc.reason)
         return
     except values.BadValue:
         assert not isinstance(value, list)
