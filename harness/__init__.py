@@ -493,7 +493,8 @@ def _verify_iceberg(s: Scenario, expected: set[int]) -> SinkReport:
 def control_envelopes(s: Scenario, group: str) -> Iterator[Envelope]:
     """Every envelope on ``s``'s control topic that decodes, in log order, as a
     ``read_committed`` reader sees them, up to the topic's end (read it once the pipeline is
-    stopped: a running one never lets it end)."""
+    stopped: a running one never lets it end). Its consumer closes at the end; a caller that
+    stops early closes it with ``contextlib.closing``."""
     from twophase.protocol.codec import DecodeError, decode
 
     c = Consumer(
@@ -505,8 +506,8 @@ def control_envelopes(s: Scenario, group: str) -> Iterator[Envelope]:
             "auto.offset.reset": "earliest",
         }
     )
-    c.assign([TopicPartition(f"twophase.control.{s.name}", 0, 0)])
     try:
+        c.assign([TopicPartition(f"twophase.control.{s.name}", 0, 0)])
         while True:
             m = c.poll(5)
             if m is None:
