@@ -6,8 +6,9 @@ per table, read by one exactly-once pipeline through a ``topic_pattern`` and wri
 PostgreSQL replica tables by one sink with a ``table`` template (upsert on each table's primary
 key, deletes applied). The other side is the same number of plain ~200-byte JSON records into
 one table in insert mode, on as many partitions. Both are timed as :mod:`bench.throughput`
-times its runs: from the first participant ready to every offset committed and the replica
-complete -- here, every table holding exactly the keys the changes leave, checked row by row.
+times its runs: from the first participant ready to every offset committed and no part of the
+pipeline left prepared (every decided part applied); then, off the clock, every table must hold
+exactly the keys the changes leave.
 
 The events are generated here in Debezium's schemaless JSON shape (``before``, ``after``,
 ``op``, ``source``), not captured by a connector: the figure is the pipeline's, not Debezium's.
@@ -43,7 +44,7 @@ from confluent_kafka.cimpl import NewTopic
 
 from bench import kc_peers
 from bench import throughput as tp
-from harness import Scenario, control_summary, load_stack_env
+from harness import Scenario, cdc_check, control_summary, load_stack_env
 from twophase.config import load_config
 from twophase.kafka import create_topics
 from twophase.retry import KAFKA
@@ -204,22 +205,29 @@ def cdc_run(changes: Changes, workdir: Path, *, timeout_s: float = 900.0) -> tp.
     probe = Consumer({"bootstrap.servers": changes.bootstrap, "group.id": f"twophase.{name}"})
     started = time.monotonic()
     try:
+        # Done as the plain pipeline's runs are (tp.pipeline_run): the offsets at the end and
+        # no part left prepared; the replicas are compared after the clock.
         seconds, cpu, rss = tp.timed(
             s,
             "exactly_once",
             tp.PARTICIPANTS,
             lambda: (
                 _committed(probe, changes) >= changes.messages
-                and _replica_ids(s.pg_dsn, tables) == changes.live
+                and cdc_check.pg_prepared(s.pg_dsn, s.name) == 0
             ),
             timeout_s,
+            tp.FAST_POLL_S,
         )
     finally:
         probe.close()
     wall = time.monotonic() - started
     control = control_summary(s)
-    rows = {t: len(ids) for t, ids in _replica_ids(s.pg_dsn, tables).items()}
+    replicas = _replica_ids(s.pg_dsn, tables)
+    rows = {t: len(ids) for t, ids in replicas.items()}
     _drop_tables(s.pg_dsn, tables)
+    if replicas != changes.live:
+        wrong = sorted(t for t in tables if replicas.get(t) != changes.live.get(t))
+        raise RuntimeError(f"{name}: replica tables {wrong} differ from the changes' live keys")
     n = changes.messages
     return tp.RunResult(
         "exactly_once", ["pg"], n, n / seconds, seconds, wall, rows, control, cpu, rss
