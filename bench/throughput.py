@@ -2,7 +2,7 @@
 
 One source topic holds the records for every run (produced once); each run is a new pipeline
 (new consumer group, new table, new directory) that reads it from the start. A run's rate is
-taken from the source group's committed offsets, polled every 0.1 s -- the offsets the
+taken from the source group's committed offsets -- the offsets the
 coordinator commits with each decision (exactly-once) or the participant after each batch
 (at-least-once) -- so a run is done when every record is visible in every sink:
 
@@ -10,10 +10,12 @@ coordinator commits with each decision (exactly-once) or the participant after e
 
 Visible, without counting rows on the clock: at least once commits a batch in every sink before
 its offsets; exactly once commits the offsets with the decision, and its parts are applied when
-none of the pipeline's parts is left prepared in PostgreSQL or staged in the files sink, and the
-MongoDB sink's positions (stored with a part's last chunk) reach the end. The offsets are polled
-every 0.02 s (0.1 s with MongoDB: SecantusDB answers slowly); the row counts come after the
-clock and must match.
+none of the pipeline's parts is left prepared in PostgreSQL, staged in the files sink or staged
+or prepared in MongoDB (whose positions, stored with a part's last chunk, must also reach the
+end; parts may be applied there out of order). The offsets are polled every 0.02 s (0.1 s with
+MongoDB: SecantusDB answers slowly); the row counts come after the clock and must match. (The
+Iceberg section and the peers keep checks of their own: :mod:`bench.iceberg`,
+:mod:`bench.kc_peers`.)
 
 "Ready" is a participant's ``/readyz`` answering 200: caught up with the control log and holding
 its assignment, i.e. about to consume. Process start-up -- the Python imports and the first
@@ -60,7 +62,8 @@ log = logging.getLogger(__name__)
 #: Participants per pipeline run: one per core of the reference machine.
 PARTICIPANTS = 2
 PARTITIONS = 4
-#: Of the peers' runs, and of the pipeline's with MongoDB (each poll a query of its server).
+#: Of the peers' and the Iceberg pipeline's runs (:func:`timed`'s default), and of the
+#: pipeline's with MongoDB (each poll a query of its server).
 POLL_S = 0.1
 #: Of the pipeline's runs: the offsets and the parts left behind are cheap to read, and a poll's
 #: wait is measured as the pipeline's (at 0.1 s, ~50 ms of a ~2 s run, plus a count of the rows).
@@ -162,7 +165,8 @@ class CommittedProbe:
 class MongoApplied:
     """Sum of the MongoDB sink's positions over the source partitions, each stored in the
     transaction of a part's last chunk: it reaches every record once each partition's last part
-    is applied (parts of other participants may still be applying: the count after it decides).
+    is applied (parts may be applied out of order, so no part left staged or prepared
+    decides, :func:`_left_behind`).
     One small document per partition, read by ``_id``: counting the target collection instead
     scans it on SecantusDB, and polled every POLL_S while the decided parts are applied (seconds
     behind the offsets) it took most of the server from the commits it waited for."""
@@ -372,11 +376,14 @@ def _cpu_s(pid: int) -> float:
 
 
 def _left_behind(s: Scenario, sinks: set[str]) -> bool:
-    """Whether a part of ``s``'s pipeline is still prepared in PostgreSQL or staged in the
-    files sink: once the offsets are at the end, none is when every decided part is applied
-    (a part is prepared before its decision, which commits the offsets)."""
-    return ("pg" in sinks and cdc_check.pg_prepared(s.pg_dsn, s.name) != 0) or (
-        "files" in sinks and cdc_check.staged_files(s.files_path, s.name) != 0
+    """Whether a part of ``s``'s pipeline is still prepared in PostgreSQL, staged in the files
+    sink, or staged or prepared in MongoDB: once the offsets are at the end, none is when every
+    decided part is applied (a part is prepared before its decision, which commits the
+    offsets)."""
+    return (
+        ("pg" in sinks and cdc_check.pg_prepared(s.pg_dsn, s.name) != 0)
+        or ("files" in sinks and cdc_check.staged_files(s.files_path, s.name) != 0)
+        or ("mongo" in sinks and cdc_check.mongo_staged(s.mongo_uri, s.table, s.name) != 0)
     )
 
 
