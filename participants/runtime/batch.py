@@ -54,9 +54,9 @@ BatchResult = dict[tuple[str, int], tuple[int, int, int]]
 #: rebalance abandons: with librdkafka's 3 s a second participant started beside a first one
 #: waited up to 3 s for its partitions (2.4 s measured), while the first one read everything;
 #: at 0.5 s the second generation came 0.52-0.53 s after the first (two participants started
-#: together, 5 runs). 0.1 s was measured and not kept: 0.28 s (0.10-0.34, 7 runs), but at 16
-#: participants on two cores the commit latency's p99 got worse in 6 of 8 alternating pairs
-#: (medians 365 vs 221 ms; p50 140 vs 136).
+#: together, 5 runs). 0.1 s was measured and not kept: the second 0.28 s after the first
+#: (0.10-0.34, 7 runs), but at 16 participants on two cores the commit latency's p99 got worse
+#: in 6 of 8 alternating pairs (medians 365 vs 221 ms; p50 140 vs 136).
 SOURCE_GROUP_SETTINGS: dict[str, Any] = {
     "partition.assignment.strategy": "range",
     "session.timeout.ms": 10_000,
