@@ -2,8 +2,8 @@
 check that never comes true times a run out, and one that comes true early flatters it. The
 MongoDB-only pipeline's check reads the sink's own positions instead of counting the collection
 (a scan on SecantusDB, polled all through a run); the peers' checks look up each partition's
-last record by key before they count; an exactly-once PostgreSQL / files run ends when no part
-of it is left prepared or staged, as the real sinks leave them."""
+last record by key before they count; an exactly-once run ends when no part of it is left
+prepared or staged in PostgreSQL, the files sink or MongoDB, as the real sinks leave them."""
 
 from __future__ import annotations
 
@@ -13,19 +13,22 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import psycopg
+import pyarrow.parquet as pq
 import pytest
 from confluent_kafka import Consumer, TopicPartition
-from psycopg import sql
+from pymongo import MongoClient
 
 from bench import throughput as tp
-from harness import Scenario
-from harness import record as tp_record
+from harness import Scenario, cdc_check
+from harness import record as order_value
 from twophase.participants.sdk.records import PartId, Record
-from twophase.participants.sdk.sink import SinkContext
+from twophase.participants.sdk.sink import Sink, SinkContext
 from twophase.participants.sinks.files import FileSink
+from twophase.participants.sinks.mongodb import MongoSink
 from twophase.participants.sinks.postgres import PostgresSink
 
 pytestmark = [pytest.mark.stack]
@@ -79,8 +82,25 @@ def test_a_mongodb_pipeline_run_is_timed_to_every_document_applied(
 
 
 def _orders(n: int, topic: str) -> list[Record]:
-    rows = [orjson.loads(tp_record(i, random.Random(i))) for i in range(n)]
+    rows = [orjson.loads(order_value(i, random.Random(i))) for i in range(n)]
     return [Record(topic, 0, i, 0, None, v, size=200) for i, v in enumerate(rows)]
+
+
+SINKS = {"pg": PostgresSink, "files": FileSink, "mongo": MongoSink}
+
+
+def _visible(s: Scenario, name: str, topic: str) -> int:
+    """Rows a reader of sink ``name``'s target sees, read as a reader would (no sink code)."""
+    if name == "pg":
+        with psycopg.connect(s.pg_dsn) as conn:
+            row = conn.execute(f"SELECT count(*) FROM {s.table}").fetchone()
+        return int(row[0]) if row else 0
+    if name == "files":
+        files = (s.files_path / topic).rglob("*.parquet")
+        return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    client: MongoClient[dict[str, Any]] = MongoClient(s.mongo_uri)
+    with client:
+        return int(client[s.table]["orders"].count_documents({}))
 
 
 def test_an_exactly_once_run_is_not_done_while_a_part_is_prepared_or_staged(
@@ -88,47 +108,48 @@ def test_an_exactly_once_run_is_not_done_while_a_part_is_prepared_or_staged(
 ) -> None:
     """A run's end is read without counting rows: the offsets at the end and no part left
     behind (:func:`bench.throughput._left_behind`). A decided part is applied after the
-    offsets are committed, so the check must see a prepared part in either sink -- as the sinks
-    themselves leave it -- and see none once it is committed."""
-    s = tp.scenario("donecheck-" + uuid.uuid4().hex[:6], tmp_path, source, sinks={"pg", "files"},
-                    mode="exactly_once")  # fmt: skip
+    offsets are committed, so the check must see a prepared part in each sink -- as the sink
+    itself leaves it -- and see none only once the part is there for readers."""
+    name = "donecheck-" + uuid.uuid4().hex[:6]
+    s = tp.scenario(name, tmp_path, source, sinks=set(SINKS), mode="exactly_once")
     s.prepare_stores()
-    made = {c["name"]: c for c in s.config()["sinks"]}
-    classes = {"pg": PostgresSink, "files": FileSink}
+    configs = {c["name"]: c for c in s.config()["sinks"]}
     batch = _orders(20, source.topic)
+    opened: list[Sink] = []
     try:
-        for name in ("pg", "files"):
-            ctx = SinkContext(s.name, "w1", name, logging.getLogger("donecheck"))
-            sink = classes[name].from_mapping(dict(made[name]), ctx)
+        for txn, (sink_name, cls) in enumerate(SINKS.items(), start=1):
+            ctx = SinkContext(s.name, "w1", sink_name, logging.getLogger("donecheck"))
+            sink = cls.from_mapping(dict(configs[sink_name]), ctx)
+            opened.append(sink)
             sink.setup()
-            part = PartId(s.name, 7, "w1")
-            assert not tp._left_behind(s, {"pg", "files"})
+            part = PartId(s.name, txn, "w1")
+            assert not tp._left_behind(s, set(SINKS))
             sink.begin(part)
             list(sink.write(part, batch))
             sink.prepare(part, {(source.topic, 0): len(batch)})
-            assert tp._left_behind(s, {name}), f"{name}: a prepared part went unseen"
-            assert tp._left_behind(s, {"pg", "files"})
-            assert not tp._left_behind(s, {"pg", "files"} - {name})
+            assert tp._left_behind(s, {sink_name}), f"{sink_name}: a prepared part went unseen"
+            assert _visible(s, sink_name, source.topic) == 0
             sink.commit(part)
-            assert not tp._left_behind(s, {"pg", "files"}), f"{name}: a committed part seen"
-            sink.close()
+            assert not tp._left_behind(s, set(SINKS)), f"{sink_name}: a committed part seen"
+            assert _visible(s, sink_name, source.topic) == len(batch)
     finally:
+        for sink in opened:
+            sink.close()
+        cdc_check.pg_rollback_prepared(s.pg_dsn, s.name)
         with psycopg.connect(s.pg_dsn, autocommit=True) as conn:
-            for (gid,) in conn.execute(
-                "SELECT gid FROM pg_prepared_xacts WHERE gid LIKE %s", (f"%:{s.name}~%",)
-            ).fetchall():
-                conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+            conn.execute("SET lock_timeout = '30s'")
             conn.execute(f"DROP TABLE IF EXISTS {s.table}")
+        MongoClient(s.mongo_uri).drop_database(s.table)
 
 
 def test_a_pg_and_files_run_is_timed_to_its_end_and_exact(
     source: tp.Source, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Timed out if the end never comes; raises if fewer than every record is there after it.
-    # The parts left behind are asked for once the offsets are at the end (the run's own
-    # end, not a count): at 600 records the parts are applied within milliseconds of the
-    # offsets, so without the question the run would pass too -- it is watched instead.
-    asked: list[bool] = []
+    # The parts left behind are asked for once the offsets are at the end: at 600 records the
+    # parts are applied within milliseconds of the offsets, so a run that never asks would
+    # pass the count too -- whether it asks is watched instead.
+    asked: list[bool] = []  # each answer (the run ends on the first False)
     real = tp._left_behind
 
     def left_behind(s: Scenario, sinks: set[str]) -> bool:
@@ -138,4 +159,4 @@ def test_a_pg_and_files_run_is_timed_to_its_end_and_exact(
     monkeypatch.setattr(tp, "_left_behind", left_behind)
     r = tp.pipeline_run(source, tmp_path, mode="exactly_once", sinks={"pg", "files"}, timeout_s=120)
     assert r.verified == {"pg": RECORDS, "files": RECORDS}, r.asdict()
-    assert asked and asked[-1] is False, asked
+    assert asked, "the run ended without asking for the parts left behind"
