@@ -44,7 +44,7 @@ from confluent_kafka.cimpl import NewTopic
 
 from bench import kc_peers
 from bench import throughput as tp
-from harness import Scenario, cdc_check, control_summary, load_stack_env
+from harness import Scenario, control_summary, load_stack_env
 from twophase.config import load_config
 from twophase.kafka import create_topics
 from twophase.retry import KAFKA
@@ -212,8 +212,7 @@ def cdc_run(changes: Changes, workdir: Path, *, timeout_s: float = 900.0) -> tp.
             "exactly_once",
             tp.PARTICIPANTS,
             lambda: (
-                _committed(probe, changes) >= changes.messages
-                and cdc_check.pg_prepared(s.pg_dsn, s.name) == 0
+                _committed(probe, changes) >= changes.messages and not tp._left_behind(s, {"pg"})
             ),
             timeout_s,
             tp.FAST_POLL_S,

@@ -5,10 +5,11 @@ partitioned by ``bucket(4, id)``, a local warehouse, pyiceberg's SQL catalog in 
 PostgreSQL) at ``commit.interval_ms: 1000``, timed from the first participant ready to every
 offset committed and every record in the table -- a pyiceberg scan's count, polled every 0.1 s
 on the clock (the other pipeline sections, since 2026-11-28, read the parts left behind every
-0.02 s and count after the clock; this one was left as measured: its issue is blocked). The other is pyiceberg's own ``Table.append`` of the same records,
-already as Arrow (converted by the sink's own row rules beforehand, outside the clock), in
-chunks of ``CHUNK`` rows into a table of the same schema and spec: what writing Iceberg costs
-without Kafka, JSON, or a two-phase commit. Beside them: the pipeline's commit latency
+0.02 s and count after the clock; this one was left as measured: its issue is blocked). The
+other is pyiceberg's own ``Table.append`` of the same records, already as Arrow (converted by
+the sink's own row rules beforehand, outside the clock), in chunks of ``CHUNK`` rows into a
+table of the same schema and spec: what writing Iceberg costs without Kafka, JSON, or a
+two-phase commit. Beside them: the pipeline's commit latency
 (PREPARE written to DECISION written, from the control topic) -- its p99 at the 1 s interval.
 """
 

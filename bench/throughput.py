@@ -2,9 +2,9 @@
 
 One source topic holds the records for every run (produced once); each run is a new pipeline
 (new consumer group, new table, new directory) that reads it from the start. A run's rate is
-taken from the source group's committed offsets -- the offsets the
-coordinator commits with each decision (exactly-once) or the participant after each batch
-(at-least-once) -- so a run is done when every record is visible in every sink:
+taken from the source group's committed offsets -- the offsets the coordinator commits with
+each decision (exactly-once) or the participant after each batch (at-least-once) -- so a run
+is done when every record is visible in every sink:
 
     records_per_s = records / (t(all committed and visible) - t(first participant ready))
 

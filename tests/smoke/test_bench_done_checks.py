@@ -13,17 +13,13 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import orjson
-import psycopg
-import pyarrow.parquet as pq
 import pytest
 from confluent_kafka import Consumer, TopicPartition
-from pymongo import MongoClient
 
 from bench import throughput as tp
-from harness import Scenario, cdc_check
+from harness import Scenario
 from harness import record as order_value
 from twophase.participants.sdk.records import PartId, Record
 from twophase.participants.sdk.sink import Sink, SinkContext
@@ -89,20 +85,6 @@ def _orders(n: int, topic: str) -> list[Record]:
 SINKS = {"pg": PostgresSink, "files": FileSink, "mongo": MongoSink}
 
 
-def _visible(s: Scenario, name: str, topic: str) -> int:
-    """Rows a reader of sink ``name``'s target sees, read as a reader would (no sink code)."""
-    if name == "pg":
-        with psycopg.connect(s.pg_dsn) as conn:
-            row = conn.execute(f"SELECT count(*) FROM {s.table}").fetchone()
-        return int(row[0]) if row else 0
-    if name == "files":
-        files = (s.files_path / topic).rglob("*.parquet")
-        return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
-    client: MongoClient[dict[str, Any]] = MongoClient(s.mongo_uri)
-    with client:
-        return int(client[s.table]["orders"].count_documents({}))
-
-
 def test_an_exactly_once_run_is_not_done_while_a_part_is_prepared_or_staged(
     source: tp.Source, tmp_path: Path
 ) -> None:
@@ -112,6 +94,7 @@ def test_an_exactly_once_run_is_not_done_while_a_part_is_prepared_or_staged(
     itself leaves it -- and see none only once the part is there for readers."""
     name = "donecheck-" + uuid.uuid4().hex[:6]
     s = tp.scenario(name, tmp_path, source, sinks=set(SINKS), mode="exactly_once")
+    s.write()  # what the bench's clean-up reads
     s.prepare_stores()
     configs = {c["name"]: c for c in s.config()["sinks"]}
     batch = _orders(20, source.topic)
@@ -128,18 +111,14 @@ def test_an_exactly_once_run_is_not_done_while_a_part_is_prepared_or_staged(
             list(sink.write(part, batch))
             sink.prepare(part, {(source.topic, 0): len(batch)})
             assert tp._left_behind(s, {sink_name}), f"{sink_name}: a prepared part went unseen"
-            assert _visible(s, sink_name, source.topic) == 0
+            assert tp._verify(s, {sink_name}, source.topic) == {sink_name: 0}
             sink.commit(part)
             assert not tp._left_behind(s, set(SINKS)), f"{sink_name}: a committed part seen"
-            assert _visible(s, sink_name, source.topic) == len(batch)
+            assert tp._verify(s, {sink_name}, source.topic) == {sink_name: len(batch)}
     finally:
         for sink in opened:
             sink.close()
-        cdc_check.pg_rollback_prepared(s.pg_dsn, s.name)
-        with psycopg.connect(s.pg_dsn, autocommit=True) as conn:
-            conn.execute("SET lock_timeout = '30s'")
-            conn.execute(f"DROP TABLE IF EXISTS {s.table}")
-        MongoClient(s.mongo_uri).drop_database(s.table)
+        tp._cleanup(s, set(SINKS))  # what a bench run leaves: prepared parts, table, database
 
 
 def test_a_pg_and_files_run_is_timed_to_its_end_and_exact(
