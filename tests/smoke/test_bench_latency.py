@@ -1,7 +1,7 @@
 """The commit-latency bench (:mod:`bench.latency`) on the stack: once the group has settled,
 the first cycle is timed apart as the warm-up and the ``cycles`` after it are the measured ones
--- with 20 cycles a p99 is the slowest cycle, and the first one after start-up runs while the
-processes are still starting on the same cores."""
+-- with 20 cycles a p99 is the slowest cycle, and the first one is a start-up cycle (the records
+produced while the processes started, the sinks' first writes and prepares)."""
 
 from __future__ import annotations
 
