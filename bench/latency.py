@@ -13,12 +13,13 @@ it durably in both sinks, and voted, and the coordinator wrote the decision in a
 transaction. Aborted cycles count too, as their time to the abort decision (there should be
 none once settled; the count, warm-up included, is reported).
 
-Why a warm-up cycle: the first cycle in which every participant has a part is a start-up
-cycle -- it carries the records produced while the processes started, the sinks' first writes
-and prepares, and, with many participants, their start-up still running on the same cores. On
-the 2-core machine (2026-11-28, 3 runs each) it took 45-86 ms at 1 participant, whose 20 cycles
-after it had a p99 of 16-20 ms, and 151-157 ms at 8 (p99 after it 50-54 ms; in one run the
-files sink's first flush alone took 24-102 ms across the eight, 2-8 ms in the next cycles).
+Why a warm-up cycle: the group usually settles in the pipeline's first cycle (each
+participant's part named, empty: it starts as the coordinator takes the lead), so the cycle
+after it is the first whose parts hold records -- the ones produced while the processes started -- and the sinks'
+first writes and prepares; with many participants their start-up still runs on the same cores.
+On the 2-core machine (2026-11-28, 3 runs each) it took 45-86 ms at 1 participant, whose 20
+cycles after it had a p99 of 16-20 ms, and 151-157 ms at 8 (p99 after it 50-54 ms; in one run
+the files sink's first flush alone took 24-102 ms across the eight, 2-8 ms in the next cycles).
 With 20 measured cycles the p99 is the slowest cycle, so without the warm-up the figure was
 that one start-up cycle, not the pipeline's steady commit latency.
 
@@ -84,6 +85,9 @@ class LatencyRun:
     phases: dict[str, list[int]] = field(default_factory=dict)
     #: The warm-up cycles' latencies (ms), in order: reported, not measured.
     warmup: list[int] = field(default_factory=list)
+    #: The transactions of the measured cycles and of the warm-up ones, in order.
+    txns: list[int] = field(default_factory=list)
+    warmup_txns: list[int] = field(default_factory=list)
 
     def pct(self, q: float) -> int:
         return pct(self.cycles, q)
@@ -209,6 +213,8 @@ def latency_run(
             settled_at = 0.0
             got: list[int] = []
             warmup: list[int] = []
+            txns: list[int] = []
+            warmup_txns: list[int] = []
             phases: dict[str, list[int]] = {k: [] for k in PHASES}
             aborted = 0
             while len(got) < cycles:
@@ -228,8 +234,10 @@ def latency_run(
                 aborted += decision.outcome is not Outcome.COMMIT
                 if len(warmup) < WARMUP_CYCLES:
                     warmup.append(ms)
+                    warmup_txns.append(decision.txn)
                     continue
                 got.append(ms)
+                txns.append(decision.txn)
                 for k, v in cycle.items():
                     phases[k].append(v)
     finally:
@@ -238,7 +246,9 @@ def latency_run(
         tail.close()
     _cleanup(s, {"pg", "files"})
     source.delete()
-    return LatencyRun(participants, got, aborted, settled_at - started, phases, warmup)
+    return LatencyRun(
+        participants, got, aborted, settled_at - started, phases, warmup, txns, warmup_txns
+    )
 
 
 def summarize(runs: list[LatencyRun]) -> dict[str, Any]:
