@@ -6,6 +6,7 @@ Everything here reads the real services: Prometheus text scraped from a process'
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -71,13 +72,22 @@ def start(cluster: Cluster, role: str, name: str, env: dict[str, str] | None = N
 
 
 def http_get(port: int, path: str) -> tuple[int, str]:
+    """Status and body; 0 when nothing answers. A process that exits while answering (a test
+    polling one that is meant to die) leaves the status with an empty or cut body, not an error."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-            return int(r.status), r.read().decode()
+            return int(r.status), _body(r)
     except urllib.error.HTTPError as e:
-        return int(e.code), e.read().decode()
-    except OSError:
-        return 0, ""  # not listening (yet)
+        return int(e.code), _body(e)
+    except (OSError, http.client.HTTPException):
+        return 0, ""  # not listening (yet, or any more)
+
+
+def _body(r: Any) -> str:
+    try:
+        return str(r.read().decode())
+    except (OSError, http.client.HTTPException):  # the server went away mid-answer
+        return ""
 
 
 def scrape(port: int) -> str:
