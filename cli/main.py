@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import faulthandler
+import gc
 import json
 import logging
 import os
@@ -107,6 +109,9 @@ def _run_until_signal(make: Callable[[], Any], rejoin_on: type[FatalError] | Non
     do the work -- retrying cannot help. 1: anything else (with the traceback at DEBUG).
     A runtime that ends on ``rejoin_on`` is replaced by a new one (no exit).
     """
+    # A crash in native code (librdkafka, a driver) prints every thread's Python stack to stderr
+    # -- the process's log -- instead of leaving only a signal number behind.
+    faulthandler.enable()
     stopping = threading.Event()
     current: list[Any] = []
 
@@ -124,32 +129,45 @@ def _run_until_signal(make: Callable[[], Any], rejoin_on: type[FatalError] | Non
         del current[:-1]
         if stopping.is_set():
             return
-        if not _run_one(current[-1], stopping, rejoin_on):
-            return
+        status = _run_one(current[-1], stopping, rejoin_on)
+        if status is None:
+            continue
+        # The runtime has closed its clients; its last references go now, with the cycles its
+        # callbacks make, so a librdkafka handle that has no close() (the admin client) is
+        # destroyed while the interpreter is whole -- not by its exit, when a client's thread
+        # calling back into Python can crash the process (SIGSEGV instead of the status).
+        current.clear()
+        gc.collect()
+        if status:
+            sys.exit(status)
+        return
 
 
-def _run_one(runtime: Any, stopping: threading.Event, rejoin_on: type[FatalError] | None) -> bool:
-    """:func:`_run_until_signal` of one runtime; True when it ended on ``rejoin_on``."""
+def _run_one(
+    runtime: Any, stopping: threading.Event, rejoin_on: type[FatalError] | None
+) -> int | None:
+    """:func:`_run_until_signal` of one runtime: the exit status it ended with (0: stopped),
+    or None when it ended on ``rejoin_on`` (to be replaced)."""
     debug = log.isEnabledFor(logging.DEBUG)
     try:
         runtime.run()
     except FatalError as exc:
         if rejoin_on is not None and isinstance(exc, rejoin_on):
             if stopping.is_set():  # a stop asked for while it was ending: a clean stop
-                return False
+                return 0
             log.warning("%s: starting again as a standby", exc)
-            return True
+            return None
         log.error("fatal: %s", exc)
-        sys.exit(EXIT_FATAL)
+        return EXIT_FATAL
     except KafkaException as exc:  # a Kafka call the runtime has no answer for: say which
         log.error("fatal: Kafka: %s", _kafka_reason(exc), exc_info=debug)
-        sys.exit(EXIT_FATAL)
+        return EXIT_FATAL
     except (RetriableError, SinkError) as exc:
         if stopping.is_set():  # a wait cut short by the signal: a clean stop
             log.info("stopped while waiting: %s", exc)
-            return False
+            return 0
         log.error("stopped: %s", exc, exc_info=debug)
-        sys.exit(EXIT_FAILED)
+        return EXIT_FAILED
     except Exception as exc:  # last resort: one line, never a traceback an operator must parse
         log.error(
             "stopped on an unexpected error: %s: %s (TWOPHASE_LOG_LEVEL=DEBUG shows where)",
@@ -157,8 +175,8 @@ def _run_one(runtime: Any, stopping: threading.Event, rejoin_on: type[FatalError
             exc,
             exc_info=debug,
         )
-        sys.exit(EXIT_FAILED)
-    return False
+        return EXIT_FAILED
+    return 0
 
 
 def _kafka_reason(exc: KafkaException) -> str:

@@ -191,28 +191,28 @@ class CoordinatorRuntime:
         note_broker_contact()
 
     def run(self) -> None:
+        # Everything inside the try: however the run ends -- a port in use (ConfigError naming
+        # metrics.port), a broker refusing our credentials, a fatal error in the loop -- the
+        # Kafka clients and the health server are closed before the process goes on to exit
+        # (a consumer left to the interpreter's exit can call back into it as it is torn down).
         try:
             self.health.start(self.cfg.metrics.host, self.cfg.metrics.port)
-        except FatalError:  # the port is taken (ConfigError naming metrics.port): say so and end
-            self.close()
-            raise
-        # Fails fast (BrokerAuthError) when the broker refuses our credentials; a broker that is
-        # merely down is waited for by the loop below, as before.
-        if await_broker(self.admin, CALL_TIMEOUT_S, self.stop_event):
-            self._reached()
-        else:
-            log.warning("Kafka at %s is not answering yet", self.cfg.kafka.bootstrap_servers)
-        self.consumer.subscribe(
-            [self.cfg.control_topic], on_assign=self._on_assign, on_revoke=self._on_revoke
-        )
-        self._refresh_partitions()
-        next_refresh = time.monotonic() + TOPIC_REFRESH_S
-        log.info(
-            "coordinator %s for pipeline %s waiting for leadership",
-            self.instance,
-            self.cfg.pipeline,
-        )
-        try:
+            # Fails fast (BrokerAuthError) when the broker refuses our credentials; a broker
+            # that is merely down is waited for by the loop below, as before.
+            if await_broker(self.admin, CALL_TIMEOUT_S, self.stop_event):
+                self._reached()
+            else:
+                log.warning("Kafka at %s is not answering yet", self.cfg.kafka.bootstrap_servers)
+            self.consumer.subscribe(
+                [self.cfg.control_topic], on_assign=self._on_assign, on_revoke=self._on_revoke
+            )
+            self._refresh_partitions()
+            next_refresh = time.monotonic() + TOPIC_REFRESH_S
+            log.info(
+                "coordinator %s for pipeline %s waiting for leadership",
+                self.instance,
+                self.cfg.pipeline,
+            )
             while not self.stop_event.is_set():
                 self.health.beat()
                 msg = self.consumer.poll(POLL_S)
@@ -231,11 +231,14 @@ class CoordinatorRuntime:
         self.stop_event.set()
 
     def close(self) -> None:
-        with suppress(KafkaException, RuntimeError):  # closing twice, or after a fatal error
-            self.consumer.close()
-        self.group_handle.close()
+        """Close every client and the health server; one that fails to close (closed already,
+        or after a fatal error) does not keep the others open."""
+        for consumer in (self.consumer, self.group_handle):
+            with suppress(KafkaException, RuntimeError):
+                consumer.close()
         if self.publisher is not None:
-            self.publisher.close()
+            with suppress(KafkaException, RuntimeError):
+                self.publisher.close()
         self.health.stop()
         self.metrics.leader.labels(self.cfg.pipeline).set(0)
 

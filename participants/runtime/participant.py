@@ -188,6 +188,8 @@ class ParticipantRuntime:
         self._aborting_stale = threading.Event()
         self.stop_event = threading.Event()
         self.fatal: BaseException | None = None
+        #: The control partition's reader, once run() has made one (closed by _close()).
+        self._reader: ControlReader | None = None
         self.control = ControlWriter(cfg, f"participant:{self.me}", self.producer)
         # The client.id names the participant, so others can tell live owners from dead ones.
         self._client_id_prefix = f"twophase-{cfg.pipeline}-participant-"
@@ -288,7 +290,7 @@ class ParticipantRuntime:
                 # long: exiting would only restart the wait (a chaos run lost a participant to
                 # a test server that answered nothing for a minute).
                 self._wait_for_store(sink.setup, f"setup {sink.name}")
-            reader = ControlReader(self.cfg, on_skip=self._count_skip)
+            reader = self._reader = ControlReader(self.cfg, on_skip=self._count_skip)
             for env in reader.replay():
                 # A replayed message acts on nothing; what comes back is an out-of-sequence skip.
                 self._run(self._feed(Received(env, replay=True)), Thread.DATA)
@@ -323,7 +325,6 @@ class ParticipantRuntime:
                 self._data_step()
             control.join(timeout=10)
             applier.join(timeout=10)
-            reader.close()
         finally:
             self._close()
         if self.fatal is not None:
@@ -333,11 +334,21 @@ class ParticipantRuntime:
         self.stop_event.set()
 
     def _close(self) -> None:
-        with suppress(KafkaException, RuntimeError):  # already closed, or after a fatal error
-            self.consumer.close()
-        self.producer.flush(5)
+        """Close every client, sink and the health server however the run ended; one that fails
+        to close (closed already, or after a fatal error) does not keep the others open -- a
+        Kafka client left to the interpreter's exit can call back into it as it is torn down."""
+        closers: list[Callable[[], object]] = [self.consumer.close]
+        if self._reader is not None:
+            closers.append(self._reader.close)
+        closers.append(lambda: self.producer.flush(5))
+        for closer in closers:
+            with suppress(KafkaException, RuntimeError):
+                closer()
         for sink in self.sinks:
-            sink.close()
+            try:
+                sink.close()
+            except Exception as exc:  # noqa: BLE001 -- closing: say it, close the rest
+                log.warning("closing sink %s: %s", sink.name, exc)
         self.health.stop()
 
     def _guard(self, fn: Callable[..., None], *args: Any) -> Callable[[], None]:

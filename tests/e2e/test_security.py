@@ -44,7 +44,9 @@ from tests.e2e.e2e_support import (
 )
 from tests.e2e.secure_broker import SecureBroker
 from twophase.config import load_config
-from twophase.kafka import create_topics
+from twophase.coordinator.runtime import CoordinatorRuntime
+from twophase.kafka import BrokerAuthError, _BrokerAccess, create_topics
+from twophase.participants.runtime.participant import ParticipantRuntime
 from twophase.protocol.codec import DecodeError, decode, encode, new_envelope
 from twophase.protocol.messages import Decision, Outcome, Part, Position, Prepare, Vote
 from twophase.retry import KAFKA
@@ -547,3 +549,36 @@ def test_sasl_wrong_password_coordinator_is_not_ready(
         assert "Authentication failed" in _one_fatal_line(c.log_tail("coord-0", 200))
     finally:
         c.stop_all()
+
+
+@pytest.mark.parametrize("role", ["coordinator", "participant"])
+def test_a_runtime_refused_by_kafka_closes_what_it_opened(
+    tmp_path: Path, secure_broker: SecureBroker, monkeypatch: pytest.MonkeyPatch, role: str
+) -> None:
+    """However a run ends -- here at its first contact, the broker refusing the password -- the
+    runtime closes its consumers and its health server before it returns. A coordinator used
+    to return with its two consumers open and its health server answering; the process then
+    exited with librdkafka's threads alive and once died of SIGSEGV instead of exiting 2 (CI,
+    test_sasl_wrong_password_coordinator_is_not_ready)."""
+    monkeypatch.setenv("T_KAFKA_PASSWORD", f"wrong-{uuid.uuid4().hex[:12]}")
+    # A process raises the refusal once (later clients stay quiet): a fresh one per case.
+    monkeypatch.setattr("twophase.kafka._access", _BrokerAccess())
+    s = _secure_scenario(tmp_path, secure_broker, "T_KAFKA_PASSWORD", f"closes{role[0]}")
+    s.write()
+    s.prepare_stores()
+    cfg = load_config(s.config_path)
+    runtime: CoordinatorRuntime | ParticipantRuntime
+    if role == "coordinator":
+        runtime = CoordinatorRuntime(cfg, instance="c-0")
+        consumers = [runtime.consumer, runtime.group_handle]
+    else:
+        runtime = ParticipantRuntime(cfg, participant_id="p-0")
+        consumers = [runtime.consumer]
+    with pytest.raises(BrokerAuthError, match="Authentication failed"):
+        runtime.run()
+    port = runtime.health.port
+    assert port != 0  # it did start serving before the refusal
+    for consumer in consumers:
+        with pytest.raises(RuntimeError, match="closed"):
+            consumer.assignment()
+    assert http_get(port, "/healthz")[0] == 0, "the health server still answers"
