@@ -196,6 +196,9 @@ def _on_error(err: KafkaError) -> None:
     so the process stops with one line that says what to check. Everything else (a broker
     restarting, all brokers down) librdkafka recovers from by itself: logged only.
     """
+    if _access.failed is not None:  # refused already: what the clients say as they close is noise
+        log.debug("Kafka, after the refusal: %s", err.str())
+        return
     found = _auth_failure(err)
     if found is None:
         if err.fatal():
