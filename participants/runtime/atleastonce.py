@@ -30,6 +30,7 @@ from twophase.participants.runtime.batch import (
     SOURCE_FETCH_DEFAULTS,
     SOURCE_GROUP_SETTINGS,
     Retractions,
+    close_quietly,
     decoding,
     open_writers,
     quiet_gc,
@@ -131,10 +132,7 @@ class AtLeastOnceRuntime:
                 if msgs:
                     self._batch(msgs)
         finally:
-            self.consumer.close()
-            self.producer.flush(5)
-            for sink in self.sinks:
-                sink.close()
+            close_quietly([self.consumer.close, lambda: self.producer.flush(5)], self.sinks)
             self.health.stop()
 
     def _next_txn(self) -> int:

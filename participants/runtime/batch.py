@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
-from confluent_kafka import Message, Producer
+from confluent_kafka import KafkaException, Message, Producer
 
 from twophase.config import PipelineConfig
 from twophase.kafka import client_settings, topic_max_message_bytes
@@ -91,6 +91,22 @@ def quiet_gc() -> None:
     gc.freeze()
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(GC_GEN0_THRESHOLD, older, oldest)
+
+
+def close_quietly(kafka: Sequence[Callable[[], object]], sinks: Sequence[Sink]) -> None:
+    """Close a runtime's Kafka clients, then its sinks, however its run ended: one that fails to
+    close (after a fatal error, or closed already) is logged and the rest are still closed -- a
+    Kafka client left to the interpreter's exit can call back into it as it is torn down."""
+    for close in kafka:
+        try:
+            close()
+        except (KafkaException, RuntimeError) as exc:
+            log.info("closing a Kafka client: %s", exc)
+    for sink in sinks:
+        try:
+            sink.close()
+        except Exception as exc:  # noqa: BLE001 -- a sink's own code: say it, close the rest
+            log.warning("closing sink %s: %s", sink.name, exc)
 
 
 def reads_raw(sinks: Sequence[Sink], decoder: Decoder) -> bool:

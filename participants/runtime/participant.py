@@ -8,7 +8,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -72,6 +71,7 @@ from twophase.participants.runtime.batch import (
     SOURCE_FETCH_DEFAULTS,
     SOURCE_GROUP_SETTINGS,
     Retractions,
+    close_quietly,
     decoding,
     open_writers,
     quiet_gc,
@@ -334,21 +334,10 @@ class ParticipantRuntime:
         self.stop_event.set()
 
     def _close(self) -> None:
-        """Close every client, sink and the health server however the run ended; one that fails
-        to close (closed already, or after a fatal error) does not keep the others open -- a
-        Kafka client left to the interpreter's exit can call back into it as it is torn down."""
-        closers: list[Callable[[], object]] = [self.consumer.close]
+        kafka: list[Callable[[], object]] = [self.consumer.close]
         if self._reader is not None:
-            closers.append(self._reader.close)
-        closers.append(lambda: self.producer.flush(5))
-        for closer in closers:
-            with suppress(KafkaException, RuntimeError):
-                closer()
-        for sink in self.sinks:
-            try:
-                sink.close()
-            except Exception as exc:  # noqa: BLE001 -- closing: say it, close the rest
-                log.warning("closing sink %s: %s", sink.name, exc)
+            kafka.append(self._reader.close)
+        close_quietly([*kafka, lambda: self.producer.flush(5)], self.sinks)
         self.health.stop()
 
     def _guard(self, fn: Callable[..., None], *args: Any) -> Callable[[], None]:

@@ -10,11 +10,11 @@ from typing import Any, cast
 
 import orjson
 import pytest
-from confluent_kafka import Message
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message
 
 from twophase.observability import Metrics
 from twophase.participants.decoding import JsonDecoder
-from twophase.participants.runtime.batch import Retractions, write_batch
+from twophase.participants.runtime.batch import Retractions, close_quietly, write_batch
 from twophase.participants.runtime.deadletter import DeadLetters
 from twophase.participants.sdk import (
     AbortTransactionError,
@@ -453,3 +453,35 @@ def test_a_sink_that_makes_no_targets_as_configured_is_not_asked() -> None:
     )
     assert out.held == {} and idle.asked == []
     assert [r.offset for r in idle.got] == [10]
+
+
+class _ClosingSink:
+    def __init__(self, name: str, fails: bool, closed: list[str]) -> None:
+        self.name, self.fails, self.closed = name, fails, closed
+
+    def close(self) -> None:
+        if self.fails:
+            raise OSError(f"{self.name} cannot close")
+        self.closed.append(self.name)
+
+
+def test_close_quietly_closes_the_rest_when_one_fails(caplog: pytest.LogCaptureFixture) -> None:
+    """However a run ended, every client and sink gets its close: a client whose close raises
+    and a sink whose close raises are logged, and what follows them still closes
+    -- a client left open to the interpreter's exit can crash it as it is torn down."""
+    closed: list[str] = []
+    consumer = Consumer({"bootstrap.servers": "127.0.0.1:1", "group.id": "g"})
+    consumer.close()
+
+    def fenced() -> None:
+        raise KafkaException(KafkaError(KafkaError._FENCED, "fenced", fatal=True))
+
+    # A closed consumer's calls raise RuntimeError; a fenced producer's flush, KafkaException.
+    kafka = [consumer.assignment, fenced, lambda: closed.append("producer")]
+    sinks = [
+        _ClosingSink("first", True, closed),
+        _ClosingSink("second", False, closed),
+    ]
+    close_quietly(kafka, cast(Any, sinks))
+    assert closed == ["producer", "second"]
+    assert "closing sink first: first cannot close" in caplog.text
