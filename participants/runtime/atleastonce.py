@@ -103,6 +103,7 @@ class AtLeastOnceRuntime:
         self.stop_event.set()
 
     def run(self) -> None:
+        ended: BaseException | None = None
         try:
             # Inside the try: a port in use (ConfigError naming metrics.port) still closes the
             # Kafka clients, which would otherwise keep the process alive.
@@ -131,9 +132,16 @@ class AtLeastOnceRuntime:
                         raise_fatal(err)
                 if msgs:
                     self._batch(msgs)
+        except BaseException as exc:
+            ended = exc
+            raise
         finally:
-            close_quietly([self.consumer.close, lambda: self.producer.flush(5)], self.sinks)
+            failed = close_quietly(
+                [self.consumer.close, lambda: self.producer.flush(5)], self.sinks
+            )
             self.health.stop()
+            if failed is not None and ended is None:
+                raise failed
 
     def _next_txn(self) -> int:
         """Part numbers only need to grow per participant, across restarts too: centiseconds

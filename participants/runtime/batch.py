@@ -93,20 +93,32 @@ def quiet_gc() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD, older, oldest)
 
 
-def close_quietly(kafka: Sequence[Callable[[], object]], sinks: Sequence[Sink]) -> None:
-    """Close a runtime's Kafka clients, then its sinks, however its run ended: one that fails to
-    close (after a fatal error, or closed already) is logged and the rest are still closed -- a
-    Kafka client left to the interpreter's exit can call back into it as it is torn down."""
-    for close in kafka:
+def close_quietly(
+    closers: Sequence[Callable[[], object]], sinks: Sequence[Sink]
+) -> Exception | None:
+    """Run a runtime's Kafka closers (a consumer's close, a producer's flush), then close its
+    sinks, however its run ended: one that raises is logged and the rest still run -- a Kafka
+    client left to the interpreter's exit can call back into it as it is torn down.
+
+    Returns the first error that is not a Kafka client's own (one a callback raised as its
+    consumer closed -- an abort on revoke -- or a sink's), for the caller to raise when nothing
+    else ended the run."""
+    failed: Exception | None = None
+    for close in closers:
         try:
             close()
         except (KafkaException, RuntimeError) as exc:
             log.info("closing a Kafka client: %s", exc)
+        except Exception as exc:  # noqa: BLE001 -- a callback's error: say it, close the rest
+            log.warning("closing a Kafka client: %s", exc)
+            failed = failed or exc
     for sink in sinks:
         try:
             sink.close()
         except Exception as exc:  # noqa: BLE001 -- a sink's own code: say it, close the rest
             log.warning("closing sink %s: %s", sink.name, exc)
+            failed = failed or exc
+    return failed
 
 
 def reads_raw(sinks: Sequence[Sink], decoder: Decoder) -> bool:

@@ -277,6 +277,8 @@ class ParticipantRuntime:
 
     def run(self) -> None:
         """Recover, then consume until :meth:`stop` or a fatal error (re-raised)."""
+        threads: list[threading.Thread] = []
+        ended: BaseException | None = None
         try:
             # First, and inside the try: a port in use ends the process in one line (ConfigError
             # naming metrics.port) after closing the Kafka clients, which would keep it alive.
@@ -310,6 +312,7 @@ class ParticipantRuntime:
             applier = threading.Thread(
                 target=self._guard(self._apply_loop), name="apply", daemon=True
             )
+            threads = [applier, control]
             applier.start()
             control.start()
             self.subscription.start()
@@ -323,22 +326,36 @@ class ParticipantRuntime:
             while not self.stop_event.is_set():
                 self.health.beat()
                 self._data_step()
-            control.join(timeout=10)
-            applier.join(timeout=10)
+        except BaseException as exc:
+            ended = exc
+            raise
         finally:
-            self._close()
+            # However the run ended, the other threads stop before what they use is closed.
+            self.stop_event.set()
+            for thread in threads:
+                thread.join(timeout=10)
+            failed = self._close(control_running=any(t.is_alive() for t in threads[1:]))
+            if failed is not None and ended is None and self.fatal is None:
+                raise failed
         if self.fatal is not None:
             raise self.fatal
 
     def stop(self) -> None:
         self.stop_event.set()
 
-    def _close(self) -> None:
-        kafka: list[Callable[[], object]] = [self.consumer.close]
+    def _close(self, control_running: bool) -> Exception | None:
+        """Close the clients, the sinks and the health server; the first error that is not a
+        Kafka client's own, for the caller to raise when nothing else ended the run."""
+        closers: list[Callable[[], object]] = []
         if self._reader is not None:
-            kafka.append(self._reader.close)
-        close_quietly([*kafka, lambda: self.producer.flush(5)], self.sinks)
+            if control_running:  # never close a consumer under another thread's poll
+                log.warning("the control thread did not stop: its Kafka reader is left open")
+            else:
+                closers.append(self._reader.close)
+        closers += [self.consumer.close, lambda: self.producer.flush(5)]
+        failed = close_quietly(closers, self.sinks)
         self.health.stop()
+        return failed
 
     def _guard(self, fn: Callable[..., None], *args: Any) -> Callable[[], None]:
         def run() -> None:

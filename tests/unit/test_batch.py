@@ -5,6 +5,7 @@ partitions come in interleaved runs, with bad records at the ends of runs."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -26,6 +27,7 @@ from twophase.participants.sdk import (
     Rejected,
     Sink,
     SinkConfig,
+    SinkError,
 )
 
 JSON = JsonDecoder()
@@ -466,9 +468,9 @@ class _ClosingSink:
 
 
 def test_close_quietly_closes_the_rest_when_one_fails(caplog: pytest.LogCaptureFixture) -> None:
-    """However a run ended, every client and sink gets its close: a client whose close raises
-    and a sink whose close raises are logged, and what follows them still closes
-    -- a client left open to the interpreter's exit can crash it as it is torn down."""
+    """However a run ended, every client and sink gets its close: a closer that raises -- a
+    Kafka error, a callback's error as a consumer closes, a sink's -- is logged and what follows
+    it still runs; the first error that is not Kafka's own comes back for the caller to raise."""
     closed: list[str] = []
     consumer = Consumer({"bootstrap.servers": "127.0.0.1:1", "group.id": "g"})
     consumer.close()
@@ -476,12 +478,16 @@ def test_close_quietly_closes_the_rest_when_one_fails(caplog: pytest.LogCaptureF
     def fenced() -> None:
         raise KafkaException(KafkaError(KafkaError._FENCED, "fenced", fatal=True))
 
+    def revoke_failed() -> None:
+        raise SinkError("abort on revoke failed")
+
     # A closed consumer's calls raise RuntimeError; a fenced producer's flush, KafkaException.
-    kafka = [consumer.assignment, fenced, lambda: closed.append("producer")]
-    sinks = [
-        _ClosingSink("first", True, closed),
-        _ClosingSink("second", False, closed),
-    ]
-    close_quietly(kafka, cast(Any, sinks))
+    closers = [consumer.assignment, fenced, revoke_failed, lambda: closed.append("producer")]
+    sinks = [_ClosingSink("first", True, closed), _ClosingSink("second", False, closed)]
+    with caplog.at_level(logging.INFO, logger="twophase.participant"):
+        failed = close_quietly(closers, cast(Any, sinks))
     assert closed == ["producer", "second"]
+    assert isinstance(failed, SinkError) and "abort on revoke" in str(failed)
+    assert "Consumer closed" in caplog.text and "fenced" in caplog.text
     assert "closing sink first: first cannot close" in caplog.text
+    assert close_quietly([], cast(Any, sinks[1:])) is None
