@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import faulthandler
 import gc
+import io
 import json
 import logging
 import os
@@ -11,6 +12,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from contextlib import suppress
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, TypeVar
@@ -110,8 +112,10 @@ def _run_until_signal(make: Callable[[], Any], rejoin_on: type[FatalError] | Non
     A runtime that ends on ``rejoin_on`` is replaced by a new one (no exit).
     """
     # A crash in native code (librdkafka, a driver) prints every thread's Python stack to stderr
-    # -- the process's log -- instead of leaving only a signal number behind.
-    faulthandler.enable()
+    # -- the process's log -- instead of leaving only a signal number behind. (A stderr with no
+    # file descriptor, e.g. a test runner's capture, has nowhere to print it.)
+    with suppress(AttributeError, ValueError, io.UnsupportedOperation):
+        faulthandler.enable()
     stopping = threading.Event()
     current: list[Any] = []
 
@@ -127,15 +131,15 @@ def _run_until_signal(make: Callable[[], Any], rejoin_on: type[FatalError] | Non
     while True:
         current.append(_build(make))
         del current[:-1]
-        if stopping.is_set():
-            return
-        status = _run_one(current[-1], stopping, rejoin_on)
+        # A signal while it was being built: it never runs (its clients go below).
+        status = 0 if stopping.is_set() else _run_one(current[-1], stopping, rejoin_on)
         if status is None:
             continue
-        # The runtime has closed its clients; its last references go now, with the cycles its
-        # callbacks make, so a librdkafka handle that has no close() (the admin client) is
-        # destroyed while the interpreter is whole -- not by its exit, when a client's thread
-        # calling back into Python can crash the process (SIGSEGV instead of the status).
+        # The runtime has closed what it closes; its last references go now, with the cycles
+        # its callbacks make, so the librdkafka handles it does not close itself (the admin
+        # client, the producers after their flush) are destroyed while the interpreter is whole
+        # -- not by its exit, when a client's thread calling back into Python can crash the
+        # process (SIGSEGV instead of the status).
         current.clear()
         gc.collect()
         if status:

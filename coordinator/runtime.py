@@ -14,7 +14,6 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from contextlib import suppress
 from typing import Any
 
 from confluent_kafka import (
@@ -47,7 +46,7 @@ from twophase.coordinator.machine import (
     Tick,
 )
 from twophase.coordinator.stall import StallWatch
-from twophase.errors import FatalError, FencedError
+from twophase.errors import FatalError, FencedError, TwophaseError
 from twophase.faults import crash_point
 from twophase.kafka import (
     CALL_TIMEOUT_S,
@@ -231,14 +230,18 @@ class CoordinatorRuntime:
         self.stop_event.set()
 
     def close(self) -> None:
-        """Close every client and the health server; one that fails to close (closed already,
-        or after a fatal error) does not keep the others open."""
-        for consumer in (self.consumer, self.group_handle):
-            with suppress(KafkaException, RuntimeError):
-                consumer.close()
+        """Close both consumers, flush the publisher and stop the health server; one that
+        raises (after a fatal error, or an error callback served as it closes) is logged and
+        does not keep the others open. The admin client has no close: the CLI lets the runtime
+        go before the process exits."""
+        closers = [self.consumer.close, self.group_handle.close]
         if self.publisher is not None:
-            with suppress(KafkaException, RuntimeError):
-                self.publisher.close()
+            closers.append(self.publisher.close)
+        for close in closers:
+            try:
+                close()
+            except (KafkaException, RuntimeError, TwophaseError) as exc:
+                log.info("closing a Kafka client: %s", exc)
         self.health.stop()
         self.metrics.leader.labels(self.cfg.pipeline).set(0)
 

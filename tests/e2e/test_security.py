@@ -557,9 +557,9 @@ def test_a_runtime_refused_by_kafka_closes_what_it_opened(
 ) -> None:
     """However a run ends -- here at its first contact, the broker refusing the password -- the
     runtime closes its consumers and its health server before it returns. A coordinator used
-    to return with its two consumers open and its health server answering; the process then
-    exited with librdkafka's threads alive and once died of SIGSEGV instead of exiting 2 (CI,
-    test_sasl_wrong_password_coordinator_is_not_ready)."""
+    to return with its two consumers open and its health server answering, leaving them to the
+    interpreter's exit -- the likely cause of its one SIGSEGV instead of exiting 2 (CI,
+    test_sasl_wrong_password_coordinator_is_not_ready; not reproduced on demand)."""
     monkeypatch.setenv("T_KAFKA_PASSWORD", f"wrong-{uuid.uuid4().hex[:12]}")
     # A process raises the refusal once (later clients stay quiet): a fresh one per case.
     monkeypatch.setattr("twophase.kafka._access", _BrokerAccess())
