@@ -189,6 +189,10 @@ def _auth_failure(err: KafkaError) -> tuple[bool, str] | None:
     return None
 
 
+#: What a client refused by the broker reports besides the refusal itself.
+_REFUSAL_ECHOES = frozenset({KafkaError._ALL_BROKERS_DOWN, KafkaError._TRANSPORT})
+
+
 def _on_error(err: KafkaError) -> None:
     """librdkafka's ``error_cb``, served from the client's poll/flush/consume calls.
 
@@ -196,10 +200,12 @@ def _on_error(err: KafkaError) -> None:
     so the process stops with one line that says what to check. Everything else (a broker
     restarting, all brokers down) librdkafka recovers from by itself: logged only.
     """
-    if _access.failed is not None:  # refused already: what the clients say as they close is noise
+    found = _auth_failure(err)
+    if _access.failed is not None and (found is not None or err.code() in _REFUSAL_ECHOES):
+        # Refused already: the clients repeat it as they close (or a driver's next query
+        # starts) -- said once, as the error raised. Anything else is still logged.
         log.debug("Kafka, after the refusal: %s", err.str())
         return
-    found = _auth_failure(err)
     if found is None:
         if err.fatal():
             log.error("Kafka: %s", err.str())  # surfaces again from the failing call
@@ -431,10 +437,14 @@ class ControlReader:
         self.tp = TopicPartition(self.cfg.control_topic, 0)
         # Right after a broker restart this fails (NOT_COORDINATOR) until the coordinator
         # group's new coordinator has loaded its offsets: retried, not fatal.
-        committed = KAFKA.call(
-            lambda: self.consumer.committed([self.tp], timeout=CALL_TIMEOUT_S),
-            "reading the control topic's checkpoint offset",
-        )[0].offset
+        try:
+            committed = KAFKA.call(
+                lambda: self.consumer.committed([self.tp], timeout=CALL_TIMEOUT_S),
+                "reading the control topic's checkpoint offset",
+            )[0].offset
+        except BaseException:
+            self.consumer.close()  # no reader to close it later
+            raise
         start = committed if committed >= 0 else OFFSET_BEGINNING
         self.consumer.assign([TopicPartition(self.cfg.control_topic, 0, start)])
         self.at_end = False
