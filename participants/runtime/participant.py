@@ -334,7 +334,8 @@ class ParticipantRuntime:
             self.stop_event.set()
             for thread in threads:
                 thread.join(timeout=10)
-            failed = self._close(control_running=any(t.is_alive() for t in threads[1:]))
+            control_running = any(t.name == "control" and t.is_alive() for t in threads)
+            failed = self._close(control_running)
             if failed is not None and ended is None and self.fatal is None:
                 raise failed
         if self.fatal is not None:
