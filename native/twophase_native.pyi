@@ -59,6 +59,12 @@ def copy_columns(payload: bytes, oids: list[int]) -> list[bytes]:
     what ``unnest($1::int8[], ...)`` reads back as the same rows. ValueError when ``payload``
     is not such a stream."""
 
+def event_columns(payload: bytes, oids: list[int], keys: list[int]) -> tuple[list[bytes], bool]:
+    """``copy_columns`` of the events encoder's stream (place in the batch, delete flag, then
+    the columns), and whether a key -- the fields at ``keys``, compared by their binary values
+    -- has a delete followed by a row in it (also true for rows out of place order).
+    ValueError when ``payload`` is not such a stream or ``keys`` names the place or flag."""
+
 def join_lines(values: Sequence[bytes], utf8: bool = False) -> bytes | None:
     """The values joined by line breaks, or None when one is empty, does not start with
     ``{``, holds a line break, or (``utf8``) is not valid UTF-8."""

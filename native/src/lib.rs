@@ -14,7 +14,7 @@ use pyo3::prelude::*;
 use pyo3::intern;
 use pyo3::types::{PyBytes, PyList, PyString};
 use apache_avro::types::Value as AvroValue;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 use std::sync::{Arc, RwLock};
 
@@ -1308,14 +1308,85 @@ impl AvroCopyEncoder {
 /// without a table to COPY them into.
 #[pyfunction]
 fn copy_columns<'py>(py: Python<'py>, payload: &[u8], oids: Vec<u32>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
-    let cols = py.detach(|| transpose(payload, &oids)).ok_or_else(|| {
-        PyValueError::new_err(format!("not a binary COPY stream of {} fields per row", oids.len()))
-    })?;
+    let (cols, _) = py.detach(|| transpose(payload, &oids, &[])).ok_or_else(|| not_a_stream(&oids))?;
     Ok(cols.iter().map(|c| PyBytes::new(py, c)).collect())
 }
 
-fn transpose(payload: &[u8], oids: &[u32]) -> Option<Vec<Vec<u8>>> {
+fn not_a_stream(oids: &[u32]) -> PyErr {
+    PyValueError::new_err(format!("not a binary COPY stream of {} fields per row", oids.len()))
+}
+
+/// [`copy_columns`] of a stream of change rows (the events encoder's: place in the batch,
+/// delete flag, then the columns), and whether a key of `keys` (field indices; every field of
+/// the key) has a delete followed by a row -- a key deleted and written again within the
+/// stream. Keys are compared by their binary values, so the caller asks only of types whose
+/// equal values have equal bytes. Rows out of place order answer true (nothing is assumed).
+#[pyfunction]
+fn event_columns<'py>(
+    py: Python<'py>,
+    payload: &[u8],
+    oids: Vec<u32>,
+    keys: Vec<usize>,
+) -> PyResult<(Vec<Bound<'py, PyBytes>>, bool)> {
+    if keys.is_empty() || oids.len() < 2 || keys.iter().any(|&k| k < 2 || k >= oids.len()) {
+        return Err(PyValueError::new_err("keys: field indices after the place and the flag"));
+    }
+    let (cols, rewritten) =
+        py.detach(|| transpose(payload, &oids, &keys)).ok_or_else(|| not_a_stream(&oids))?;
+    Ok((cols.iter().map(|c| PyBytes::new(py, c)).collect(), rewritten))
+}
+
+/// Tracks, along a stream of change rows in place order, whether a key is written after a
+/// delete of it ([`event_columns`]).
+struct Rewrites<'k> {
+    keys: &'k [usize],
+    deleted: HashSet<Vec<u8>>,
+    key: Vec<u8>,
+    last_place: Option<i64>,
+    found: bool,
+}
+
+impl Rewrites<'_> {
+    /// One row's fields (each with its 4-byte length; a NULL's is -1 and nothing follows).
+    fn row(&mut self, fields: &[&[u8]]) {
+        if self.found || self.keys.is_empty() {
+            return;
+        }
+        let place = match <[u8; 8]>::try_from(&fields[0][4..]) {
+            Ok(b) => i64::from_be_bytes(b),
+            Err(_) => {
+                self.found = true; // not a place: assume the worst
+                return;
+            }
+        };
+        if self.last_place.is_some_and(|last| place <= last) {
+            self.found = true;
+            return;
+        }
+        self.last_place = Some(place);
+        let delete = fields[1].get(4..) == Some(&[1u8][..]);
+        if !delete && self.deleted.is_empty() {
+            return;
+        }
+        self.key.clear();
+        for &k in self.keys {
+            self.key.extend_from_slice(fields[k]);
+        }
+        if delete {
+            if !self.deleted.contains(&self.key) {
+                self.deleted.insert(self.key.clone());
+            }
+        } else if self.deleted.contains(&self.key) {
+            self.found = true;
+        }
+    }
+}
+
+fn transpose(payload: &[u8], oids: &[u32], keys: &[usize]) -> Option<(Vec<Vec<u8>>, bool)> {
     let n = oids.len();
+    let mut rewrites =
+        Rewrites { keys, deleted: HashSet::new(), key: Vec::new(), last_place: None, found: false };
+    let mut fields: Vec<&[u8]> = Vec::with_capacity(n);
     // ndim, has-null flag, element type, then (for a non-empty array) length and lower bound.
     let mut cols: Vec<Vec<u8>> = oids
         .iter()
@@ -1345,16 +1416,20 @@ fn transpose(payload: &[u8], oids: &[u32]) -> Option<Vec<Vec<u8>>> {
             if count as usize != n {
                 return None;
             }
+            fields.clear();
             for j in 0..n {
+                let start = i;
                 let len_bytes = take(&mut i, 4)?;
                 let len = i32::from_be_bytes(len_bytes.try_into().ok()?);
-                cols[j].extend_from_slice(len_bytes);
                 if len == -1 {
                     nulls[j] = true;
                 } else {
-                    cols[j].extend_from_slice(take(&mut i, usize::try_from(len).ok()?)?);
+                    take(&mut i, usize::try_from(len).ok()?)?;
                 }
+                cols[j].extend_from_slice(&body[start..i]);
+                fields.push(&body[start..i]);
             }
+            rewrites.row(&fields);
             rows = rows.checked_add(1)?;
         }
         if i != body.len() {
@@ -1371,7 +1446,7 @@ fn transpose(payload: &[u8], oids: &[u32]) -> Option<Vec<Vec<u8>>> {
         }
         c[4..8].copy_from_slice(&(nulls[j] as i32).to_be_bytes());
     }
-    Some(cols)
+    Some((cols, rewrites.found))
 }
 
 // ------------------------------------------------------------------------- JSON lines
@@ -1700,6 +1775,7 @@ fn twophase_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<CopyEncoder>()?;
     m.add_class::<AvroCopyEncoder>()?;
     m.add_function(wrap_pyfunction!(copy_columns, m)?)?;
+    m.add_function(wrap_pyfunction!(event_columns, m)?)?;
     m.add_function(wrap_pyfunction!(join_lines, m)?)?;
     m.add_function(wrap_pyfunction!(flat_columns, m)?)?;
     m.add_function(wrap_pyfunction!(scan_values, m)?)?;

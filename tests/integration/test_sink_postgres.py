@@ -71,6 +71,7 @@ class PgEnv:
         self.pipeline = f"p{base}"[:60]
         self.reader = psycopg.connect(dsn, autocommit=True)
         self.tables: list[str] = []
+        self.functions: list[str] = []  # dropped after the tables (with their triggers)
         self.sinks: list[PostgresSink] = []
         self.pipelines = {self.pipeline}
 
@@ -107,6 +108,8 @@ class PgEnv:
             self.reader.execute(f"DROP TABLE IF EXISTS {stage}")
         for name in self.tables:
             self.reader.execute(f'DROP TABLE IF EXISTS "{name}"')
+        for function in self.functions:
+            self.reader.execute(f'DROP FUNCTION IF EXISTS "{function}"() CASCADE')
         if self.rows("SELECT to_regclass('twophase_parts')")[0][0] is not None:
             self.reader.execute(
                 "DELETE FROM twophase_parts WHERE pipeline = ANY(%s)", (sorted(self.pipelines),)

@@ -86,8 +86,16 @@ class _EventStatements:
     upsert: sql.Composed
     merge: sql.Composed
     delete: sql.Composed
+    #: The ``MERGE`` that also deletes the keys whose last change is a delete: exact only for
+    #: a write with no key deleted and then written again (that must stay a DELETE and an
+    #: INSERT, as in two writes, for row triggers and ``ON DELETE`` actions).
+    fold: sql.Composed
     #: The element types of the compiled rows' arrays: place, delete flag, every column.
     oids: list[int]
+    #: The key's fields among those arrays, for ``twophase_native.event_columns`` to tell a
+    #: key deleted and written again; None when a key column's equal values can differ in
+    #: bytes (numeric, a nondeterministic collation): such writes never fold.
+    keys: list[int] | None
 
 
 def type_oid(name: str) -> int:

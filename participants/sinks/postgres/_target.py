@@ -268,17 +268,19 @@ class _Target(_Connections):
                    a.atthasdef OR a.attidentity <> '',
                    a.attgenerated <> '',
                    CASE WHEN coalesce(bt.typname, t.typname) IN ('varchar', 'bpchar')
-                             AND a.atttypmod > 4 THEN a.atttypmod - 4 END
+                             AND a.atttypmod > 4 THEN a.atttypmod - 4 END,
+                   coalesce(co.collisdeterministic, true)
               FROM pg_attribute a
               JOIN pg_type t ON t.oid = a.atttypid
               LEFT JOIN pg_type bt ON t.typtype = 'd' AND bt.oid = t.typbasetype
+              LEFT JOIN pg_collation co ON co.oid = a.attcollation
              WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped
              ORDER BY a.attnum
             """,
             (oid,),
         ).fetchall()
         table_columns: dict[str, tuple[Column, bool]] = {}
-        for name, base, special, sql_type, not_null, has_default, generated, max_len in rows:
+        for name, base, special, sql_type, not_null, has_default, generated, max_len, det in rows:
             column = Column(
                 name=name,
                 base_type=special or base,
@@ -286,6 +288,7 @@ class _Target(_Connections):
                 not_null=bool(not_null),
                 has_default=bool(has_default),
                 max_length=max_len,
+                deterministic=bool(det),
             )
             table_columns[name] = (column, bool(generated))
         return table_columns

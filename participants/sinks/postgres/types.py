@@ -26,12 +26,14 @@ from psycopg.types.json import Json, Jsonb
 from twophase.participants.sdk import values
 
 __all__ = [
+    "BYTE_EQUAL_TYPES",
     "KNOWN_TYPES",
     "BadValue",
     "Column",
     "Converter",
     "array_literal",
     "binary_type",
+    "byte_equal",
     "converter_for",
     "json_bytes",
 ]
@@ -67,6 +69,20 @@ KNOWN_TYPES = frozenset(
 )
 
 
+#: Base types whose equal values have equal binary forms (text-like ones only under a
+#: deterministic collation): keys of these can be compared by their bytes. Not numeric
+#: (``1.0`` and ``1.00``), floats (``0`` and ``-0``), bpchar (trailing blanks) or json.
+BYTE_EQUAL_TYPES = frozenset(
+    {*_INT_RANGES, "bool", "text", "varchar", "name", "uuid", "date", "timestamp",
+     "timestamptz", "bytea"}
+)  # fmt: skip
+
+
+def byte_equal(column: Column) -> bool:
+    """Whether equal values of ``column`` always have equal binary forms."""
+    return column.base_type in BYTE_EQUAL_TYPES and column.deterministic
+
+
 #: Binary COPY type of each known base type (text-like types share text's wire format).
 _BINARY_TYPES = {"varchar": "text", "bpchar": "text", "name": "text"}
 
@@ -92,6 +108,8 @@ class Column:
     not_null: bool
     has_default: bool  # DEFAULT, identity or serial: an absent field lets the server fill it
     max_length: int | None  # varchar(n)/char(n)
+    #: The column's collation is deterministic (or it has none): equal text is equal bytes.
+    deterministic: bool = True
 
 
 _wrong = values.wrong
