@@ -1326,11 +1326,14 @@ fn event_columns<'py>(
     py: Python<'py>,
     payload: &[u8],
     oids: Vec<u32>,
-    keys: Vec<usize>,
+    keys: Vec<i64>,
 ) -> PyResult<(Vec<Bound<'py, PyBytes>>, bool)> {
-    if keys.is_empty() || oids.len() < 2 || keys.iter().any(|&k| k < 2 || k >= oids.len()) {
-        return Err(PyValueError::new_err("keys: field indices after the place and the flag"));
-    }
+    let keys: Vec<usize> = keys
+        .iter()
+        .map(|&k| usize::try_from(k).ok().filter(|&k| k >= 2 && k < oids.len()))
+        .collect::<Option<_>>()
+        .filter(|k: &Vec<usize>| !k.is_empty())
+        .ok_or_else(|| PyValueError::new_err("keys: field indices after the place and the flag"))?;
     let (cols, rewritten) =
         py.detach(|| transpose(payload, &oids, &keys)).ok_or_else(|| not_a_stream(&oids))?;
     Ok((cols.iter().map(|c| PyBytes::new(py, c)).collect(), rewritten))
@@ -1364,7 +1367,14 @@ impl Rewrites<'_> {
             return;
         }
         self.last_place = Some(place);
-        let delete = fields[1].get(4..) == Some(&[1u8][..]);
+        let delete = match fields[1].get(4..) {
+            Some([0]) => false,
+            Some([1]) => true,
+            _ => {
+                self.found = true; // not a flag the encoder writes: assume the worst
+                return;
+            }
+        };
         if !delete && self.deleted.is_empty() {
             return;
         }

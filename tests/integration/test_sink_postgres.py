@@ -72,6 +72,7 @@ class PgEnv:
         self.reader = psycopg.connect(dsn, autocommit=True)
         self.tables: list[str] = []
         self.functions: list[str] = []  # dropped after the tables (with their triggers)
+        self.collations: list[str] = []  # dropped after the tables that use them
         self.sinks: list[PostgresSink] = []
         self.pipelines = {self.pipeline}
 
@@ -107,9 +108,11 @@ class PgEnv:
         for stage in stages:
             self.reader.execute(f"DROP TABLE IF EXISTS {stage}")
         for name in self.tables:
-            self.reader.execute(f'DROP TABLE IF EXISTS "{name}"')
+            self.reader.execute(f'DROP TABLE IF EXISTS "{name}" CASCADE')  # others' keys to it
         for function in self.functions:
             self.reader.execute(f'DROP FUNCTION IF EXISTS "{function}"() CASCADE')
+        for collation in self.collations:
+            self.reader.execute(f'DROP COLLATION IF EXISTS "{collation}"')
         if self.rows("SELECT to_regclass('twophase_parts')")[0][0] is not None:
             self.reader.execute(
                 "DELETE FROM twophase_parts WHERE pipeline = ANY(%s)", (sorted(self.pipelines),)

@@ -19,6 +19,7 @@ import psycopg
 import pytest
 import twophase_native
 from confluent_kafka import Message
+from psycopg import sql
 from test_sink_postgres import ALL_TYPES_DDL, PgEnv, _encodings, _regular, part
 
 from twophase.config import SourceConfig
@@ -151,7 +152,7 @@ UNMAPPED = ", note text DEFAULT 'default'"
 @pytest.mark.parametrize("unmapped", [False, True], ids=["every-column", "a-column-unmapped"])
 @pytest.mark.parametrize("seed", range(4))
 def test_change_events_read_raw_leave_what_the_decoded_records_leave(
-    env: PgEnv, seed: int, unmapped: bool
+    env: PgEnv, seed: int, unmapped: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rng = random.Random(20261126 + seed)
     ddl = DDL + (UNMAPPED if unmapped else "")
@@ -174,15 +175,14 @@ def test_change_events_read_raw_leave_what_the_decoded_records_leave(
     assert raw_sink.accepts_raw_shape(shape) and not dec_sink.accepts_raw_shape(shape)
     source = Source(random.Random(seed), raw_tables)
     staged: list[int] = []
-    folded: list[bool] = []
     stage = raw_sink._apply_events
 
     def counted(conn: Any, payload: bytes, rows: Any, *, settled: bool, fold: bool) -> None:
         stage(conn, payload, rows, settled=settled, fold=fold)
         staged.append(len(rows))  # the write took the staged path and the server took it
-        folded.append(settled and fold)
 
     raw_sink._apply_events = counted  # type: ignore[method-assign]
+    run = statements_run(monkeypatch)
     offset = 0
     for txn in range(1, 8):
         raw_batches = []
@@ -228,7 +228,7 @@ def test_change_events_read_raw_leave_what_the_decoded_records_leave(
     # the Python path staged beside the compiled ones, and deletes both in the MERGE (no key
     # deleted and written again) and before it.
     assert len(staged) >= 5 and sum(staged) > 0, staged
-    assert True in folded and False in folded, folded
+    assert "fold" in run and "delete" in run, run
     assert any(table(env, raw_tables[t]) for t in TABLES)
 
 
@@ -454,26 +454,62 @@ def test_event_columns_tells_a_key_deleted_and_written_again() -> None:
         twophase_native.event_columns(_HEADER + _row([None]), [_INT8, _BOOL, _TEXT], [2])
 
 
-@pytest.mark.parametrize("key_type", ["bigint", "numeric", "text"])
+def statements_run(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """What each ``MERGE`` or ``DELETE`` the sinks run is, in order: "fold" (a ``MERGE`` that
+    deletes), "merge" or "delete"."""
+    run: list[str] = []
+    execute = psycopg.Cursor.execute
+
+    def spied(cur: psycopg.Cursor[Any], query: Any, *args: Any, **kwargs: Any) -> Any:
+        text = query.as_string(cur) if isinstance(query, sql.Composable) else str(query)
+        if text.startswith("MERGE"):
+            run.append("fold" if "THEN DELETE" in text else "merge")
+        elif text.startswith("DELETE"):
+            run.append("delete")
+        return execute(cur, query, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.Cursor, "execute", spied)
+    return run
+
+
+#: Key column types: equal values with equal bytes or not (numeric: ``4`` and ``4.00``; a
+#: case-insensitive collation: ``k4`` and ``K4``).
+KEY_TYPES = {
+    "bigint": "bigint",
+    "numeric": "numeric",
+    "text": "text",
+    "text-nondeterministic": 'text COLLATE "{base}_ci"',
+}
+
+
+@pytest.mark.parametrize("key_type", sorted(KEY_TYPES))
 def test_a_key_deleted_and_written_again_in_one_write_is_a_delete_and_an_insert(
-    env: PgEnv, key_type: str
+    env: PgEnv, key_type: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Whichever path each change takes (the compiled encoder's, or Python's: a delete keyed
     only by the record key, a row with a null), a key deleted and then written again within
     one write leaves a DELETE and an INSERT -- what two writes leave -- and a write whose keys
-    are only deleted deletes them in the MERGE itself. A numeric key (``1.0`` equals ``1.00``
-    with other bytes) never does the latter."""
-    ddl = f"id {key_type} PRIMARY KEY, name text, qty integer, amount numeric(12, 2)"
-    name = env.table("rw", ddl)
+    are only deleted deletes them in the MERGE itself. Keys whose equal values can differ in
+    bytes (numeric, a nondeterministic collation) never do the latter."""
+    if key_type == "text-nondeterministic":
+        env.reader.execute(
+            f'CREATE COLLATION IF NOT EXISTS "{env.base}_ci" (provider = icu,'
+            " locale = 'und-u-ks-level2', deterministic = false)"
+        )
+        env.collations.append(f"{env.base}_ci")
+    ddl = f"id {KEY_TYPES[key_type].format(base=env.base)} PRIMARY KEY, name text, qty integer,"
+    name = env.table("rw", ddl + " amount numeric(12, 2)")
     audit = row_events(env, [name])
     sink = events_sink(env, f"w{env.base}"[:40])
     topic = f"cdc.{name}"
-    spelled: dict[int, Any] = {k: k if key_type != "text" else str(k) for k in range(1, 9)}
+    exact = key_type in ("bigint", "text")
 
     def key(k: int, other: bool = False) -> Any:
-        if key_type == "numeric" and other:
-            return f"{k}.00"  # the same value, other bytes
-        return spelled[k]
+        if key_type == "numeric":
+            return f"{k}.00" if other else k  # the same value, other bytes
+        if key_type == "text-nondeterministic":
+            return f"K{k}" if other else f"k{k}"  # one value under a case-insensitive collation
+        return f"k{k}" if key_type == "text" else k
 
     def row(
         op: str, k: int, *, null: bool = False, other: bool = False
@@ -486,27 +522,23 @@ def test_a_key_deleted_and_written_again_in_one_write_is_a_delete_and_an_insert(
         ev = {"before": {"id": key(k)} if before else None, "after": None, "op": "d", "source": {}}
         return topic, orjson.dumps(ev), orjson.dumps({"id": key(k)})
 
-    folded: list[bool] = []
-    apply = sink._apply_events
-
-    def watched(conn: Any, compiled: Any, staged: Any, *, settled: bool, fold: bool) -> None:
-        apply(conn, compiled, staged, settled=settled, fold=fold)
-        folded.append(settled and fold and conn.info.server_version >= 150000)
-
-    sink._apply_events = watched  # type: ignore[method-assign]
     writes = [
         [row("c", k) for k in range(1, 9)],
         [delete(1), row("u", 1)],  # both compiled
         [delete(2), row("u", 2, null=True)],  # compiled delete, Python row
         [delete(3, before=False), row("u", 3)],  # Python delete, compiled row
-        [delete(4), row("u", 4, other=True)],  # the same key spelled otherwise (numeric)
+        [delete(4), row("u", 4, other=True)],  # the same key spelled otherwise
         [row("u", 5), delete(5), delete(6)],  # only deletes at the end: in the MERGE
     ]
+    run = statements_run(monkeypatch)
+    each: list[list[str]] = []
     offset = 0
     for txn, events in enumerate(writes, start=1):
         pid = part(env, txn, pipeline=env.pipeline)
         sink.begin(pid)
+        before = len(run)
         assert sink.write_raw(pid, batch_of(events, offset)) == []
+        each.append(run[before:])
         offset += len(events)
         sink.prepare(pid, {("cdc", 0): offset})
         sink.commit(pid)
@@ -520,8 +552,60 @@ def test_a_key_deleted_and_written_again_in_one_write_is_a_delete_and_an_insert(
         6: ["INSERT", "DELETE"],
     }
     want |= {7: ["INSERT"], 8: ["INSERT"]}
-    assert audit(name, lambda k: int(float(k))) == want  # "4" and "4.00": one key
-    assert sorted(int(k) for k in table(env, name)) == [1, 2, 3, 4, 7, 8]
-    # Only the last write folds (its deletes in the MERGE), and not where equal keys can
-    # differ in bytes.
-    assert folded[1:] == [False] * 4 + [key_type != "numeric"]
+    assert audit(name, lambda k: int(str(k).lower().lstrip("k").split(".")[0])) == want
+    assert len(table(env, name)) == 6
+    # Only the last write deletes inside its MERGE, and only where equal keys have equal bytes.
+    assert each[1:] == [["delete", "merge"]] * 4 + [["fold"] if exact else ["delete", "merge"]]
+
+
+@pytest.mark.parametrize("guard", ["self-reference", "referenced", "row-security"])
+def test_no_delete_inside_the_merge_where_the_order_of_its_rows_shows(
+    env: PgEnv, guard: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A foreign key that references the target (from itself or another table) checks and
+    acts on a delete at the end of its statement, and a row-security policy refuses in a
+    ``MERGE`` what a ``DELETE`` skips: such a table keeps the ``DELETE`` first. With a key
+    referencing its own table, the write below leaves what the decoded path leaves: the
+    delete of a row a row of the same write still references is refused, and dead-lettered."""
+    ddl = "id bigint PRIMARY KEY, name text, qty integer, amount numeric(12, 2)"
+    tables = {}
+    for side in ("raw", "dec"):
+        extra = ', parent bigint REFERENCES "{t}" (id)' if guard == "self-reference" else ""
+        t = env.table(f"g{side}", ddl + extra.format(t=f"{env.base}_g{side}"))
+        if guard == "referenced":
+            env.table(f"c{side}", f'id bigint PRIMARY KEY REFERENCES "{t}" (id) ON DELETE CASCADE')
+        if guard == "row-security":
+            env.reader.execute(f'ALTER TABLE "{t}" ENABLE ROW LEVEL SECURITY')
+        env.reader.execute(f"INSERT INTO \"{t}\" (id, name) VALUES (3, 'a'), (1, 'b'), (2, 'c')")
+        if guard == "self-reference":
+            env.reader.execute(f'UPDATE "{t}" SET parent = CASE id WHEN 2 THEN 1 ELSE 3 END')
+        tables[side] = t
+    options: dict[str, Any] = {"columns": {c: c for c in ("id", "name", "qty", "amount")}}
+    if guard == "self-reference":
+        options["columns"]["parent"] = "parent"
+    raw = make_sink(env, tables["raw"], f"r{env.base}"[:40], mode="upsert", **options)
+    dec = make_sink(env, tables["dec"], f"d{env.base}"[:40], mode="upsert",
+                    compiled_copy=False, **options)  # fmt: skip
+    run = statements_run(monkeypatch)
+    results = []
+    for sink, t in ((raw, tables["raw"]), (dec, tables["dec"])):
+        after = {"id": 2, "name": "c", "qty": 1, "amount": "1.00", "parent": 3}
+        events = [
+            (f"cdc.{t}", orjson.dumps({"op": "u", "before": None, "after": after}), b'{"id": 2}'),
+            (f"cdc.{t}", orjson.dumps({"op": "d", "before": {"id": 1}, "after": None}),
+             b'{"id": 1}'),
+        ]  # fmt: skip
+        pid = part(env, 1, pipeline=env.pipeline, participant="w1" if sink is raw else "w2")
+        sink.begin(pid)
+        rejected = sink.write_raw(pid, batch_of(events, 0)) if sink is raw else (
+            sink.write(pid, batch_of(events, 0).records())
+        )  # fmt: skip
+        sink.prepare(pid, {("cdc", 0): 2})
+        sink.commit(pid)
+        results.append(
+            ([r.record.offset for r in rejected], sorted(env.rows(f'SELECT id FROM "{t}"')))
+        )
+    assert "fold" not in run and "delete" in run
+    assert results[0] == results[1]
+    if guard == "self-reference":
+        assert results[0] == ([1], [(1,), (2,), (3,)])  # row 1 was still referenced

@@ -74,7 +74,7 @@ TYPES = {
 def col(
     name: str, sql_type: str, base: str, not_null: bool = False, default: bool = False
 ) -> Column:
-    return Column(name, base, sql_type, not_null, default, None)
+    return Column(name, base, sql_type, not_null, default, None, True)
 
 
 @pytest.mark.parametrize("kind", sorted(TABLE))

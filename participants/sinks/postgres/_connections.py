@@ -122,6 +122,9 @@ class _OpenPart:
     prepare_sent: bool = False
     #: Held by write/prepare for their whole run, so abort() from another thread waits for them.
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Per target table (oid) the part holds ROW EXCLUSIVE on: whether a write of change
+    #: events may delete inside its MERGE (``_WritePath._may_fold``).
+    foldable: dict[int, bool] = field(default_factory=dict)
 
 
 def _qualified(name: str) -> sql.Composable:

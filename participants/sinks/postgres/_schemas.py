@@ -181,6 +181,7 @@ def _planned_column(name: str, sql_type: str, not_null: bool) -> Column:
         not_null=not_null,
         has_default=False,
         max_length=None,
+        deterministic=True,  # the tables the sink makes use the database's collation
     )
 
 

@@ -109,7 +109,7 @@ class Column:
     has_default: bool  # DEFAULT, identity or serial: an absent field lets the server fill it
     max_length: int | None  # varchar(n)/char(n)
     #: The column's collation is deterministic (or it has none): equal text is equal bytes.
-    deterministic: bool = True
+    deterministic: bool
 
 
 _wrong = values.wrong
