@@ -393,17 +393,18 @@ class _WritePath(_Markers):
         keys with a delete among their changes, then write each key's last change when it is
         a row. The rows reach the server as arrays (``unnest``), not through a staging table:
         no heap to fill, scan and empty again per write. ``settled``: the write has deletes
-        (a statement deletes their keys first, unless ``fold``) and so waited until no earlier part of this
-        instance is undecided (:meth:`_await_decisions`): a key absent from the target is
-        absent for good and PostgreSQL's ``MERGE`` (15 and later) applies the rows without
-        ``ON CONFLICT``'s speculative insertion; otherwise the upsert waits on the unique index
-        by itself. ``fold``: no key of the write is deleted and then written again and nothing
-        can see the order of a statement's rows (:meth:`_may_fold`), so instead of a DELETE
-        first the ``MERGE`` itself deletes the keys whose last change is a delete: the same
-        rows and the same row events per key, one statement fewer (measured: 15-17% more
-        change events per second at 1M events, 5% at 3M). Raises :class:`_CompiledRefused` (the part as before) when the
-        server refuses a row -- or when ``MERGE`` meets a key another process inserted
-        meanwhile (a unique violation): the careful path then redoes the batch."""
+        (a statement deletes their keys first, unless ``fold``) and so waited until no earlier
+        part of this instance is undecided (:meth:`_await_decisions`): a key absent from the
+        target is absent for good and PostgreSQL's ``MERGE`` (15 and later) applies the rows
+        without ``ON CONFLICT``'s speculative insertion; otherwise the upsert waits on the
+        unique index by itself. ``fold``: no key of the write is deleted and then written
+        again and nothing can see the order of a statement's rows (:meth:`_may_fold`), so
+        instead of a DELETE first the ``MERGE`` itself deletes the keys whose last change is
+        a delete: the same rows and the same row events per key, one statement fewer
+        (measured: 15-17% more change events per second at 1M events, 5% at 3M). Raises
+        :class:`_CompiledRefused` (the part as before) when the server refuses a row -- or
+        when ``MERGE`` meets a key another process inserted meanwhile (a unique violation):
+        the careful path then redoes the batch."""
         statements = self._events_statements()
         columns: list[list[Any]] = [[] for _ in self._mapped]
         places: list[int] = []
