@@ -72,6 +72,22 @@ def _any_true(flags: bytes) -> bool:
 DELETE_WAIT_S = 30.0
 
 
+#: Whether anything can see the order of a statement's rows on the table named ``%s`` (as the
+#: LOCK before it names it), its partitions or children (:meth:`_WritePath._may_fold`): a
+#: foreign key to one of them, a user's trigger on one, row-level security.
+_SEEN_ORDER = """
+    WITH RECURSIVE tree(oid) AS (
+        SELECT %s::regclass::oid
+        UNION SELECT i.inhrelid FROM pg_inherits i JOIN tree ON i.inhparent = tree.oid
+    )
+    SELECT EXISTS (SELECT 1 FROM pg_class c JOIN tree USING (oid) WHERE c.relrowsecurity)
+        OR EXISTS (SELECT 1 FROM pg_constraint f JOIN tree ON f.confrelid = tree.oid
+                   WHERE f.contype = 'f')
+        OR EXISTS (SELECT 1 FROM pg_trigger g JOIN tree ON g.tgrelid = tree.oid
+                   WHERE NOT g.tgisinternal)
+"""
+
+
 def _compiled_none(records: Sequence[Record]) -> tuple[bytes, int, Sequence[Record]]:
     """``encode`` of :meth:`_WritePath._write` for records only the Python path converts."""
     return b"", 0, records
@@ -352,7 +368,12 @@ class _WritePath(_Markers):
             if settled:
                 self._await_decisions(part)
             try:
-                fold = settled and not (rewritten or staged) and self._may_fold(op, op.conn)
+                fold = (
+                    settled
+                    and not (rewritten or staged)
+                    and op.conn.info.server_version >= 150000
+                    and self._may_fold(op, op.conn)
+                )
                 self._apply_events(op.conn, compiled, staged, settled=settled, fold=fold)
             except _CompiledRefused as exc:
                 # The server refused a row (a CHECK, numeric(p, s) overflow, a key another
@@ -443,21 +464,27 @@ class _WritePath(_Markers):
 
     def _may_fold(self, op: _OpenPart, conn: Connection) -> bool:
         """Whether a write of change events into the current table may delete inside its
-        ``MERGE``: not when a foreign key references the table (its own or another table's:
-        ``ON DELETE`` actions and checks would run at the end of the ``MERGE``, after the
-        write's other rows, instead of before them) or row-level security is on (a ``MERGE``
-        fails on a row its DELETE policy hides, where a ``DELETE`` skips it). Asked once per
-        part and table, under ROW EXCLUSIVE (which the write takes anyway): a foreign key or
-        policy change waits for the part to end."""
+        ``MERGE``: only where nothing can see the order of the statement's rows -- no foreign
+        key references the table or a partition or child of it (``ON DELETE`` checks and
+        actions would run at the end of the ``MERGE``, after the write's other rows, instead
+        of before them), no trigger of the user's is on any of them (it could read the table
+        in between), no row-level security (a ``MERGE`` fails on a row its DELETE policy
+        hides, where a ``DELETE`` skips it). Asked once per part and table, under ROW
+        EXCLUSIVE (which the write takes anyway): a key, trigger or policy added meanwhile
+        waits for the part. In a savepoint of its own, so that a lock timeout leaves the part
+        as it was (a retriable write error)."""
         oid = self._table_oid
         known = op.foldable.get(oid)
         if known is None:
-            conn.execute(sql.SQL("LOCK TABLE {} IN ROW EXCLUSIVE MODE").format(self._target))
-            row = conn.execute(
-                "SELECT c.relrowsecurity OR EXISTS (SELECT 1 FROM pg_constraint f"
-                " WHERE f.contype = 'f' AND f.confrelid = c.oid) FROM pg_class c WHERE c.oid = %s",
-                (oid,),
-            ).fetchone()
+            conn.execute(sql.SQL("SAVEPOINT {}").format(_WRITE_SAVEPOINT))
+            try:
+                conn.execute(sql.SQL("LOCK TABLE {} IN ROW EXCLUSIVE MODE").format(self._target))
+                row = conn.execute(_SEEN_ORDER, (self._target.as_string(conn),)).fetchone()
+            except BaseException:
+                conn.execute(sql.SQL("ROLLBACK TO SAVEPOINT {}").format(_WRITE_SAVEPOINT))
+                conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(_WRITE_SAVEPOINT))
+                raise
+            conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(_WRITE_SAVEPOINT))
             known = op.foldable[oid] = row is not None and not row[0]
         return known
 
