@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 from pydantic import ValidationError
@@ -57,17 +58,25 @@ class Lake:
 
     def __init__(self, pg_dsn: str, warehouse: Path) -> None:
         self.pg_dsn = pg_dsn
+        #: The sinks' catalog URI (the reader keeps ``pg_dsn``).
+        self.uri = pg_dsn
         self.warehouse = warehouse
         self.catalog = f"it{uuid.uuid4().hex[:10]}"
         self.pipeline = f"p{uuid.uuid4().hex[:8]}"
         self._reader: SqlCatalog | None = None
         self._made: list[IcebergSink] = []
 
+    def default_isolation(self, level: str) -> None:
+        """The sinks' catalog connections start with ``level`` as their default isolation (as
+        a server's or a role's setting would make it)."""
+        option = quote(f"-c default_transaction_isolation={level.replace(' ', chr(92) + ' ')}")
+        self.uri += ("&" if "?" in self.uri else "?") + f"options={option}"
+
     def config(self, **extra: Any) -> dict[str, Any]:
         cfg: dict[str, Any] = {
             "name": "lake",
             "type": "iceberg",
-            "catalog": {"uri": self.pg_dsn, "name": self.catalog, "warehouse": str(self.warehouse)},
+            "catalog": {"uri": self.uri, "name": self.catalog, "warehouse": str(self.warehouse)},
             "table": "sales.orders",
             "create_table": {"id": "long", "name": "string"},
         }
@@ -202,7 +211,15 @@ def test_a_commit_in_flight_fences_an_abort(lake: Lake, monkeypatch: pytest.Monk
 # -- concurrency ---------------------------------------------------------------------------------
 
 
-def test_two_participants_commit_into_one_table_in_the_same_cycle(lake: Lake) -> None:
+@pytest.mark.parametrize("isolation", [None, "repeatable read", "serializable"])
+def test_two_participants_commit_into_one_table_in_the_same_cycle(
+    lake: Lake, isolation: str | None
+) -> None:
+    """Two commits race for the table pointer in every cycle, and both land -- also where the
+    database's or the role's default isolation is above READ COMMITTED (the sink's catalog
+    transactions are READ COMMITTED whatever it is)."""
+    if isolation is not None:
+        lake.default_isolation(isolation)
     sinks = [lake.sink("w0"), lake.sink("w1")]
     for txn in (1, 2, 3):
         parts = [
@@ -638,7 +655,12 @@ def test_auto_evolve_adds_and_promotes_columns_before_the_rows_that_need_them(la
     assert rows[3]["amount"] is None and str(rows[12]["amount"]) == "12.50"
 
 
-def test_two_participants_evolve_one_table_in_the_same_cycle(lake: Lake) -> None:
+@pytest.mark.parametrize("isolation", [None, "serializable"])
+def test_two_participants_evolve_one_table_in_the_same_cycle(
+    lake: Lake, isolation: str | None
+) -> None:
+    if isolation is not None:
+        lake.default_isolation(isolation)  # pyiceberg's own catalog transactions, too
     sinks = [
         lake.sink(w, create_table={"id": "long", "n": "int"}, auto_evolve=True)
         for w in ("w0", "w1")
@@ -650,11 +672,11 @@ def test_two_participants_evolve_one_table_in_the_same_cycle(lake: Lake) -> None
         try:
             part = PartId(lake.pipeline, 1, f"w{w}")
             sinks[w].begin(part)
-            barrier.wait()
+            barrier.wait(30)
             records = [_typed(w * 100 + i, 2, amount=f"{i}.5") for i in range(20)]
             assert not sinks[w].write(part, records)
             sinks[w].prepare(part, {(TOPIC, w): 20})
-            barrier.wait()
+            barrier.wait(30)
             sinks[w].commit(part)
         except BaseException as exc:  # noqa: BLE001 - the test reads it
             errors.append(exc)

@@ -636,15 +636,24 @@ def test_commit_from_another_thread_while_next_part_is_written(
     assert env.rows(f'SELECT count(*), max(id) FROM "{table}"') == [(offset, offset - 1)]
 
 
+@pytest.mark.parametrize("isolation", [None, "repeatable read", "serializable"])
 def test_upsert_next_part_waits_for_the_decision_on_shared_keys(
-    env: PgEnv, make_sink: MakeSink
+    env: PgEnv, make_sink: MakeSink, isolation: str | None
 ) -> None:
-    """T+1 writing a key that prepared T holds waits until T is decided, so order is kept."""
+    """T+1 writing a key that prepared T holds waits until T is decided, so order is kept --
+    also where the server's or the role's default isolation is above READ COMMITTED: T+1
+    began before T committed, and at REPEATABLE READ its write of the row T committed would
+    fail ("could not serialize access") however often it was retried."""
     table = env.table("kv", "k text PRIMARY KEY, v int")
-    sink = make_sink(table, mode="upsert", key=["k"])
+    options: dict[str, Any] = {}
+    if isolation is not None:
+        default = "-c default_transaction_isolation=" + isolation.replace(" ", "\\ ")
+        options["dsn"] = psycopg.conninfo.make_conninfo(env.dsn, options=default)
+    sink = make_sink(table, mode="upsert", key=["k"], **options)
     t1, t2 = part(env, 1), part(env, 2)
     run_part(sink, t1, [rec(0, {"k": "x", "v": 1})], commit=False)
     sink.begin(t2)
+    assert sink.write(t2, [rec(1, {"k": "y", "v": 1})]) == []  # T+1's first statement
 
     def decide() -> None:
         time.sleep(0.5)
@@ -653,13 +662,13 @@ def test_upsert_next_part_waits_for_the_decision_on_shared_keys(
     with ThreadPoolExecutor(1) as pool:
         started = time.monotonic()
         decision = pool.submit(decide)
-        assert sink.write(t2, [rec(1, {"k": "x", "v": 2})]) == []
+        assert sink.write(t2, [rec(2, {"k": "x", "v": 2})]) == []
         waited = time.monotonic() - started
         decision.result(timeout=10)
     assert waited >= 0.4, "the write should have waited for T's row lock"
-    sink.prepare(t2, {(TOPIC, 0): 2})
+    sink.prepare(t2, {(TOPIC, 0): 3})
     sink.commit(t2)
-    assert env.rows(f'SELECT k, v FROM "{table}"') == [("x", 2)]
+    assert sorted(env.rows(f'SELECT k, v FROM "{table}"')) == [("x", 2), ("y", 1)]
 
 
 # -- bad records ------------------------------------------------------------------------------

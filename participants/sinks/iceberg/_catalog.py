@@ -42,10 +42,15 @@ _CREATE_LOCK_KEY = 0x7477_6F70_6963_6562  # "twopiceb"
 
 
 def connect(cfg: CatalogConfig, *, autocommit: bool) -> psycopg.Connection[Any]:
-    """A psycopg connection to the catalog's database."""
+    """A psycopg connection to the catalog's database, its transactions READ COMMITTED."""
     password = cfg.password.get_secret_value() if cfg.password is not None else None
     # A None keyword is left out of the connection string.
-    return psycopg.connect(cfg.uri, autocommit=autocommit, connect_timeout=10, password=password)
+    conn = psycopg.connect(cfg.uri, autocommit=autocommit, connect_timeout=10, password=password)
+    # Whatever the database's or the role's default: at REPEATABLE READ two participants'
+    # commits racing for one table pointer fail ("could not serialize access") instead of the
+    # later one finding the pointer moved and committing again on the new snapshot.
+    conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+    return conn
 
 
 def _sqlalchemy_uri(cfg: CatalogConfig) -> str:

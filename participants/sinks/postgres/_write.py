@@ -470,8 +470,9 @@ class _WritePath(_Markers):
         of before them), no trigger of the user's is on any of them (it could read the table
         in between), no row-level security (a ``MERGE`` fails on a row its DELETE policy
         hides, where a ``DELETE`` skips it). Asked once per part and table, under ROW
-        EXCLUSIVE (which the write takes anyway): a key, trigger or policy added meanwhile
-        waits for the part. In a savepoint of its own, so that a lock timeout leaves the part
+        EXCLUSIVE (which the write takes anyway) and at READ COMMITTED (every part's, see
+        ``_connect``), so the catalog is read as of the lock: a key, trigger or policy added
+        meanwhile waits for the part. In a savepoint of its own, so that a lock timeout leaves the part
         as it was (a retriable write error)."""
         oid = self._table_oid
         known = op.foldable.get(oid)
