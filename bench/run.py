@@ -1,6 +1,6 @@
 """``make bench``: every comparison in one invocation on the local stack, each figure the median
 of ``--runs`` runs (at least three), written to ``bench/results/latest.json`` and drawn in
-``bench/results/latest.png``. The README's "Benchmarks" section documents every field.
+``bench/results/latest.png``. ``docs/benchmarks.md`` documents every field.
 
 Sections (``--only`` picks some):
 
