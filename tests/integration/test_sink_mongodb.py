@@ -155,6 +155,25 @@ def test_insert_mode_end_to_end(make_sink: MakeSink, db: Database[Doc]) -> None:
     assert sink.in_doubt() == []
 
 
+def test_the_sinks_reads_go_to_the_primary_whatever_the_uri_says(
+    make_sink: MakeSink, db: Database[Doc], mongo_uri: str
+) -> None:
+    """A URI that sends reads to secondaries (``readPreference``) is the application's choice;
+    the sink's own reads -- its markers, staged parts, positions -- go to the primary whatever
+    it says: a secondary can be behind a write the sink has just had acknowledged, and
+    positions read behind it would have records applied twice. (On this one-member replica
+    set a read sent to a secondary finds no server at all.)"""
+    uri = mongo_uri + ("&" if "?" in mongo_uri else "?") + "readPreference=secondary"
+    sink = make_sink(uri=uri, server_selection_timeout_s=2)
+    records = [rec(i, {"n": i}) for i in range(5)]
+    run_part(sink, PartId("p1", 1, "w1"), records, commit=False)
+    restarted = make_sink(uri=uri, server_selection_timeout_s=2)
+    assert restarted.in_doubt() == [PartId("p1", 1, "w1")]
+    restarted.commit(PartId("p1", 1, "w1"))
+    assert ids(db.target) == sorted(r.record_id for r in records)
+    assert restarted.committed_positions() == {(TOPIC, 0): 5}
+
+
 def test_staging_packs_records_into_chunk_documents_the_commit_applies_whole(
     make_sink: MakeSink, db: Database[Doc]
 ) -> None:

@@ -153,6 +153,10 @@ class Store:
                 serverSelectionTimeoutMS=int(cfg.server_selection_timeout_s * 1000),
                 socketTimeoutMS=int(cfg.socket_timeout_s * 1000),
                 retryWrites=True,
+                # Over the URI's readPreference: a secondary can be behind a write the sink
+                # has just had acknowledged (a marker, a staged part), and positions read
+                # behind it would have committed records applied again.
+                readPreference="primary",
                 tz_aware=True,
             )
         except ConfigurationError as exc:
