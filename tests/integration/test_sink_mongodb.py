@@ -155,22 +155,36 @@ def test_insert_mode_end_to_end(make_sink: MakeSink, db: Database[Doc]) -> None:
     assert sink.in_doubt() == []
 
 
-def test_the_sinks_reads_go_to_the_primary_whatever_the_uri_says(
-    make_sink: MakeSink, db: Database[Doc], mongo_uri: str
+@pytest.mark.parametrize(
+    "options",
+    [
+        "readPreference=secondary",
+        "readPreference=secondaryPreferred&readPreferenceTags=dc:east&maxStalenessSeconds=120",
+        "w=0",
+    ],
+)
+def test_the_uris_read_and_write_options_change_nothing_the_sink_does(
+    make_sink: MakeSink, db: Database[Doc], mongo_uri: str, options: str
 ) -> None:
-    """A URI that sends reads to secondaries (``readPreference``) is the application's choice;
-    the sink's own reads -- its markers, staged parts, positions -- go to the primary whatever
-    it says: a secondary can be behind a write the sink has just had acknowledged, and
-    positions read behind it would have records applied twice. (On this one-member replica
-    set a read sent to a secondary finds no server at all.)"""
-    uri = mongo_uri + ("&" if "?" in mongo_uri else "?") + "readPreference=secondary"
+    """Where reads go and how writes are acknowledged are the application's choices in its URI;
+    the sink's own reads -- its markers, staged parts, positions -- go to the primary, and its
+    writes and transactions (the probe of a target that can refuse a document too) keep their
+    own concerns, whatever the URI says: a secondary can be behind a write the sink has just had
+    acknowledged, and positions read behind it would have records applied twice; a transaction
+    refuses ``w: 0`` (mongod also refuses the read concerns "available" and "linearizable" in
+    one; this test server takes them). On this one-member replica set a read sent to a
+    secondary finds no server at all."""
+    uri = mongo_uri + ("&" if "?" in mongo_uri else "?") + options
+    db.target.create_index("u", unique=True)  # each write probes the target in a transaction
+    db.target.insert_one({"_id": "other", "u": 2})
     sink = make_sink(uri=uri, server_selection_timeout_s=2)
-    records = [rec(i, {"n": i}) for i in range(5)]
-    run_part(sink, PartId("p1", 1, "w1"), records, commit=False)
+    records = [rec(i, {"u": i}) for i in range(5)]
+    rejected = run_part(sink, PartId("p1", 1, "w1"), records, commit=False)
+    assert [r.record.offset for r in rejected] == [2]  # u=2 is taken
     restarted = make_sink(uri=uri, server_selection_timeout_s=2)
     assert restarted.in_doubt() == [PartId("p1", 1, "w1")]
     restarted.commit(PartId("p1", 1, "w1"))
-    assert ids(db.target) == sorted(r.record_id for r in records)
+    assert ids(db.target) == sorted(["other", *(r.record_id for r in records if r.offset != 2)])
     assert restarted.committed_positions() == {(TOPIC, 0): 5}
 
 

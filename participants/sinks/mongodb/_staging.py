@@ -35,6 +35,8 @@ import bson
 from bson.raw_bson import RawBSONDocument
 from pymongo import ReplaceOne
 from pymongo.errors import BulkWriteError
+from pymongo.read_concern import ReadConcern
+from pymongo.read_preferences import ReadPreference
 
 from twophase.participants.sdk import (
     AbortTransactionError,
@@ -217,7 +219,13 @@ class OpenStaging:
                 store.errors("write", token, AbortTransactionError),
                 store.client.start_session() as session,
             ):
-                session.start_transaction()
+                # Its own concerns, not the URI's: a transaction refuses w: 0 and the read
+                # concerns "available" and "linearizable" (the probe is always aborted).
+                session.start_transaction(
+                    read_concern=ReadConcern("majority"),
+                    write_concern=store.wc,
+                    read_preference=ReadPreference.PRIMARY,
+                )
                 try:
                     target.bulk_write(ops, ordered=True, session=session)
                     return refused

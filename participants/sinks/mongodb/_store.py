@@ -153,10 +153,13 @@ class Store:
                 serverSelectionTimeoutMS=int(cfg.server_selection_timeout_s * 1000),
                 socketTimeoutMS=int(cfg.socket_timeout_s * 1000),
                 retryWrites=True,
-                # Over the URI's readPreference: a secondary can be behind a write the sink
+                # Over the URI's readPreference (and the tags and staleness that only a
+                # secondary-reading one may name): a secondary can be behind a write the sink
                 # has just had acknowledged (a marker, a staged part), and positions read
                 # behind it would have committed records applied again.
                 readPreference="primary",
+                readPreferenceTags="",
+                maxStalenessSeconds=-1,
                 tz_aware=True,
             )
         except ConfigurationError as exc:

@@ -19,9 +19,10 @@ class MongoSinkConfig(SinkConfig):
 
     type: Literal["mongodb"]
     #: ``mongodb://`` or ``mongodb+srv://`` URI of a replica set or mongos. It may hold a password,
-    #: so it is a secret: never logged, never shown in a config dump. The sink reads from the
-    #: primary whatever the URI's ``readPreference`` says, and its writes and transactions set
-    #: their own (majority) write and read concerns.
+    #: so it is a secret: never logged, never shown in a config dump. Whatever the URI says of
+    #: ``readPreference``, ``w`` or ``readConcernLevel``, the sink reads from the primary, its
+    #: writes are acknowledged by a majority (journaled), and its transactions set their own
+    #: read concerns (majority; snapshot at commit).
     uri: SecretStr
     #: Database of the target collection (1-63 bytes, no ``/\. "$``).
     database: str
