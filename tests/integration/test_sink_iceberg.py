@@ -251,6 +251,13 @@ def test_two_participants_commit_into_one_table_in_the_same_cycle(
         assert not errors
     expected = sorted(t * 1000 + w * 100 + i for t in (1, 2, 3) for w in (0, 1) for i in range(50))
     assert lake.ids() == expected
+    # The statements outside those transactions and pyiceberg's own catalog sessions, too.
+    with sinks[0]._conn() as conn:
+        assert conn.execute("SHOW transaction_isolation").fetchone() == ("read committed",)
+    assert sinks[0]._catalog is not None
+    with sinks[0]._catalog.engine.connect() as engine_conn:
+        shown = engine_conn.exec_driver_sql("SHOW transaction_isolation").scalar()
+        assert shown == "read committed"
     tokens = [s.summary.additional_properties["twophase.part"] for s in lake.table().snapshots()]
     assert len(tokens) == 6 == len(set(tokens))
     assert sinks[0].committed_positions() == {(TOPIC, 0): 3050, (TOPIC, 1): 3150}
@@ -660,7 +667,7 @@ def test_two_participants_evolve_one_table_in_the_same_cycle(
     lake: Lake, isolation: str | None
 ) -> None:
     if isolation is not None:
-        lake.default_isolation(isolation)  # pyiceberg's own catalog transactions, too
+        lake.default_isolation(isolation)
     sinks = [
         lake.sink(w, create_table={"id": "long", "n": "int"}, auto_evolve=True)
         for w in ("w0", "w1")

@@ -669,6 +669,8 @@ def test_upsert_next_part_waits_for_the_decision_on_shared_keys(
     sink.prepare(t2, {(TOPIC, 0): 3})
     sink.commit(t2)
     assert sorted(env.rows(f'SELECT k, v FROM "{table}"')) == [("x", 2), ("y", 1)]
+    with sink._admin_conn() as admin:  # its statements outside the parts, too
+        assert admin.execute("SHOW transaction_isolation").fetchone() == ("read committed",)
 
 
 # -- bad records ------------------------------------------------------------------------------

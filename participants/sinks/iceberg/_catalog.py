@@ -41,26 +41,41 @@ __all__ = ["FsyncFileIO", "PartCatalog", "connect", "open_catalog"]
 _CREATE_LOCK_KEY = 0x7477_6F70_6963_6562  # "twopiceb"
 
 
+#: libpq ``options`` that make a session's transactions READ COMMITTED by default (pyiceberg's
+#: engine; :func:`connect` sets the same on its session).
+_READ_COMMITTED = "-cdefault_transaction_isolation=read\\ committed"
+
+
 def connect(cfg: CatalogConfig, *, autocommit: bool) -> psycopg.Connection[Any]:
     """A psycopg connection to the catalog's database, its transactions READ COMMITTED."""
     password = cfg.password.get_secret_value() if cfg.password is not None else None
     # A None keyword is left out of the connection string.
-    conn = psycopg.connect(cfg.uri, autocommit=autocommit, connect_timeout=10, password=password)
-    # Whatever the database's or the role's default: at REPEATABLE READ two participants'
-    # commits racing for one table pointer fail ("could not serialize access") instead of the
-    # later one finding the pointer moved and committing again on the new snapshot.
+    conn = psycopg.connect(cfg.uri, autocommit=True, connect_timeout=10, password=password)
+    # READ COMMITTED whatever the database's or the role's default (the transactions and the
+    # autocommit statements alike): at REPEATABLE READ two participants' commits racing for one
+    # table pointer fail ("could not serialize access") instead of the later one finding the
+    # pointer moved and committing again on the new snapshot.
+    try:
+        conn.execute("SELECT set_config('default_transaction_isolation', 'read committed', false)")
+    except BaseException:
+        conn.close()
+        raise
     conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+    conn.autocommit = autocommit
     return conn
 
 
 def _sqlalchemy_uri(cfg: CatalogConfig) -> str:
     """The catalog URI for SQLAlchemy: psycopg 3 as the driver, the catalog's schema first
-    and alone on the search path (so a ``public.iceberg_tables`` is never picked up)."""
+    and alone on the search path (so a ``public.iceberg_tables`` is never picked up), READ
+    COMMITTED (see :func:`connect`) -- after the URI's own ``options``, which are kept."""
     url = make_url(cfg.uri).set(drivername="postgresql+psycopg")
     if cfg.password is not None:
         url = url.set(password=cfg.password.get_secret_value())
     query = dict(url.query)
-    query["options"] = f"-csearch_path={cfg.schema_}"
+    given = query.get("options", "")
+    given = " ".join(given) if isinstance(given, tuple) else given
+    query["options"] = f"{given} -csearch_path={cfg.schema_} {_READ_COMMITTED}".strip()
     return url.set(query=query).render_as_string(hide_password=False)
 
 

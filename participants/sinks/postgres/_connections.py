@@ -227,10 +227,14 @@ class _Connections(Sink):
                     "SELECT set_config('statement_timeout', %s, false)",
                     (f"{self.cfg.statement_timeout_ms}ms",),
                 )
-            # Whatever the server's or the role's default: at REPEATABLE READ or SERIALIZABLE a
-            # part that began before the previous one committed could never write a row that
-            # one wrote ("could not serialize access", every retry alike), and the catalog
-            # would be read as of the part's first statement.
+            # READ COMMITTED whatever the server's or the role's default, for the parts'
+            # transactions and the admin connection's statements alike: at REPEATABLE READ or
+            # SERIALIZABLE a part that began before the previous one committed could never
+            # write a row that one wrote ("could not serialize access", every retry alike), and
+            # the catalog would be read as of the part's first statement.
+            conn.execute(
+                "SELECT set_config('default_transaction_isolation', 'read committed', false)"
+            )
             conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
             conn.autocommit = autocommit
         except psycopg.Error as exc:

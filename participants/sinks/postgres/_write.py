@@ -472,8 +472,8 @@ class _WritePath(_Markers):
         hides, where a ``DELETE`` skips it). Asked once per part and table, under ROW
         EXCLUSIVE (which the write takes anyway) and at READ COMMITTED (every part's, see
         ``_connect``), so the catalog is read as of the lock: a key, trigger or policy added
-        meanwhile waits for the part. In a savepoint of its own, so that a lock timeout leaves the part
-        as it was (a retriable write error)."""
+        meanwhile waits for the part. In a savepoint of its own, so that a lock timeout leaves
+        the part as it was (a retriable write error)."""
         oid = self._table_oid
         known = op.foldable.get(oid)
         if known is None:
