@@ -53,6 +53,7 @@ from twophase.kafka import (
     TOPIC_REFRESH_S,
     ControlPublisher,
     await_broker,
+    check_control_topic,
     client_settings,
     note_broker_contact,
     raise_fatal,
@@ -200,6 +201,7 @@ class CoordinatorRuntime:
             # that is merely down is waited for by the loop below, as before.
             if await_broker(self.admin, CALL_TIMEOUT_S, self.stop_event):
                 self._reached()
+                check_control_topic(self.cfg, self.admin)
             else:
                 log.warning("Kafka at %s is not answering yet", self.cfg.kafka.bootstrap_servers)
             self.consumer.subscribe(

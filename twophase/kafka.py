@@ -25,7 +25,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType  # t
 from confluent_kafka.cimpl import NewTopic
 
 from twophase.config import PipelineConfig
-from twophase.errors import FatalError, RetriableError
+from twophase.errors import ConfigError, FatalError, RetriableError
 from twophase.logrepeat import CollapseRepeats
 from twophase.protocol.codec import DecodeError, decode, encode, new_envelope
 from twophase.protocol.messages import Envelope, Payload
@@ -41,6 +41,7 @@ __all__ = [
     "await_broker",
     "client_settings",
     "commit_transaction",
+    "check_control_topic",
     "create_topics",
     "group_generation",
     "note_broker_contact",
@@ -357,6 +358,55 @@ def create_topics(
                     raise FatalError(f"cannot create topic {topic}: {exc.args[0].str()}") from None
     _wait_for_topics(admin, [t.topic for t in wanted], timeout_s)
     return result
+
+
+def check_control_topic(
+    cfg: PipelineConfig, admin: AdminClient, *, timeout_s: float = CALL_TIMEOUT_S
+) -> None:
+    """Refuse, as a :class:`ConfigError` naming the setting, a control topic the protocol
+    cannot run on (``control-topic/topics.yaml``): more than one partition -- every reader
+    reads partition 0, while a pipeline's messages go to the partition its key hashes to, and
+    coordinators would each lead one -- or ``cleanup.policy`` with ``compact``: every control
+    message of a pipeline carries the same key, so compaction would keep only the last one and
+    recovery would find decisions gone. A topic not there yet is left to the readers, which
+    wait for it; settings this principal may not read are logged and not checked."""
+    topic = cfg.control_topic
+    try:
+        meta = admin.list_topics(timeout=timeout_s).topics.get(topic)
+    except KafkaException as exc:
+        log.warning("cannot check control topic %s now (%s)", topic, exc)
+        return
+    if meta is None or meta.error is not None:
+        return
+    if len(meta.partitions) != 1:
+        raise ConfigError(
+            "control.topic",
+            f"topic {topic} has {len(meta.partitions)} partitions: the protocol needs exactly one "
+            "(delete it while no pipeline runs and let `twophase topics create` make it, or "
+            "name a new topic here)",
+            source=cfg.source_file,
+        )
+    resource = ConfigResource(ResourceType.TOPIC, topic)
+    try:
+        entries = admin.describe_configs([resource], request_timeout=timeout_s)[resource].result(
+            timeout=timeout_s
+        )
+    except KafkaException as exc:
+        log.warning(
+            "cannot read control topic %s's settings (%s): its cleanup.policy is not checked",
+            topic,
+            exc.args[0].str() if exc.args else exc,
+        )
+        return
+    policy = entries.get("cleanup.policy")
+    if policy is not None and "compact" in str(policy.value or ""):
+        raise ConfigError(
+            "control.topic",
+            f"topic {topic} has cleanup.policy={policy.value}: compaction would keep one control "
+            "message of the pipeline (they share a key) and lose its decisions; it must be "
+            "'delete' (kafka-configs --alter --add-config cleanup.policy=delete)",
+            source=cfg.source_file,
+        )
 
 
 def topic_max_message_bytes(

@@ -30,6 +30,7 @@ from twophase.kafka import (
     ControlReader,
     ControlWriter,
     await_broker,
+    check_control_topic,
     client_settings,
     group_generation,
     raise_fatal,
@@ -285,7 +286,9 @@ class ParticipantRuntime:
             self.health.start(self.cfg.metrics.host, self.cfg.metrics.port)
             # Fails fast (BrokerAuthError) when the broker refuses our credentials: the blocking
             # calls below would each wait out CALL_TIMEOUT_S and end in a bare _TIMED_OUT.
-            if not await_broker(self.admin, CALL_TIMEOUT_S, self.stop_event):
+            if await_broker(self.admin, CALL_TIMEOUT_S, self.stop_event):
+                check_control_topic(self.cfg, self.admin)
+            else:
                 log.warning("Kafka at %s is not answering yet", self.cfg.kafka.bootstrap_servers)
             for sink in self.sinks:
                 # A store that is down at start-up is waited for (live, not ready), however

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from twophase.config import PipelineConfig, load_yaml, parse_config
 from twophase.errors import FatalError, RetriableError
@@ -22,6 +23,7 @@ from twophase.faults import crash_point
 from twophase.kafka import (
     ControlPublisher,
     ControlReader,
+    check_control_topic,
     client_settings,
     create_topics,
 )
@@ -143,6 +145,7 @@ class CoordinatedWriter:
             cfg.pipeline, names, cfg.commit.checkpoint_every, control_topic=cfg.control_topic
         )
         create_topics(cfg, only={cfg.control_topic})
+        check_control_topic(cfg, AdminClient(client_settings(cfg, "admin")))
         # Bumps the producer epoch: any earlier driver of this pipeline is fenced from here on,
         # and a transaction it left open is aborted by the broker.
         self._publisher = ControlPublisher(cfg, "spark-driver-producer")

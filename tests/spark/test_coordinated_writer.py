@@ -17,11 +17,12 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
+from confluent_kafka.admin import AdminClient, NewTopic
 from pyspark.errors import StreamingQueryException
 
 from tests.spark.cluster import StandaloneCluster
 from tests.spark.helpers import REPO, produce_to, read_topic
-from twophase.errors import FencedError
+from twophase.errors import ConfigError, FencedError
 from twophase.jobs.orders import order_events
 from twophase.jobs.orders_writer import (
     orders_table_ddl,
@@ -296,6 +297,22 @@ def test_a_second_driver_fences_the_first(
     assert [d.txn for d in decisions] == [1, 2]
     first.close()
     second.close()
+
+
+def test_a_control_topic_the_protocol_cannot_run_on_is_refused_at_once(
+    tmp_path: Path, kafka_bootstrap: str, pg_dsn: str, unique_name: str
+) -> None:
+    """As the coordinator and the participants refuse it (tests/e2e/test_control_topic_checked):
+    the driver reads partition 0 only, and its messages go where their key hashes."""
+    config = _pipeline(
+        tmp_path, unique_name, bootstrap=kafka_bootstrap, pg_dsn=pg_dsn, mongo_uri=None
+    )
+    cfg = load_spark_config(config)
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    topic = cfg.control_topic
+    admin.create_topics([NewTopic(topic, num_partitions=2, replication_factor=1)])[topic].result(30)
+    with pytest.raises(ConfigError, match=r"control\.topic.*2 partitions"):
+        coordinated_writer(cfg)
 
 
 def test_a_pipeline_belongs_to_one_query(
