@@ -4,6 +4,7 @@ log reader and writers, topic creation, and the consumer group's generation.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import struct
 import threading
@@ -40,8 +41,8 @@ __all__ = [
     "PublishResult",
     "await_broker",
     "client_settings",
-    "commit_transaction",
     "check_control_topic",
+    "commit_transaction",
     "create_topics",
     "group_generation",
     "note_broker_contact",
@@ -363,40 +364,42 @@ def create_topics(
 def check_control_topic(
     cfg: PipelineConfig, admin: AdminClient, *, timeout_s: float = CALL_TIMEOUT_S
 ) -> None:
-    """Refuse, as a :class:`ConfigError` naming the setting, a control topic the protocol
-    cannot run on (``control-topic/topics.yaml``): more than one partition -- every reader
-    reads partition 0, while a pipeline's messages go to the partition its key hashes to, and
-    coordinators would each lead one -- or ``cleanup.policy`` with ``compact``: every control
-    message of a pipeline carries the same key, so compaction would keep only the last one and
-    recovery would find decisions gone. A topic not there yet is left to the readers, which
-    wait for it; settings this principal may not read are logged and not checked."""
+    """Refuse at start-up, as a :class:`ConfigError` naming ``control.topic``, a control topic
+    the protocol cannot run on (``control-topic/topics.yaml``): more than one partition -- every
+    reader reads partition 0, while a pipeline's messages go to the partition its key hashes
+    to, and coordinators would each lead one -- or ``cleanup.policy`` with ``compact``: every
+    control message of a pipeline carries the same key, so compaction would keep only the last
+    one and recovery would find decisions gone. What cannot be checked now is logged, never
+    raised: a topic not there yet (the readers wait for it), a broker that does not answer in
+    time, settings this principal may not read (DescribeConfigs denied)."""
     topic = cfg.control_topic
     try:
+        # All topics' metadata: asking for one topic by name may auto-create it.
         meta = admin.list_topics(timeout=timeout_s).topics.get(topic)
     except KafkaException as exc:
-        log.warning("cannot check control topic %s now (%s)", topic, exc)
+        log.warning("cannot check control topic %s now: %s", topic, exc)
         return
-    if meta is None or meta.error is not None:
+    if meta is None:
+        return
+    if meta.error is not None:
+        log.warning("cannot check control topic %s now: %s", topic, meta.error)
         return
     if len(meta.partitions) != 1:
         raise ConfigError(
             "control.topic",
-            f"topic {topic} has {len(meta.partitions)} partitions: the protocol needs exactly one "
-            "(delete it while no pipeline runs and let `twophase topics create` make it, or "
-            "name a new topic here)",
+            f"topic {topic} has {len(meta.partitions)} partitions: the protocol needs exactly one. "
+            "Name a new topic here (`twophase topics create` makes it with one) once `twophase "
+            "txn list` shows nothing in doubt; deleting this one loses its decision log",
             source=cfg.source_file,
         )
     resource = ConfigResource(ResourceType.TOPIC, topic)
     try:
+        # Python's wait outlasts librdkafka's own timeout, which ends the request first.
         entries = admin.describe_configs([resource], request_timeout=timeout_s)[resource].result(
-            timeout=timeout_s
+            timeout=timeout_s + 5
         )
-    except KafkaException as exc:
-        log.warning(
-            "cannot read control topic %s's settings (%s): its cleanup.policy is not checked",
-            topic,
-            exc.args[0].str() if exc.args else exc,
-        )
+    except (KafkaException, concurrent.futures.TimeoutError) as exc:
+        log.warning("cannot read control topic %s's settings: %s", topic, exc)
         return
     policy = entries.get("cleanup.policy")
     if policy is not None and "compact" in str(policy.value or ""):

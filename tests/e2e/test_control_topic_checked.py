@@ -50,7 +50,11 @@ def test_a_control_topic_the_protocol_cannot_run_on_is_one_line_and_status_2(
     create_topics(cfg)  # the others; the control topic stays as it was made
     c = Cluster(s)
     try:
-        proc = c.start(role, f"{role}-0", {"TWOPHASE__METRICS__PORT": "0"})
+        proc = c.start(
+            role,
+            f"{role}-0",
+            {"TWOPHASE__METRICS__PORT": "0", "TWOPHASE__METRICS__HOST": "127.0.0.1"},
+        )
         try:
             code = proc.wait(90)
         except subprocess.TimeoutExpired:

@@ -17,7 +17,6 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
-from confluent_kafka.admin import AdminClient, NewTopic
 from pyspark.errors import StreamingQueryException
 
 from tests.spark.cluster import StandaloneCluster
@@ -299,8 +298,14 @@ def test_a_second_driver_fences_the_first(
     second.close()
 
 
+@pytest.mark.parametrize("defect", ["partitions", "compact"])
 def test_a_control_topic_the_protocol_cannot_run_on_is_refused_at_once(
-    tmp_path: Path, kafka_bootstrap: str, pg_dsn: str, unique_name: str
+    tmp_path: Path,
+    kafka_bootstrap: str,
+    pg_dsn: str,
+    unique_name: str,
+    create_topic: Any,
+    defect: str,
 ) -> None:
     """As the coordinator and the participants refuse it (tests/e2e/test_control_topic_checked):
     the driver reads partition 0 only, and its messages go where their key hashes."""
@@ -308,10 +313,13 @@ def test_a_control_topic_the_protocol_cannot_run_on_is_refused_at_once(
         tmp_path, unique_name, bootstrap=kafka_bootstrap, pg_dsn=pg_dsn, mongo_uri=None
     )
     cfg = load_spark_config(config)
-    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
-    topic = cfg.control_topic
-    admin.create_topics([NewTopic(topic, num_partitions=2, replication_factor=1)])[topic].result(30)
-    with pytest.raises(ConfigError, match=r"control\.topic.*2 partitions"):
+    if defect == "partitions":
+        create_topic(cfg.control_topic, 2)
+        wrong = "2 partitions"
+    else:
+        create_topic(cfg.control_topic, 1, {"cleanup.policy": "compact"})
+        wrong = "cleanup.policy=compact"
+    with pytest.raises(ConfigError, match=rf"control\.topic.*{wrong}"):
         coordinated_writer(cfg)
 
 
