@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from harness import (
@@ -69,6 +71,23 @@ def start(cluster: Cluster, role: str, name: str, env: dict[str, str] | None = N
         },
     )
     return port
+
+
+def ends_in_one_line(cluster: Cluster, role: str, env: dict[str, str], naming: str) -> str:
+    """Start ``twophase <role> run`` with ``env`` and expect it to end by itself within 90 s
+    with status 2, no traceback, and exactly one log line holding ``naming``: that line."""
+    name = f"{role}-0"
+    proc = cluster.start(role, name, {"TWOPHASE__METRICS__HOST": "127.0.0.1", **env})
+    try:
+        code = proc.wait(90)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{role} still running:\n{cluster.log_tail(name)}")
+    log = cluster.log_tail(name, 200)
+    assert code == 2, (code, log)
+    assert "Traceback" not in log, log
+    lines = [line for line in log.splitlines() if naming in line]
+    assert len(lines) == 1, log
+    return lines[0]
 
 
 def http_get(port: int, path: str) -> tuple[int, str]:

@@ -6,14 +6,13 @@ compaction would keep the last one and lose decisions). Never a process that run
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from harness import Cluster
-from tests.e2e.e2e_support import scenario
+from tests.e2e.e2e_support import ends_in_one_line, scenario
 from twophase.config import load_config
 from twophase.kafka import create_topics
 
@@ -50,21 +49,8 @@ def test_a_control_topic_the_protocol_cannot_run_on_is_one_line_and_status_2(
     create_topics(cfg)  # the others; the control topic stays as it was made
     c = Cluster(s)
     try:
-        proc = c.start(
-            role,
-            f"{role}-0",
-            {"TWOPHASE__METRICS__PORT": "0", "TWOPHASE__METRICS__HOST": "127.0.0.1"},
-        )
-        try:
-            code = proc.wait(90)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{role} runs on a bad control topic:\n{c.log_tail(f'{role}-0')}")
-        log = c.log_tail(f"{role}-0", 200)
-        assert code == 2, (code, log)
-        assert "Traceback" not in log, log
-        lines = [line for line in log.splitlines() if "control.topic" in line]
-        assert len(lines) == 1, log
+        line = ends_in_one_line(c, role, {"TWOPHASE__METRICS__PORT": "0"}, "control.topic")
         want = "2 partitions" if defect == "partitions" else "cleanup.policy=compact,delete"
-        assert want in lines[0] and cfg.control_topic in lines[0], lines[0]
+        assert want in line and cfg.control_topic in line, line
     finally:
         c.stop_all()
