@@ -60,7 +60,6 @@ def connect(cfg: CatalogConfig, *, autocommit: bool) -> psycopg.Connection[Any]:
     except BaseException:
         conn.close()
         raise
-    conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
     conn.autocommit = autocommit
     return conn
 

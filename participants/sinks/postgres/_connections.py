@@ -235,7 +235,6 @@ class _Connections(Sink):
             conn.execute(
                 "SELECT set_config('default_transaction_isolation', 'read committed', false)"
             )
-            conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
             conn.autocommit = autocommit
         except psycopg.Error as exc:
             conn.close()

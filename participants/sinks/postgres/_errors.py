@@ -7,10 +7,11 @@ from __future__ import annotations
 import contextlib
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+from psycopg import sql
 
 from twophase.participants.sdk import Record
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from twophase.participants.sinks.postgres._rows import _Row
 
 __all__ = [
+    "_savepoint",
     "_CREATED_CONCURRENTLY",
     "Connection",
     "_CONNECT_FATAL_HINTS",
@@ -137,6 +139,22 @@ def _is_lost(conn: Connection | None, exc: BaseException) -> bool:
         return True
     state = _sqlstate(exc)
     return state.startswith("08") or state in ("57P01", "57P02", "57P03")
+
+
+@contextlib.contextmanager
+def _savepoint(conn: Connection, name: sql.Identifier) -> Iterator[None]:
+    """The block inside savepoint ``name``: when it raises a server error, the transaction is
+    rolled back to where the block began (unless the connection is lost: nothing is left to roll
+    back) and the error goes on to the caller, who judges it."""
+    conn.execute(sql.SQL("SAVEPOINT {}").format(name))
+    try:
+        yield
+    except psycopg.Error as exc:
+        if not _is_lost(conn, exc):
+            conn.execute(sql.SQL("ROLLBACK TO SAVEPOINT {}").format(name))
+            conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(name))
+        raise
+    conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(name))
 
 
 #: Attribute set on a server error: the record (``topic[partition]@offset``) it was raised at.

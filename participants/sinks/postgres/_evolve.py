@@ -54,6 +54,7 @@ from twophase.participants.sinks.postgres._errors import (
     _CREATED_CONCURRENTLY,
     Connection,
     _is_lost,
+    _savepoint,
     _sqlstate,
 )
 from twophase.participants.sinks.postgres._schemas import (
@@ -291,17 +292,14 @@ class _SchemaTargets(_WritePath):
                 )
             conn = op.conn
             for table in sorted(groups):  # one order for every participant's locks
-                conn.execute(sql.SQL("SAVEPOINT {}").format(_TABLE_SAVEPOINT))
                 try:
-                    got = self._open_table(op, pt, table, groups[table], deadline)
+                    # On an error the part is as before this table: neither its lock nor its
+                    # change.
+                    with _savepoint(conn, _TABLE_SAVEPOINT):
+                        got = self._open_table(op, pt, table, groups[table], deadline)
                 except psycopg.Error as exc:
-                    if not _is_lost(conn, exc):
-                        # The part as before this table: neither its lock nor its change.
-                        conn.execute(sql.SQL("ROLLBACK TO SAVEPOINT {}").format(_TABLE_SAVEPOINT))
-                        conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(_TABLE_SAVEPOINT))
                     self._undo_table(op.part, pt, table)
                     raise self._classify_write_error(op, exc) from exc
-                conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(_TABLE_SAVEPOINT))
                 out += got
         return out
 
@@ -520,22 +518,19 @@ class _SchemaTargets(_WritePath):
         statement = sql.SQL("LOCK TABLE {} IN {} MODE{}").format(
             _qualified(table), sql.SQL(mode), sql.SQL("" if ms >= 1 else " NOWAIT")
         )
-        conn.execute(sql.SQL("SAVEPOINT {}").format(_LOCK_SAVEPOINT))
         try:
-            if ms >= 1:
-                conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(f"{ms}ms")))
-            conn.execute(statement)
-            conn.execute("SET LOCAL lock_timeout TO DEFAULT")
+            # On an error the wait and the SET LOCAL are rolled back.
+            with _savepoint(conn, _LOCK_SAVEPOINT):
+                if ms >= 1:
+                    conn.execute(
+                        sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(f"{ms}ms"))
+                    )
+                conn.execute(statement)
+                conn.execute("SET LOCAL lock_timeout TO DEFAULT")
         except psycopg.Error as exc:
-            if _is_lost(conn, exc):
-                raise
-            # Rolls back the wait and the SET LOCAL with it.
-            conn.execute(sql.SQL("ROLLBACK TO SAVEPOINT {}").format(_LOCK_SAVEPOINT))
-            conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(_LOCK_SAVEPOINT))
-            if _sqlstate(exc) in _NOT_FREE:
+            if not _is_lost(conn, exc) and _sqlstate(exc) in _NOT_FREE:
                 return False
             raise
-        conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(_LOCK_SAVEPOINT))
         return True
 
     def _reload(self, conn: Connection, table: str) -> None:
@@ -675,27 +670,25 @@ class _SchemaTargets(_WritePath):
         conn = op.conn
         assert conn is not None
         text = ddl.as_string(conn)
-        conn.execute(sql.SQL("SAVEPOINT {}").format(_ALTER_SAVEPOINT))
         try:
-            conn.execute(
-                sql.SQL("SET LOCAL lock_timeout = {}").format(
-                    sql.Literal(f"{int(LOCK_TIMEOUT_S * 1000)}ms")
+            with _savepoint(conn, _ALTER_SAVEPOINT):
+                conn.execute(
+                    sql.SQL("SET LOCAL lock_timeout = {}").format(
+                        sql.Literal(f"{int(LOCK_TIMEOUT_S * 1000)}ms")
+                    )
                 )
-            )
-            conn.execute(ddl)
-            conn.execute(
-                sql.SQL(
-                    "DELETE FROM {} WHERE target = %s AND pipeline = %s AND participant = %s"
-                    " AND sink = %s"
-                ).format(self._gate),
-                (self._gate_name(int(state["_table_oid"])), *self._owner),
-            )
-            conn.execute("SET LOCAL lock_timeout TO DEFAULT")
+                conn.execute(ddl)
+                conn.execute(
+                    sql.SQL(
+                        "DELETE FROM {} WHERE target = %s AND pipeline = %s AND participant = %s"
+                        " AND sink = %s"
+                    ).format(self._gate),
+                    (self._gate_name(int(state["_table_oid"])), *self._owner),
+                )
+                conn.execute("SET LOCAL lock_timeout TO DEFAULT")
         except psycopg.Error as exc:
             if _is_lost(conn, exc):
                 raise
-            conn.execute(sql.SQL("ROLLBACK TO SAVEPOINT {}").format(_ALTER_SAVEPOINT))
-            conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(_ALTER_SAVEPOINT))
             if _sqlstate(exc) in _NOT_FREE:
                 why = (
                     f"table {table}: a lock its change needs is not free ({str(exc).strip()}): "
@@ -705,7 +698,6 @@ class _SchemaTargets(_WritePath):
             reason = f"PostgreSQL refused the change ({text}): {str(exc).strip()}"
             self.log.warning("postgres sink %s: table %s: %s", self.name, table, reason)
             return [Rejected(r, f"table {table}: {reason}") for r in records]
-        conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(_ALTER_SAVEPOINT))
         with self._lock:
             self._evolved.setdefault(op.part, set()).add(table)
         self.log.info(

@@ -46,6 +46,7 @@ from twophase.participants.sinks.postgres._errors import (
     _mark,
     _note_record,
     _RowError,
+    _savepoint,
     _server_reason,
     _sqlstate,
 )
@@ -477,15 +478,9 @@ class _WritePath(_Markers):
         oid = self._table_oid
         known = op.foldable.get(oid)
         if known is None:
-            conn.execute(sql.SQL("SAVEPOINT {}").format(_WRITE_SAVEPOINT))
-            try:
+            with _savepoint(conn, _WRITE_SAVEPOINT):
                 conn.execute(sql.SQL("LOCK TABLE {} IN ROW EXCLUSIVE MODE").format(self._target))
                 row = conn.execute(_SEEN_ORDER, (self._target.as_string(conn),)).fetchone()
-            except BaseException:
-                conn.execute(sql.SQL("ROLLBACK TO SAVEPOINT {}").format(_WRITE_SAVEPOINT))
-                conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(_WRITE_SAVEPOINT))
-                raise
-            conn.execute(sql.SQL("RELEASE SAVEPOINT {}").format(_WRITE_SAVEPOINT))
             known = op.foldable[oid] = row is not None and not row[0]
         return known
 
