@@ -7,6 +7,8 @@
     schema forbids is ``malformed``; decoded fields have their schema types; and slipped into a
     valid commit run, nothing raises, no reader's last decided transaction passes a prepared
     one, and the run still commits every cycle.
+(c) The same messages through the writer's schema check (``codec.validate``, compiled): it
+    refuses exactly what Python's ``jsonschema`` refuses over the same schema files.
 
 Reproducible by construction: ``derandomize=True`` draws the same examples on every run and
 machine, and no example database is read or written. A failure prints the falsifying example;
@@ -19,15 +21,28 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from functools import cache
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jsonschema import Draft202012Validator
+from referencing import Registry, Resource
 
 import twophase.coordinator.machine as cm
 import twophase.participants.machine as pm
 from tests.unit.control_run import KEY, PIPELINE, recover, valid_run
-from twophase.protocol.codec import AUTH_HEADER, DecodeError, _mac, decode
+from twophase.errors import ProtocolError
+from twophase.protocol.codec import (
+    _SCHEMA_FILES,
+    AUTH_HEADER,
+    DecodeError,
+    _mac,
+    decode,
+    schema_dir,
+    validate,
+)
 from twophase.protocol.messages import (
     INT_MAX,
     Checkpoint,
@@ -286,3 +301,39 @@ def test_fuzzed_messages_in_a_valid_run_move_nothing_out_of_sequence(
     assert set(run.skipped) <= {"out_of_sequence"}
     coord, _refused = recover(run.log)
     assert coord.log.last_decided == 8 and coord.log.last_txn == 8
+
+
+# -- (c) the writer's compiled schema check against the reference one --------------------------
+
+
+@cache
+def _reference() -> tuple[Draft202012Validator, dict[int, Draft202012Validator]]:
+    """Python's ``jsonschema`` over the same schema files: the reference implementation the
+    writer's compiled check (``jsonschema-rs``, ``codec.validate``) must agree with."""
+    docs = {p.name: json.loads(p.read_text()) for p in schema_dir().glob("*.json")}
+    registry: Registry[Any] = Registry().with_resources(
+        (doc["$id"], Resource.from_contents(doc)) for doc in docs.values()
+    )
+    payloads = {
+        int(t): Draft202012Validator(docs[name], registry=registry)
+        for t, name in _SCHEMA_FILES.items()
+    }
+    return Draft202012Validator(docs["envelope.json"], registry=registry), payloads
+
+
+@FUZZ
+@given(raw=messages())
+def test_the_writers_schema_check_refuses_exactly_what_the_reference_refuses(
+    raw: dict[str, Any],
+) -> None:
+    """Strict on write: every message the reference validator finds outside its schema is
+    refused before it is produced, and nothing it accepts is -- big and negative integers,
+    floats that are integers, bools, the name pattern, missing and extra fields alike."""
+    envelope, payloads = _reference()
+    payload = payloads.get(raw["type"]) if type(raw["type"]) is int else None
+    ok = payload is not None and envelope.is_valid(raw) and payload.is_valid(raw["payload"])
+    if ok:
+        validate(raw)
+    else:
+        with pytest.raises(ProtocolError):
+            validate(raw)

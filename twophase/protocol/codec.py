@@ -1,7 +1,9 @@
 """Encode and decode control messages: strict on write, lenient on read.
 
 Write: the envelope and payload are validated against the JSON Schemas before they leave, so a
-bug here never reaches the topic. Read: only the fields we need are parsed; unknown fields are
+bug here never reaches the topic -- by a compiled validator (``jsonschema-rs``): Python's
+``jsonschema`` took ~2 ms for a DECISION of sixteen parts, on the path from the last vote to
+the commit, and ~0.3 ms for every participant's vote. Read: only the fields we need are parsed; unknown fields are
 ignored so that newer writers can run beside older readers. A message that cannot be understood
 raises :class:`DecodeError` with a ``kind`` the caller counts (``malformed``, ``unknown_type``,
 ``future_version``, ``bad_auth``, ``foreign_pipeline``) and skips.
@@ -24,9 +26,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import jsonschema_rs
 import orjson
-from jsonschema import Draft202012Validator
-from referencing import Registry, Resource
 
 from twophase.errors import ProtocolError
 from twophase.protocol.messages import (
@@ -70,22 +71,22 @@ def schema_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "control-topic" / "schemas" / "v1"
 
 
+_Validator = jsonschema_rs.Draft202012Validator
+
+
 @cache
-def _validators() -> tuple[Draft202012Validator, dict[MessageType, Draft202012Validator]]:
+def _validators() -> tuple[_Validator, dict[MessageType, _Validator]]:
     folder = schema_dir()
     docs = {p.name: json.loads(p.read_text()) for p in folder.glob("*.json")}
-    registry: Registry[Any] = Registry().with_resources(
-        (doc["$id"], Resource.from_contents(doc)) for doc in docs.values()
-    )
-    envelope = Draft202012Validator(docs["envelope.json"], registry=registry)
-    payloads = {
-        t: Draft202012Validator(docs[name], registry=registry) for t, name in _SCHEMA_FILES.items()
-    }
+    registry = jsonschema_rs.Registry([(doc["$id"], doc) for doc in docs.values()])
+    envelope = _Validator(docs["envelope.json"], registry=registry)
+    payloads = {t: _Validator(docs[name], registry=registry) for t, name in _SCHEMA_FILES.items()}
     return envelope, payloads
 
 
 def validate(raw: dict[str, Any]) -> None:
-    """Raise ProtocolError naming the first schema violation of an envelope dict."""
+    """Raise ProtocolError naming the first schema violation of an envelope dict (or a value
+    that is not JSON: a key that is not a string)."""
     envelope, payloads = _validators()
     try:
         payload_validator = payloads[MessageType(int(raw.get("type", 0)))]
@@ -95,9 +96,12 @@ def validate(raw: dict[str, Any]) -> None:
         (envelope, raw, "envelope"),
         (payload_validator, raw.get("payload"), "payload"),
     ):
-        error = next(iter(validator.iter_errors(doc)), None)
+        try:
+            error = next(iter(validator.iter_errors(doc)), None)
+        except ValueError as exc:  # the validator takes only what JSON can hold
+            raise ProtocolError(f"{where}: {exc}") from None
         if error is not None:
-            path = "/".join(str(p) for p in error.absolute_path) or "(root)"
+            path = "/".join(str(p) for p in error.instance_path) or "(root)"
             raise ProtocolError(f"{where} {path}: {error.message}")
 
 
