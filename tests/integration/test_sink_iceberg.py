@@ -69,7 +69,12 @@ class Lake:
     def default_isolation(self, level: str) -> None:
         """The sinks' catalog connections start with ``level`` as their default isolation (as
         a server's or a role's setting would make it)."""
-        option = quote(f"-c default_transaction_isolation={level.replace(' ', chr(92) + ' ')}")
+        self.server_setting("default_transaction_isolation", level.replace(" ", chr(92) + " "))
+
+    def server_setting(self, name: str, value: str) -> None:
+        """The sinks' catalog connections start with ``name`` set to ``value``, as a server's
+        or a role's setting would."""
+        option = quote(f"-c {name}={value}")
         self.uri += ("&" if "?" in self.uri else "?") + f"options={option}"
 
     def config(self, **extra: Any) -> dict[str, Any]:
@@ -209,6 +214,29 @@ def test_a_commit_in_flight_fences_an_abort(lake: Lake, monkeypatch: pytest.Monk
 
 
 # -- concurrency ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("timeout", ["idle_in_transaction_session_timeout", "idle_session_timeout"])
+def test_the_servers_idle_timeouts_end_no_part(lake: Lake, timeout: str) -> None:
+    """A database or role whose idle timeout is shorter than the sink's waits between a part's
+    steps (a thread's catalog connection is kept from part to part): with 300 ms, parts whose
+    steps are 600 ms apart all commit, none fails."""
+    lake.server_setting(timeout, "300")
+    sink = lake.sink()
+    for txn in (1, 2, 3):
+        records = [_record(txn * 10 + i) for i in range(3)]
+        part = PartId(sink.context.pipeline, txn, "w0")
+        sink.begin(part)
+        for record in records:
+            assert not sink.write(part, [record])
+            time.sleep(0.6)
+        sink.prepare(part, _positions(records))
+        time.sleep(0.6)
+        sink.commit(part)
+        time.sleep(0.6)
+    assert lake.ids() == [txn * 10 + i for txn in (1, 2, 3) for i in range(3)]
+    with sink._conn() as conn:
+        assert conn.execute(f"SHOW {timeout}").fetchone() == ("0",)
 
 
 @pytest.mark.parametrize("isolation", [None, "repeatable read", "serializable"])

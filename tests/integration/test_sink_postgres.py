@@ -673,6 +673,37 @@ def test_upsert_next_part_waits_for_the_decision_on_shared_keys(
         assert admin.execute("SHOW transaction_isolation").fetchone() == ("read committed",)
 
 
+@pytest.mark.parametrize("timeout", ["idle_in_transaction_session_timeout", "idle_session_timeout"])
+def test_the_servers_idle_timeouts_end_no_part_and_no_connection(
+    env: PgEnv, make_sink: MakeSink, timeout: str
+) -> None:
+    """A server or role whose idle timeout is shorter than the sink's waits: an open part idles
+    between batches until the cycle's PREPARE, a prepared part's connection until the decision,
+    the admin and spare connections until the next part. With the server's 300 ms none of them
+    may end: every part commits, none is aborted, nothing is retried."""
+    table = env.table("kv", "k text PRIMARY KEY, v int")
+    dsn = psycopg.conninfo.make_conninfo(env.dsn, options=f"-c {timeout}=300")
+    sink = make_sink(table, mode="upsert", key=["k"], dsn=dsn)
+    idle = 0.6
+    for txn in (1, 2, 3):
+        t = part(env, txn)
+        sink.begin(t)  # on the connection the last part committed on, idle since
+        assert sink.write(t, [rec(2 * txn, {"k": f"a{txn}", "v": txn})]) == []
+        time.sleep(idle)  # the part's transaction, idle between batches
+        assert sink.write(t, [rec(2 * txn + 1, {"k": f"b{txn}", "v": txn})]) == []
+        time.sleep(idle)  # ... and until the PREPARE
+        sink.prepare(t, {(TOPIC, 0): 2 * txn + 2})
+        time.sleep(idle)  # the prepared part's connection, until the decision
+        sink.commit(t)
+        time.sleep(idle)  # the admin and spare connections, until the next part
+    assert sorted(env.rows(f'SELECT k, v FROM "{table}"')) == [
+        (f"{k}{txn}", txn) for k in "ab" for txn in (1, 2, 3)
+    ]
+    assert sink.committed_positions() == {(TOPIC, 0): 8}
+    with sink._admin_conn() as admin:
+        assert admin.execute(f"SHOW {timeout}").fetchone() == ("0",)
+
+
 # -- bad records ------------------------------------------------------------------------------
 
 

@@ -55,8 +55,15 @@ def connect(cfg: CatalogConfig, *, autocommit: bool) -> psycopg.Connection[Any]:
     # autocommit statements alike): at REPEATABLE READ two participants' commits racing for one
     # table pointer fail ("could not serialize access") instead of the later one finding the
     # pointer moved and committing again on the new snapshot.
+    # And no idle timeout of the server's or the role's ends the connection (a thread's is
+    # kept between parts: ended, a part's next step failed).
     try:
-        conn.execute("SELECT set_config('default_transaction_isolation', 'read committed', false)")
+        conn.execute(
+            "SELECT set_config('default_transaction_isolation', 'read committed', false),"
+            " set_config('idle_in_transaction_session_timeout', '0', false)"
+        )
+        if conn.info.server_version >= 140000:  # idle_session_timeout is PostgreSQL 14's
+            conn.execute("SELECT set_config('idle_session_timeout', '0', false)")
     except BaseException:
         conn.close()
         raise

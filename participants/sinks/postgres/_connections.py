@@ -233,8 +233,18 @@ class _Connections(Sink):
             # write a row that one wrote ("could not serialize access", every retry alike), and
             # the catalog would be read as of the part's first statement.
             conn.execute(
-                "SELECT set_config('default_transaction_isolation', 'read committed', false)"
+                "SELECT set_config('default_transaction_isolation', 'read committed', false),"
+                " set_config('idle_in_transaction_session_timeout', '0', false)"
             )
+            # No idle timeout of the server's or the role's ends these sessions either: an open
+            # part's transaction idles between batches until the cycle's PREPARE (a sparse
+            # stream, a long commit interval), a prepared part's connection until its decision,
+            # the admin and spare connections until they are next needed. Ended, the open part
+            # was aborted and re-read -- every part, where the timeout is shorter than the
+            # cycle -- and a begin on a spare connection failed. A participant that ends ends
+            # its sessions, and its open transaction with them.
+            if conn.info.server_version >= 140000:  # idle_session_timeout is PostgreSQL 14's
+                conn.execute("SELECT set_config('idle_session_timeout', '0', false)")
             conn.autocommit = autocommit
         except psycopg.Error as exc:
             conn.close()
