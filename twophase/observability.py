@@ -89,6 +89,13 @@ class Metrics:
             ["pipeline"],
             registry=r,
         )
+        self.deleted_unread = Counter(
+            "twophase_source_offsets_deleted_unread",
+            "Source offsets deleted from the topic (retention, DeleteRecords) before the "
+            "pipeline read them",
+            ["pipeline", "topic", "partition"],
+            registry=r,
+        )
         self.lag = Gauge(
             "twophase_consumer_lag",
             "Records behind the end of each source partition",

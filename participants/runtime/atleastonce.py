@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
 from twophase.config import PipelineConfig
 from twophase.errors import RetriableError
@@ -36,6 +36,7 @@ from twophase.participants.runtime.batch import (
     quiet_gc,
     write_batch,
 )
+from twophase.participants.runtime.gaps import UnreadStarts
 from twophase.participants.runtime.subscription import Subscription
 from twophase.participants.sdk import PartId, Sink, SinkError
 from twophase.retry import STORE_OR_KAFKA, STORE_WAIT_S
@@ -87,6 +88,8 @@ class AtLeastOnceRuntime:
         #: Records a later sink refused after earlier ones stored them: the re-read leaves them
         #: out, so a record is in every sink or in none here too.
         self.retractions = Retractions()
+        #: Records deleted from a partition before they were read: logged and counted.
+        self._unread = UnreadStarts(cfg.pipeline, self.metrics.deleted_unread)
 
     def status(self) -> dict[str, Any]:
         return {
@@ -130,6 +133,7 @@ class AtLeastOnceRuntime:
                     err = m.error()
                     if err is not None:
                         raise_fatal(err)
+                self._unread.check(self.consumer, msgs)
                 if msgs:
                     self._batch(msgs)
         except BaseException as exc:
@@ -228,6 +232,7 @@ class AtLeastOnceRuntime:
         for (topic, partition), offset in batch.held.items():
             # Held for a later batch (Held): read again from there.
             self.consumer.seek(TopicPartition(topic, partition, offset))
+            self._unread.expect({(topic, partition): offset})
         self.retractions.prune(positions)
         self.batches += 1
         self.metrics.cycles.labels(self.cfg.pipeline, "commit").inc()
@@ -242,10 +247,19 @@ class AtLeastOnceRuntime:
             self.consumer.seek(
                 c if c.offset >= 0 else TopicPartition(c.topic, c.partition, OFFSET_BEGINNING)
             )
+            self._unread.expect({(c.topic, c.partition): c.offset})
 
-    def _on_assign(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._assigned = True
         log.info("assigned %s", ", ".join(f"{p.topic}[{p.partition}]" for p in partitions))
+        # Reading starts at the group's committed offsets: watched for records deleted unread.
+        self._unread.clear()
+        try:
+            committed = consumer.committed(partitions, timeout=CALL_TIMEOUT_S)
+        except KafkaException as exc:
+            log.info("committed offsets not read, deletions unread not watched: %s", exc)
+            return
+        self._unread.expect({(c.topic, c.partition): c.offset for c in committed})
 
     def _on_revoke(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         log.info("revoked %s", ", ".join(f"{p.topic}[{p.partition}]" for p in partitions))

@@ -78,6 +78,7 @@ from twophase.participants.runtime.batch import (
     quiet_gc,
     write_batch,
 )
+from twophase.participants.runtime.gaps import UnreadStarts
 from twophase.participants.runtime.subscription import Subscription
 from twophase.participants.sdk import (
     FatalSinkError,
@@ -245,6 +246,9 @@ class ParticipantRuntime:
         #: Where the consumer was last assigned or sought to, per partition: librdkafka's
         #: position() knows nothing (-1001) until a record is consumed after either.
         self._sought: dict[tuple[str, int], int] = {}
+        #: Where each partition was last sought to, until its first record: records deleted
+        #: from there before they were read are logged and counted (:mod:`.gaps`).
+        self._unread = UnreadStarts(cfg.pipeline, self.metrics.deleted_unread)
         #: Fault injection (tests): read nothing, vote empty parts -- what the stall alarm sees.
         self._stall_reads = stalled("reads")
         self._batch_size = min(INITIAL_BATCH, cfg.participant.max_batch_records)
@@ -785,6 +789,7 @@ class ParticipantRuntime:
                 log.info("%d records fetched before a rewind dropped: read again", len(msgs))
             return
         good = [m for m in msgs if m.error() is None]
+        self._unread.check(self.consumer, good)
         if self._held and good:
             # Fetched before the pause took: read again, from the held record, for the next part.
             good = [m for m in good if (m.topic(), m.partition()) not in self._held]
@@ -993,6 +998,7 @@ class ParticipantRuntime:
             self.consumer.pause([tp])
             self.consumer.seek(tp)
             self._sought[(topic, partition)] = offset
+            self._unread.expect({(topic, partition): offset})
             self._held[(topic, partition)] = offset
 
     def _release_held(self) -> None:
@@ -1018,6 +1024,7 @@ class ParticipantRuntime:
         self._release_held()
         self._resume()
         self._sought.update(((t.topic, t.partition), t.offset) for t in targets)
+        self._unread.expect({(t.topic, t.partition): t.offset for t in targets})
         for tp in targets:
             try:
                 self.consumer.seek(tp)
@@ -1058,6 +1065,8 @@ class ParticipantRuntime:
                 start = dict(a.offsets)
         self._assignment = [TopicPartition(t, p, start[(t, p)]) for t, p in sorted(start)]
         self._sought = dict(start)
+        self._unread.clear()
+        self._unread.expect(start)
         consumer.assign(self._assignment)
         if self._assignment:
             # librdkafka keeps a partition's pause flag across unassign/assign: one paused before
