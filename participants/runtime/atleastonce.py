@@ -133,7 +133,7 @@ class AtLeastOnceRuntime:
                     err = m.error()
                     if err is not None:
                         raise_fatal(err)
-                self._unread.check(self.consumer, msgs)
+                self._unread.check(self.consumer, [m for m in msgs if m.error() is None])
                 if msgs:
                     self._batch(msgs)
         except BaseException as exc:
@@ -254,6 +254,7 @@ class AtLeastOnceRuntime:
         log.info("assigned %s", ", ".join(f"{p.topic}[{p.partition}]" for p in partitions))
         # Reading starts at the group's committed offsets: watched for records deleted unread.
         self._unread.clear()
+        self._unread.assigned((p.topic, p.partition) for p in partitions)
         try:
             committed = consumer.committed(partitions, timeout=CALL_TIMEOUT_S)
         except KafkaException as exc:

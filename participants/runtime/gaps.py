@@ -1,26 +1,31 @@
-"""Source records deleted before the pipeline read them.
+"""Source records deleted before the pipeline delivered them.
 
-A participant resumes a partition from its committed position. When the topic's retention (or
-an operator's DeleteRecords) has removed records from there on, the broker answers that the
-offset is out of range and the consumer starts again at the partition's log start
-(``auto.offset.reset`` = earliest): the records in between are gone, and the part that goes on
-from the committed position covers them without holding them. librdkafka says so only in its own
-log. :class:`UnreadStarts` tells it in the participant's log, naming the partition and the
-offsets, and counts them (``twophase_source_offsets_deleted_unread``), so an alarm can fire.
+A participant resumes a partition from its committed position (after a start, a rebalance or a
+rewind). When the topic's retention (or an operator's DeleteRecords) has removed records from
+there on, the broker answers that the offset is out of range and the consumer starts again at
+the partition's log start (``auto.offset.reset`` = earliest): the records in between are gone,
+and the part that goes on from the committed position covers them without holding them.
+librdkafka says so only in its own log. :class:`UnreadStarts` tells it in the participant's
+log, naming the partition and the offsets, and counts them
+(``twophase_source_offsets_deleted_unread``).
 
 A first record past the sought offset is not a deletion by itself -- the markers of a
 transactional producer and the records of aborted transactions take offsets a ``read_committed``
 consumer never sees, and compaction leaves holes -- so only offsets below the partition's log
-start (the low watermark the fetch reported) are counted.
+start (the low watermark the fetch reported) are counted. On a transactional topic some of
+those may have been markers or aborted records: the count is an upper bound of the records lost.
+
+Not seen here: a participant that keeps reading while retention overtakes it (librdkafka
+resets its position without a seek of ours).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from confluent_kafka import Consumer, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Message, TopicPartition
 
 __all__ = ["UnreadStarts"]
 
@@ -36,6 +41,12 @@ class UnreadStarts:
         self.counter = counter
         self._at: dict[tuple[str, int], int] = {}
 
+    def assigned(self, tps: Iterable[tuple[str, int]]) -> None:
+        """Show each assigned partition's series at 0 from the start, so that a later count is
+        an increase an alert sees (a series that appears already counted is not)."""
+        for topic, partition in tps:
+            self.counter.labels(self.pipeline, topic, str(partition))
+
     def expect(self, offsets: Mapping[tuple[str, int], int]) -> None:
         """Reading starts again at ``offsets`` (logical offsets, below 0, are not watched)."""
         for tp, offset in offsets.items():
@@ -48,10 +59,19 @@ class UnreadStarts:
         self._at.clear()
 
     def check(self, consumer: Consumer, msgs: Sequence[Message]) -> None:
-        """Compare each watched partition's first record in ``msgs`` with where it was sought."""
+        """Compare each watched partition's first record in ``msgs`` (records only, of
+        partitions still read) with where it was sought."""
         if not self._at:
             return
+        for tp, sought in list(self._at.items()):
+            # Nothing to read past the sought offset (the fetch said so): nothing can be
+            # deleted unread there but by overtaking a reader, which a seek does not show.
+            high = self._marks(consumer, tp)[1]
+            if 0 <= high <= sought:
+                del self._at[tp]
         for m in msgs:
+            if not self._at:
+                break
             topic, partition, offset = m.topic(), m.partition(), m.offset()
             if topic is None or partition is None or offset is None:
                 continue  # not a record (an event without coordinates)
@@ -59,19 +79,28 @@ class UnreadStarts:
             at = self._at.pop(tp, None)
             if at is None or offset <= at:
                 continue
-            marks = consumer.get_watermark_offsets(TopicPartition(topic, partition), cached=True)
-            low = marks[0] if marks else -1
+            low = self._marks(consumer, tp)[0]
             if low <= at:
                 continue  # markers, aborted records or compaction: nothing was deleted unread
             gone = min(low, offset) - at
-            self.counter.labels(self.pipeline, tp[0], str(tp[1])).inc(gone)
+            self.counter.labels(self.pipeline, topic, str(partition)).inc(gone)
             log.warning(
                 "%s[%d]: offsets %d to %d were deleted from the topic (its retention, or "
-                "DeleteRecords) before this pipeline read them; reading goes on at %d",
-                tp[0],
-                tp[1],
+                "DeleteRecords) before this pipeline delivered them; reading goes on at %d",
+                topic,
+                partition,
                 at,
                 at + gone - 1,
                 offset,
-                extra={"pipeline": self.pipeline, "topic": tp[0], "partition": tp[1]},
+                extra={"pipeline": self.pipeline, "topic": topic, "partition": partition},
             )
+
+    @staticmethod
+    def _marks(consumer: Consumer, tp: tuple[str, int]) -> tuple[int, int]:
+        """The partition's low and high watermarks as the last fetch reported them (-1: not
+        known). Never raises: a metric must not end the data thread."""
+        try:
+            marks = consumer.get_watermark_offsets(TopicPartition(*tp), cached=True)
+        except KafkaException:
+            return -1, -1
+        return (marks[0], marks[1]) if marks else (-1, -1)

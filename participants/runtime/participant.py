@@ -789,10 +789,10 @@ class ParticipantRuntime:
                 log.info("%d records fetched before a rewind dropped: read again", len(msgs))
             return
         good = [m for m in msgs if m.error() is None]
-        self._unread.check(self.consumer, good)
         if self._held and good:
             # Fetched before the pause took: read again, from the held record, for the next part.
             good = [m for m in good if (m.topic(), m.partition()) not in self._held]
+        self._unread.check(self.consumer, good)
         for m in msgs:
             err = m.error()
             if err is not None:
@@ -1066,6 +1066,7 @@ class ParticipantRuntime:
         self._assignment = [TopicPartition(t, p, start[(t, p)]) for t, p in sorted(start)]
         self._sought = dict(start)
         self._unread.clear()
+        self._unread.assigned(start)
         self._unread.expect(start)
         consumer.assign(self._assignment)
         if self._assignment:

@@ -328,9 +328,15 @@ def test_the_writers_schema_check_refuses_exactly_what_the_reference_refuses(
 ) -> None:
     """Strict on write: every message the reference validator finds outside its schema is
     refused before it is produced, and nothing it accepts is -- big and negative integers,
-    floats that are integers, bools, the name pattern, missing and extra fields alike."""
+    floats that are integers, bools, the name pattern, missing and extra fields alike. (Values
+    no writer produces, which JSON cannot hold -- tuples, keys that are not strings -- and a
+    name ending in a newline, which Python's ``re`` lets ``$`` match, are where the two differ;
+    the compiled one follows the JSON Schema specification.)"""
     envelope, payloads = _reference()
-    payload = payloads.get(raw["type"]) if type(raw["type"]) is int else None
+    try:  # the payload's schema is chosen as the writer's check chooses it
+        payload = payloads.get(int(raw["type"]))
+    except (TypeError, ValueError, OverflowError):
+        payload = None
     ok = payload is not None and envelope.is_valid(raw) and payload.is_valid(raw["payload"])
     if ok:
         validate(raw)

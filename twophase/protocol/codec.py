@@ -90,7 +90,7 @@ def validate(raw: dict[str, Any]) -> None:
     envelope, payloads = _validators()
     try:
         payload_validator = payloads[MessageType(int(raw.get("type", 0)))]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ProtocolError(f"unknown message type {raw.get('type')!r}") from None
     for validator, doc, where in (
         (envelope, raw, "envelope"),
