@@ -232,7 +232,7 @@ class AtLeastOnceRuntime:
         for (topic, partition), offset in batch.held.items():
             # Held for a later batch (Held): read again from there.
             self.consumer.seek(TopicPartition(topic, partition, offset))
-            self._unread.expect({(topic, partition): offset})
+            self._unread.expect(self.consumer, {(topic, partition): offset})
         self.retractions.prune(positions)
         self.batches += 1
         self.metrics.cycles.labels(self.cfg.pipeline, "commit").inc()
@@ -247,7 +247,7 @@ class AtLeastOnceRuntime:
             self.consumer.seek(
                 c if c.offset >= 0 else TopicPartition(c.topic, c.partition, OFFSET_BEGINNING)
             )
-            self._unread.expect({(c.topic, c.partition): c.offset})
+            self._unread.expect(self.consumer, {(c.topic, c.partition): c.offset})
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._assigned = True
@@ -260,7 +260,7 @@ class AtLeastOnceRuntime:
         except KafkaException as exc:
             log.info("committed offsets not read, deletions unread not watched: %s", exc)
             return
-        self._unread.expect({(c.topic, c.partition): c.offset for c in committed})
+        self._unread.expect(consumer, {(c.topic, c.partition): c.offset for c in committed})
 
     def _on_revoke(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         log.info("revoked %s", ", ".join(f"{p.topic}[{p.partition}]" for p in partitions))

@@ -12,8 +12,9 @@ log, naming the partition and the offsets, and counts them
 A first record past the sought offset is not a deletion by itself -- the markers of a
 transactional producer and the records of aborted transactions take offsets a ``read_committed``
 consumer never sees, and compaction leaves holes -- so only offsets below the partition's log
-start (the low watermark the fetch reported) are counted. On a transactional topic some of
-those may have been markers or aborted records: the count is an upper bound of the records lost.
+start (the low watermark the fetch reported) are counted, each range once per process. On a
+transactional topic some of those may have been markers or aborted records: the count is an
+upper bound of the records lost.
 
 Not seen here: a participant that keeps reading while retention overtakes it (librdkafka
 resets its position without a seek of ours).
@@ -39,19 +40,23 @@ class UnreadStarts:
         self.pipeline = pipeline
         #: ``twophase_source_offsets_deleted_unread`` (labels pipeline, topic, partition).
         self.counter = counter
-        self._at: dict[tuple[str, int], int] = {}
+        #: Per watched partition: the sought offset, and its cached high watermark then.
+        self._at: dict[tuple[str, int], tuple[int, int]] = {}
+        #: Per partition, the end of the last range counted: a rewind before a commit passes
+        #: it finds the same range deleted again, and it is not counted twice.
+        self._counted: dict[tuple[str, int], int] = {}
 
     def assigned(self, tps: Iterable[tuple[str, int]]) -> None:
-        """Show each assigned partition's series at 0 from the start, so that a later count is
-        an increase an alert sees (a series that appears already counted is not)."""
+        """Show each assigned partition's series at 0 from the assignment on (an alert on a
+        value above 0 then sees every series; one on an increase sees later counts)."""
         for topic, partition in tps:
             self.counter.labels(self.pipeline, topic, str(partition))
 
-    def expect(self, offsets: Mapping[tuple[str, int], int]) -> None:
+    def expect(self, consumer: Consumer, offsets: Mapping[tuple[str, int], int]) -> None:
         """Reading starts again at ``offsets`` (logical offsets, below 0, are not watched)."""
         for tp, offset in offsets.items():
             if offset >= 0:
-                self._at[tp] = offset
+                self._at[tp] = (offset, self._marks(consumer, tp)[1])
             else:
                 self._at.pop(tp, None)
 
@@ -63,11 +68,12 @@ class UnreadStarts:
         partitions still read) with where it was sought."""
         if not self._at:
             return
-        for tp, sought in list(self._at.items()):
-            # Nothing to read past the sought offset (the fetch said so): nothing can be
-            # deleted unread there but by overtaking a reader, which a seek does not show.
+        for tp, (sought, then) in list(self._at.items()):
+            # A fetch since the seek (the cached high watermark moved: librdkafka keeps the
+            # last one across seeks and rebalances) found nothing past the sought offset: no
+            # record will come to compare, and nothing there was deleted unread.
             high = self._marks(consumer, tp)[1]
-            if 0 <= high <= sought:
+            if 0 <= high <= sought and high != then:
                 del self._at[tp]
         for m in msgs:
             if not self._at:
@@ -76,29 +82,31 @@ class UnreadStarts:
             if topic is None or partition is None or offset is None:
                 continue  # not a record (an event without coordinates)
             tp = (topic, partition)
-            at = self._at.pop(tp, None)
-            if at is None or offset <= at:
+            watched = self._at.pop(tp, None)
+            if watched is None or offset <= watched[0]:
                 continue
             low = self._marks(consumer, tp)[0]
-            if low <= at:
-                continue  # markers, aborted records or compaction: nothing was deleted unread
-            gone = min(low, offset) - at
-            self.counter.labels(self.pipeline, topic, str(partition)).inc(gone)
+            start = max(watched[0], self._counted.get(tp, -1))
+            end = min(low, offset)
+            if end <= start:
+                continue  # markers, aborted records, compaction, or a range counted already
+            self._counted[tp] = end
+            self.counter.labels(self.pipeline, topic, str(partition)).inc(end - start)
             log.warning(
                 "%s[%d]: offsets %d to %d were deleted from the topic (its retention, or "
                 "DeleteRecords) before this pipeline delivered them; reading goes on at %d",
                 topic,
                 partition,
-                at,
-                at + gone - 1,
+                start,
+                end - 1,
                 offset,
                 extra={"pipeline": self.pipeline, "topic": topic, "partition": partition},
             )
 
     @staticmethod
     def _marks(consumer: Consumer, tp: tuple[str, int]) -> tuple[int, int]:
-        """The partition's low and high watermarks as the last fetch reported them (-1: not
-        known). Never raises: a metric must not end the data thread."""
+        """The partition's low and high watermarks as the last fetch reported them (below 0:
+        not known). Never raises: a metric must not end the data thread."""
         try:
             marks = consumer.get_watermark_offsets(TopicPartition(*tp), cached=True)
         except KafkaException:

@@ -998,7 +998,7 @@ class ParticipantRuntime:
             self.consumer.pause([tp])
             self.consumer.seek(tp)
             self._sought[(topic, partition)] = offset
-            self._unread.expect({(topic, partition): offset})
+            self._unread.expect(self.consumer, {(topic, partition): offset})
             self._held[(topic, partition)] = offset
 
     def _release_held(self) -> None:
@@ -1024,7 +1024,7 @@ class ParticipantRuntime:
         self._release_held()
         self._resume()
         self._sought.update(((t.topic, t.partition), t.offset) for t in targets)
-        self._unread.expect({(t.topic, t.partition): t.offset for t in targets})
+        self._unread.expect(self.consumer, {(t.topic, t.partition): t.offset for t in targets})
         for tp in targets:
             try:
                 self.consumer.seek(tp)
@@ -1067,7 +1067,7 @@ class ParticipantRuntime:
         self._sought = dict(start)
         self._unread.clear()
         self._unread.assigned(start)
-        self._unread.expect(start)
+        self._unread.expect(self.consumer, start)
         consumer.assign(self._assignment)
         if self._assignment:
             # librdkafka keeps a partition's pause flag across unassign/assign: one paused before

@@ -25,7 +25,7 @@ from functools import cache
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
@@ -321,6 +321,18 @@ def _reference() -> tuple[Draft202012Validator, dict[int, Draft202012Validator]]
     return Draft202012Validator(docs["envelope.json"], registry=registry), payloads
 
 
+def _ends_in_a_newline(value: Any) -> bool:
+    """Whether a string in ``value`` ends in a newline, which Python's ``re`` lets a pattern's
+    ``$`` match before and ECMA-262's (JSON Schema's) does not."""
+    if isinstance(value, str):
+        return value.endswith("\n")
+    if isinstance(value, dict):
+        return any(_ends_in_a_newline(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_ends_in_a_newline(v) for v in value)
+    return False
+
+
 @FUZZ
 @given(raw=messages())
 def test_the_writers_schema_check_refuses_exactly_what_the_reference_refuses(
@@ -332,6 +344,7 @@ def test_the_writers_schema_check_refuses_exactly_what_the_reference_refuses(
     no writer produces, which JSON cannot hold -- tuples, keys that are not strings -- and a
     name ending in a newline, which Python's ``re`` lets ``$`` match, are where the two differ;
     the compiled one follows the JSON Schema specification.)"""
+    assume(not _ends_in_a_newline(raw))  # where Python's re and JSON Schema's regex differ
     envelope, payloads = _reference()
     try:  # the payload's schema is chosen as the writer's check chooses it
         payload = payloads.get(int(raw["type"]))
