@@ -91,8 +91,8 @@ class Metrics:
         )
         self.deleted_unread = Counter(
             "twophase_source_offsets_deleted_unread",
-            "Source offsets deleted from the topic (retention, DeleteRecords) before the "
-            "pipeline read them",
+            "Source offsets found deleted from the topic (retention, DeleteRecords) before "
+            "the pipeline delivered them, when a partition was resumed",
             ["pipeline", "topic", "partition"],
             registry=r,
         )

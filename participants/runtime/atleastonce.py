@@ -88,7 +88,7 @@ class AtLeastOnceRuntime:
         #: Records a later sink refused after earlier ones stored them: the re-read leaves them
         #: out, so a record is in every sink or in none here too.
         self.retractions = Retractions()
-        #: Records deleted from a partition before they were read: logged and counted.
+        #: Records deleted from a partition before they were delivered: logged and counted.
         self._unread = UnreadStarts(cfg.pipeline, self.metrics.deleted_unread)
 
     def status(self) -> dict[str, Any]:

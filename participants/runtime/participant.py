@@ -247,7 +247,7 @@ class ParticipantRuntime:
         #: position() knows nothing (-1001) until a record is consumed after either.
         self._sought: dict[tuple[str, int], int] = {}
         #: Where each partition was last sought to, until its first record: records deleted
-        #: from there before they were read are logged and counted (:mod:`.gaps`).
+        #: from there before they were delivered are logged and counted (:mod:`.gaps`).
         self._unread = UnreadStarts(cfg.pipeline, self.metrics.deleted_unread)
         #: Fault injection (tests): read nothing, vote empty parts -- what the stall alarm sees.
         self._stall_reads = stalled("reads")

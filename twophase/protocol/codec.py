@@ -3,10 +3,11 @@
 Write: the envelope and payload are validated against the JSON Schemas before they leave, so a
 bug here never reaches the topic -- by a compiled validator (``jsonschema-rs``): Python's
 ``jsonschema`` took ~2 ms for a DECISION of sixteen parts, on the path from the last vote to
-the commit, and ~0.3 ms for every participant's vote. Read: only the fields we need are parsed; unknown fields are
-ignored so that newer writers can run beside older readers. A message that cannot be understood
-raises :class:`DecodeError` with a ``kind`` the caller counts (``malformed``, ``unknown_type``,
-``future_version``, ``bad_auth``, ``foreign_pipeline``) and skips.
+the commit, and ~0.3 ms for every participant's vote. Read: only the fields we need are
+parsed; unknown fields are ignored so that newer writers can run beside older readers. A
+message that cannot be understood raises :class:`DecodeError` with a ``kind`` the caller counts
+(``malformed``, ``unknown_type``, ``future_version``, ``bad_auth``, ``foreign_pipeline``) and
+skips.
 
 Authentication: with a key configured, every message carries ``twophase-auth`` =
 HMAC-SHA256(key, value bytes) in a Kafka header; readers with a key reject messages without a
