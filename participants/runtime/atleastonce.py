@@ -133,7 +133,7 @@ class AtLeastOnceRuntime:
                     err = m.error()
                     if err is not None:
                         raise_fatal(err)
-                self._unread.check(self.consumer, [m for m in msgs if m.error() is None])
+                self._unread.check(self.consumer, msgs)
                 if msgs:
                     self._batch(msgs)
         except BaseException as exc:

@@ -64,8 +64,8 @@ class UnreadStarts:
         self._at.clear()
 
     def check(self, consumer: Consumer, msgs: Sequence[Message]) -> None:
-        """Compare each watched partition's first record in ``msgs`` (records only, of
-        partitions still read) with where it was sought."""
+        """Compare each watched partition's first record in ``msgs`` (of partitions still
+        read; error events are passed over) with where it was sought."""
         if not self._at:
             return
         for tp, (sought, then) in list(self._at.items()):
@@ -78,6 +78,8 @@ class UnreadStarts:
         for m in msgs:
             if not self._at:
                 break
+            if m.error() is not None:
+                continue
             topic, partition, offset = m.topic(), m.partition(), m.offset()
             if topic is None or partition is None or offset is None:
                 continue  # not a record (an event without coordinates)

@@ -32,6 +32,9 @@ class _Msg:
     def offset(self) -> int | None:
         return self.o
 
+    def error(self) -> None:
+        return None
+
 
 #: librdkafka's cached watermarks before any fetch of the partition (RD_KAFKA_OFFSET_INVALID).
 UNKNOWN = (-1001, -1001)
