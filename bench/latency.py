@@ -137,7 +137,7 @@ class Trickle(threading.Thread):
 class ControlTail:
     """Follows a pipeline's control topic and pairs each PREPARE with its DECISION."""
 
-    def __init__(self, bootstrap: str, topic: str, hmac_key: str) -> None:
+    def __init__(self, bootstrap: str, topic: str, reply_topic: str, hmac_key: str) -> None:
         self.c = Consumer(
             {
                 "bootstrap.servers": bootstrap,
@@ -146,7 +146,9 @@ class ControlTail:
                 "enable.partition.eof": False,
             }
         )
-        self.c.assign([TopicPartition(topic, 0, 0)])
+        # The votes are on the reply topic (the DECISION can be read before the last of them:
+        # a cycle's phases are taken once its DECISION is read, from what was read by then).
+        self.c.assign([TopicPartition(topic, 0, 0), TopicPartition(reply_topic, 0, 0)])
         self.key = hmac_key.encode()
         self.prepared_at: dict[int, int] = {}
         #: Per txn: the stamps of its votes.
@@ -202,10 +204,11 @@ def latency_run(
     source = Source.create(bootstrap, 0, f"lat{participants}", PARTITIONS)
     name = f"bench-lat{participants}-{uuid.uuid4().hex[:6]}"
     s = scenario(name, workdir / name, source, sinks={"pg", "files"}, mode="exactly_once")
-    create_topics(load_config(s.write()))
+    cfg = load_config(s.write())
+    create_topics(cfg)
     s.prepare_stores()
     trickle = Trickle(bootstrap, source.topic, TRICKLE_PER_S)
-    tail = ControlTail(bootstrap, f"twophase.control.{name}", s.hmac_key)
+    tail = ControlTail(bootstrap, cfg.control_topic, cfg.reply_topic, s.hmac_key)
     started = time.monotonic()
     try:
         trickle.start()

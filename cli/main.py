@@ -352,7 +352,7 @@ def topics() -> None:
 @click.argument("config", type=click.Path(exists=True, dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def topics_create(config: str, as_json: bool) -> None:
-    """Create the control, dead-letter and source topics if missing.
+    """Create the control, reply, dead-letter and source topics if missing.
 
     Settings come from control-topic/topics.yaml and the config; replication and
     min.insync.replicas are clamped to the broker count.

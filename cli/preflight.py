@@ -77,6 +77,14 @@ def live_checks(
                     f"control topic {name} has {len(meta.partitions)} partitions; the protocol "
                     "needs exactly 1"
                 )
+        if cfg.participant.mode == "exactly_once":
+            # Not a problem when missing: the replies then go to the control topic, as before.
+            meta = topics.get(cfg.reply_topic)
+            result["topics"][cfg.reply_topic] = (
+                f"{len(meta.partitions)} partitions"
+                if meta is not None and meta.error is None
+                else "missing: votes go to the control topic, which every participant reads"
+            )
         for source in cfg.sources:
             if source.topic_pattern:
                 matched = [t for t in cfg.resolve_topics(topics) if cfg.source_for(t) is source]

@@ -308,7 +308,7 @@ def pipeline_status(
 def _expected(cfg: PipelineConfig, brokers: int) -> dict[str, tuple[str, int, int, dict[str, str]]]:
     """What ``topics create`` would make of each topic on this cluster (same clamping)."""
     out: dict[str, tuple[str, int, int, dict[str, str]]] = {}
-    roles = ["control", "dead_letter"] + ["source"] * len(cfg.sources)
+    roles = ["control", "reply", "dead_letter"] + ["source"] * len(cfg.sources)
     for role, (name, partitions, rf, conf) in zip(roles, topic_settings(cfg), strict=True):
         rf = max(1, min(rf, brokers))
         conf = dict(conf)

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
-from confluent_kafka import OFFSET_BEGINNING, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from twophase.config import PipelineConfig
 from twophase.errors import ConfigError, FatalError, RetriableError, TwophaseError
-from twophase.kafka import CALL_TIMEOUT_S, ControlReader, client_settings
+from twophase.kafka import CALL_TIMEOUT_S, ControlReader, client_settings, read_control
 from twophase.participants.registry import build_sinks
 from twophase.participants.sdk import (
     BatchingSink,
@@ -117,7 +117,8 @@ def _txn_of(env: Envelope) -> int | None:
     return None
 
 
-def _require_topic(cfg: PipelineConfig) -> None:
+def _require_topic(cfg: PipelineConfig) -> bool:
+    """Raise unless the control topic exists; whether the reply topic does."""
     admin = AdminClient(client_settings(cfg, "admin"))
     try:
         # All topics, not the one: a metadata request naming a topic can auto-create it.
@@ -129,6 +130,7 @@ def _require_topic(cfg: PipelineConfig) -> None:
             f"control topic {cfg.control_topic} does not exist "
             "(run `twophase topics create CONFIG` first)"
         )
+    return cfg.reply_topic in topics
 
 
 def fold_log(
@@ -139,9 +141,11 @@ def fold_log(
     progress: Progress = _quiet,
 ) -> LogFold:
     """Fold the control log from the latest checkpoint (or the first retained message) to its
-    current end. With ``txn``, also keep every message about that transaction."""
-    _require_topic(cfg)
+    current end, then the reply topic's votes and APPLIED the checkpoint does not reflect (as a
+    new leader does). With ``txn``, also keep every message about that transaction."""
+    reply_topic_there = _require_topic(cfg)
     skipped: list[str] = []
+    replies_from = -1
     reader = ControlReader(cfg, on_skip=skipped.append)
     fold = LogFold(LogView(), "beginning" if from_beginning else "checkpoint")
     try:
@@ -168,14 +172,78 @@ def fold_log(
             if fold.view.out_of_sequence(env.payload):
                 skipped.append("out_of_sequence")  # a decision nothing led to: not folded
                 continue
+            if isinstance(env.payload, Checkpoint) and not from_beginning:
+                # The log's order is the checkpoints' order: the last one read is the newest.
+                here = env.reply_to == cfg.reply_topic
+                replies_from = env.payload.replies_from if here else -1
             _fold_one(fold, env, txn)
             if fold.messages % 500 == 0:
                 progress(f"reading the control log: {fold.messages} messages")
     finally:
         reader.close()
+    if reply_topic_there:
+        _fold_replies(cfg, fold, txn, replies_from, skipped, progress)
     if skipped:
         log.warning("skipped %d unreadable control messages (%s)", len(skipped), sorted(skipped))
     return fold
+
+
+def _fold_replies(
+    cfg: PipelineConfig,
+    fold: LogFold,
+    txn: int | None,
+    start: int,
+    skipped: list[str],
+    progress: Progress,
+) -> None:
+    """Fold the reply topic's VOTE and APPLIED from ``start`` (-1: the first retained) to its
+    end as of now, after the control log: an APPLIED follows its DECISION."""
+    consumer = Consumer(
+        client_settings(
+            cfg,
+            "replies-reader",
+            **{
+                "group.id": cfg.coordinator_group_id,  # never joins: assigned only
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+                "auto.offset.reset": "earliest",
+            },
+        )
+    )
+    tp = TopicPartition(cfg.reply_topic, 0)
+    try:
+        low, end = consumer.get_watermark_offsets(tp, timeout=CALL_TIMEOUT_S)
+        offset = max(low, start)
+        if offset >= end:
+            return
+        consumer.assign([TopicPartition(cfg.reply_topic, 0, offset)])
+        progress("reading the reply topic")
+        last_progress = time.monotonic()
+        while offset < end:
+            msg = consumer.poll(0.5)
+            if msg is None:
+                if time.monotonic() - last_progress > READ_STALL_S:
+                    raise RetriableError(
+                        f"reply topic {cfg.reply_topic}: no message within {READ_STALL_S:.0f}s "
+                        f"before its end (is Kafka up?)"
+                    )
+                continue
+            err = msg.error()
+            if err is not None:
+                raise RetriableError(f"reply topic {cfg.reply_topic}: {err.str()}")
+            last_progress = time.monotonic()
+            offset = (msg.offset() or 0) + 1
+            env = read_control(cfg, msg, skipped.append)
+            if env is None:
+                continue
+            if not isinstance(env.payload, Vote | Applied):
+                skipped.append("misplaced")
+                continue
+            _fold_one(fold, env, txn)
+    except KafkaException as exc:
+        raise RetriableError(f"reply topic {cfg.reply_topic}: {exc.args[0].str()}") from None
+    finally:
+        consumer.close()
 
 
 def _fold_one(fold: LogFold, env: Envelope, txn: int | None) -> None:

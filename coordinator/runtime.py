@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 from confluent_kafka import (
@@ -61,7 +62,15 @@ from twophase.kafka import (
 )
 from twophase.observability import HealthServer, Metrics, log_context, txn_extra
 from twophase.protocol.codec import new_envelope
-from twophase.protocol.messages import Checkpoint, Decision, Outcome, Payload, Prepare
+from twophase.protocol.messages import (
+    Applied,
+    Checkpoint,
+    Decision,
+    Outcome,
+    Payload,
+    Prepare,
+    Vote,
+)
 
 __all__ = ["CoordinatorRuntime"]
 
@@ -148,6 +157,17 @@ class CoordinatorRuntime:
         self._next_stall_check = 0.0
         #: The end-offset requests in flight (the loop never blocks on them).
         self._stall_query: tuple[dict[TopicPartition, Future[Any]], ...] = ()
+        #: The reply topic (``control.reply_topic``) as the last metadata showed it: there, and
+        #: with the one partition the participants write to.
+        self._reply_topic_found = False
+        #: Partition 0 of the reply topic, read while this process leads once recovered; its
+        #: name goes in every message we write (``reply_to``). None: replies come on the
+        #: control topic only (no reply topic, or not leading).
+        self._replies: Consumer | None = None
+        #: The next reply offset to hand to the machine: a CHECKPOINT reflects every one below.
+        self._replies_next = 0
+        #: ``replies_from`` of the latest CHECKPOINT replayed that names our reply topic.
+        self._replies_checkpointed = -1
 
     # -- status --------------------------------------------------------------------------------
 
@@ -216,10 +236,16 @@ class CoordinatorRuntime:
             )
             while not self.stop_event.is_set():
                 self.health.beat()
-                msg = self.consumer.poll(POLL_S)
+                # Reading replies, the loop waits on them (votes are what a cycle waits for);
+                # the control topic is then looked at between waits.
+                msg = self.consumer.poll(POLL_S if self._replies is None else 0)
                 self._on_leadership_change()
                 if msg is not None:
                     self._on_message(msg)
+                if self._replies is not None:
+                    reply = self._replies.poll(0 if msg is not None else POLL_S)
+                    if reply is not None:
+                        self._on_reply(reply)
                 self._execute(self.machine.handle(Tick(_now_ms())))
                 if time.monotonic() >= next_refresh:
                     next_refresh = time.monotonic() + TOPIC_REFRESH_S
@@ -237,6 +263,8 @@ class CoordinatorRuntime:
         does not keep the others open. The admin client has no close: the CLI lets the runtime
         go before the process exits."""
         closers = [self.consumer.close, self.group_handle.close]
+        if self._replies is not None:
+            closers.append(self._replies.close)
         if self.publisher is not None:
             closers.append(self.publisher.close)
         for close in closers:
@@ -277,6 +305,8 @@ class CoordinatorRuntime:
         self.metrics.leader.labels(self.cfg.pipeline).set(1)
         log.info("coordinator %s is now the leader of %s", self.instance, self.cfg.pipeline)
         self._replaying = True
+        self._close_replies()  # a new reign reads from its own recovery's point
+        self._replies_checkpointed = -1
         # Recovery reads up to the end as of now (or an end-of-partition event, if sooner): on
         # a busy control topic the reader may never sit exactly at the moving end.
         tp = TopicPartition(self.cfg.control_topic, 0)
@@ -290,7 +320,87 @@ class CoordinatorRuntime:
 
     def _caught_up(self) -> None:
         self._replaying = False
+        # Before the machine writes anything: what it writes names the reply topic.
+        self._open_replies()
         self._execute(self.machine.handle(CaughtUp(_now_ms())))
+
+    # -- replies -------------------------------------------------------------------------------
+
+    def _open_replies(self) -> None:
+        """Start reading the reply topic (leading, recovered, the topic there): from the latest
+        replayed CHECKPOINT's ``replies_from`` -- replies below it are in the checkpoint --
+        else from its start. Replies written before are harmless: a vote for a decided cycle
+        is ignored, an APPLIED acknowledges what it did. Not found: replies stay on the control
+        topic (the participants send them where our messages say), looked for again with the
+        source topics."""
+        if self._replies is not None or not self.machine.is_leader or self._replaying:
+            return
+        topic = self.cfg.reply_topic
+        if not self._reply_topic_found:
+            log.warning(
+                "reply topic %s not found: participants send their votes to the control topic, "
+                "which every participant then reads (`twophase topics create` makes it)",
+                topic,
+            )
+            return
+        replies = Consumer(
+            client_settings(
+                self.cfg,
+                "replies",
+                **{
+                    # Never joins the group (assigned, never subscribed, never commits).
+                    "group.id": self.cfg.coordinator_group_id,
+                    "enable.auto.commit": False,
+                    "isolation.level": "read_committed",
+                    "auto.offset.reset": "earliest",
+                },
+            )
+        )
+        try:
+            low, _high = replies.get_watermark_offsets(
+                TopicPartition(topic, 0), timeout=CALL_TIMEOUT_S
+            )
+            start = max(low, self._replies_checkpointed)
+            replies.assign([TopicPartition(topic, 0, start)])
+        except KafkaException as exc:
+            replies.close()
+            log.warning("cannot read reply topic %s now: %s", topic, exc.args[0].str())
+            return
+        self._replies = replies
+        self._replies_next = start
+        log.info("reading replies from %s[0] at offset %d", topic, start)
+
+    def _close_replies(self) -> None:
+        replies, self._replies = self._replies, None
+        if replies is not None:
+            try:
+                replies.close()
+            except (KafkaException, RuntimeError) as exc:
+                log.info("closing the replies consumer: %s", exc)
+
+    def _on_reply(self, msg: Message) -> None:
+        note_broker_contact()
+        err = msg.error()
+        if err is not None:
+            if err.code() != KafkaError._PARTITION_EOF:
+                raise_fatal(err)
+            return
+        self._replies_next = (msg.offset() or 0) + 1
+        env = read_control(self.cfg, msg, self._count_skipped)
+        if env is None:
+            return
+        if not isinstance(env.payload, (Vote, Applied)):
+            # Only participants' replies belong here: a coordinator's message or a DRAINED on
+            # the reply topic is no one's to act on.
+            log.warning(
+                "skipping %s at %s[0]@%s: only VOTE and APPLIED belong on the reply topic",
+                env.type.name,
+                msg.topic(),
+                msg.offset(),
+            )
+            self._count_skipped("misplaced")
+            return
+        self._execute(self.machine.handle(Received(env, _now_ms())))
 
     # -- messages ------------------------------------------------------------------------------
 
@@ -307,6 +417,10 @@ class CoordinatorRuntime:
         env = read_control(self.cfg, msg, self._count_skipped)
         if env is None:
             return
+        if self._replaying and isinstance(env.payload, Checkpoint):
+            # The log's order is the checkpoints' order: the last one read is the newest.
+            here = env.reply_to == self.cfg.reply_topic and env.payload.replies_from >= 0
+            self._replies_checkpointed = env.payload.replies_from if here else -1
         self._execute(self.machine.handle(Received(env, _now_ms())))
         if self._replaying and self._replayed_to_end():
             self._caught_up()
@@ -347,6 +461,7 @@ class CoordinatorRuntime:
             elif isinstance(action, StepDown):
                 self.metrics.leader.labels(self.cfg.pipeline).set(0)
                 self._drop_producer()
+                self._close_replies()
                 if self._fenced:
                     # Still owning the control partition, this process would keep a newer leader's
                     # standby from taking over; exit and come back as a fresh group member.
@@ -380,7 +495,11 @@ class CoordinatorRuntime:
         publisher = self.publisher
         if publisher is None:
             return self.machine.handle(PublishFailed(payload, now(), "no producer", fenced=True))
+        if self._replies is not None and isinstance(payload, Checkpoint):
+            payload = replace(payload, replies_from=self._replies_next)
         env = new_envelope(self.cfg.pipeline, self.sender, payload)
+        if self._replies is not None:
+            env = replace(env, reply_to=self.cfg.reply_topic)
         offsets: list[TopicPartition] = []
         group: Consumer | None = None
         if isinstance(payload, Decision) and payload.outcome is Outcome.COMMIT:
@@ -460,6 +579,10 @@ class CoordinatorRuntime:
             log.warning("cannot read source topic metadata: %s", exc.args[0].str())
             return
         self._reached()
+        reply = md.topics.get(self.cfg.reply_topic)
+        self._reply_topic_found = reply is not None and reply.error is None
+        if self._replies is None and self._reply_topic_found:
+            self._open_replies()  # made since we took over
         tps: set[tuple[str, int]] = set()
         for topic in self.cfg.source_topics:
             t = md.topics.get(topic)

@@ -80,6 +80,12 @@ class ControlConfig(_Strict):
     replication_factor: int = Field(default=3, ge=1)
     #: Topic settings over those of ``control-topic/topics.yaml`` (e.g. ``min.insync.replicas``).
     topic_config: dict[str, str] = Field(default_factory=dict)
+    #: The reply topic: participants write their votes and APPLIED there (partition 0), so that
+    #: no participant reads its peers' -- with N participants, N^2 deliveries a cycle on the
+    #: control topic. ``twophase topics create`` makes it like the control topic (one
+    #: partition, its settings); a coordinator that does not find it when it becomes leader has
+    #: them sent to the control topic, as before. Empty: ``<control topic>.replies``.
+    reply_topic: str = ""
 
 
 class SchemaRegistryConfig(_Strict):
@@ -370,6 +376,10 @@ class PipelineConfig(_Strict):
         return self.control.topic or f"twophase.control.{self.pipeline}"
 
     @property
+    def reply_topic(self) -> str:
+        return self.control.reply_topic or f"{self.control_topic}.replies"
+
+    @property
     def dead_letter_topic(self) -> str:
         return self.dead_letter.topic or f"{self.pipeline}.dlq"
 
@@ -412,11 +422,16 @@ class PipelineConfig(_Strict):
 
     def source_for(self, topic: str) -> SourceConfig | None:
         """The source ``topic`` belongs to: the one naming it, else the first pattern it
-        matches (never an internal topic or the pipeline's own control or dead-letter topic)."""
+        matches (never an internal topic or the pipeline's own control, reply or dead-letter
+        topic)."""
         for source in self.sources:
             if source.topic == topic:
                 return source
-        if topic.startswith("__") or topic in (self.control_topic, self.dead_letter_topic):
+        if topic.startswith("__") or topic in (
+            self.control_topic,
+            self.reply_topic,
+            self.dead_letter_topic,
+        ):
             return None
         for source in self.sources:
             if source.topic_pattern and re.fullmatch(source.topic_pattern, topic):

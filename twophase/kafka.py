@@ -10,7 +10,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from confluent_kafka import (
@@ -29,7 +29,7 @@ from twophase.config import PipelineConfig
 from twophase.errors import ConfigError, FatalError, RetriableError
 from twophase.logrepeat import CollapseRepeats
 from twophase.protocol.codec import DecodeError, decode, encode, new_envelope
-from twophase.protocol.messages import Envelope, Payload
+from twophase.protocol.messages import Applied, Envelope, Payload, Vote
 from twophase.retry import KAFKA, KAFKA_RETRY_S, TXN_COMMIT, TXN_COMMIT_ATTEMPTS, Policy
 
 __all__ = [
@@ -319,7 +319,8 @@ def create_topics(
     timeout_s: float = CALL_TIMEOUT_S,
     only: Collection[str] | None = None,
 ) -> dict[str, str]:
-    """Create the control, dead-letter and source topics (or ``only`` those named) if missing,
+    """Create the control, reply, dead-letter and source topics (or ``only`` those named) if
+    missing,
     and wait until they are ready; returns topic -> outcome.
 
     Replication factors and min.insync.replicas are clamped to the broker count so the same
@@ -547,12 +548,20 @@ class ControlReader:
 
 
 class ControlWriter:
-    """Participants' writes to the control topic: idempotent, acks=all, flushed per message."""
+    """Participants' writes to the control topic: idempotent, acks=all, flushed per message.
+
+    Replies (VOTE, APPLIED) go to :attr:`reply_to` when set -- the reply topic the latest
+    coordinator message named, whose partition 0 its writer reads -- so that no participant
+    reads its peers' replies; otherwise, and always for DRAINED (which peers read), to the
+    control topic."""
 
     def __init__(self, cfg: PipelineConfig, sender: str, producer: Producer) -> None:
         self.cfg = cfg
         self.sender = sender
         self.producer = producer
+        #: Set by the control thread from every coordinator message read (one attribute
+        #: store: the threads that send read whole values).
+        self.reply_to = ""
 
     def envelope(self, payload: Payload) -> Envelope:
         return new_envelope(self.cfg.pipeline, self.sender, payload)
@@ -573,24 +582,32 @@ class ControlWriter:
 
     def _produce(
         self, payload: Payload, on_delivery: Callable[[KafkaError | None, Message], None]
-    ) -> None:
-        value, headers = encode(self.envelope(payload), self.cfg.hmac_key)
+    ) -> Envelope:
+        env = self.envelope(payload)
+        value, headers = encode(env, self.cfg.hmac_key)
+        reply_to = self.reply_to if isinstance(payload, (Vote, Applied)) else ""
         self.producer.produce(
-            self.cfg.control_topic,
+            reply_to or self.cfg.control_topic,
             value=value,
             key=self.cfg.pipeline.encode(),
             headers=list(headers),
             on_delivery=on_delivery,
+            # The coordinator reads partition 0 of the reply topic, however many it has
+            # (-1: the partitioner's choice, by key -- the control topic has one).
+            partition=0 if reply_to else -1,
         )
+        return replace(env, reply_to=reply_to)
 
-    def send(self, payload: Payload, *, timeout_s: float = CALL_TIMEOUT_S) -> None:
+    def send(self, payload: Payload, *, timeout_s: float = CALL_TIMEOUT_S) -> Envelope:
+        """Write and flush ``payload``; the envelope sent, whose ``reply_to`` names the reply
+        topic it went to ("": the control topic)."""
         errors: list[KafkaError] = []
 
         def on_delivery(err: KafkaError | None, _msg: Message) -> None:
             if err is not None:
                 errors.append(err)
 
-        self._produce(payload, on_delivery)
+        env = self._produce(payload, on_delivery)
         if self.producer.flush(timeout_s) > 0:
             raise RetriableError(f"control message not delivered within {timeout_s}s")
         if errors:
@@ -600,6 +617,7 @@ class ControlWriter:
                 # say so and end, rather than look healthy and never vote again.
                 raise FatalError(f"control message refused by Kafka: {err.str()}")
             raise RetriableError(f"control message not delivered: {err.str()}")
+        return env
 
 
 @dataclass(frozen=True, slots=True)

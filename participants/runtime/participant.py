@@ -87,7 +87,7 @@ from twophase.participants.sdk import (
     SinkError,
     UnknownPartError,
 )
-from twophase.protocol.messages import Drained, Outcome, Prepare
+from twophase.protocol.messages import Checkpoint, Complete, Decision, Drained, Outcome, Prepare
 from twophase.retry import KAFKA, STORE, STORE_WAIT_S
 
 __all__ = ["ParticipantRuntime", "consume_timeout"]
@@ -138,6 +138,10 @@ class _Forget:
 class _AbortStale:
     """Housekeeping for the apply worker: abort parts that dead processes began and never
     prepared (:meth:`ParticipantRuntime._abort_stale`)."""
+
+
+#: The messages only a coordinator writes: their envelope's ``reply_to`` says where it reads.
+_COORDINATOR_MESSAGES = (Prepare, Decision, Complete, Checkpoint)
 
 
 def _now_ms() -> int:
@@ -390,6 +394,9 @@ class ParticipantRuntime:
         """Feed the machine. From the control side, actions for the data thread are queued
         *under the lock*, so the data thread's "nothing queued -> open a part" check is atomic
         with every decision the machine took."""
+        if isinstance(event, Received) and isinstance(event.env.payload, _COORDINATOR_MESSAGES):
+            # Where the coordinator that wrote it reads replies: the latest one read decides.
+            self.control.reply_to = event.env.reply_to
         with self.lock:
             self._remember_parts()
             actions = self.machine.handle(event)
@@ -498,9 +505,13 @@ class ParticipantRuntime:
         elif isinstance(action, SendApplied):
             applied = action.applied
             with log_context(self._txn_extra(applied.txn, applied.part)):
-                self._wait_for_store(
+                sent = self._wait_for_store(
                     lambda: self.control.send(applied), f"txn={applied.txn} send applied"
                 )
+            if sent.reply_to:
+                # Not read back from the control topic: fold it in here, as reading it would,
+                # so a later sweep does not take the part for unacknowledged and apply it again.
+                self._run(self._feed(Received(sent), here), here)
         elif isinstance(action, Sweep):
             if not self._aborting_stale.is_set():
                 # On the apply worker, like forgetting: a store slow to abort (a MongoDB part

@@ -163,19 +163,22 @@ def test_topics_create_and_describe_show_the_topics_yaml_settings(live: LivePipe
     s = live.s
     created = run_json("topics", "create", live.config)
     control, dlq = f"twophase.control.{s.name}", f"{s.name}.dlq"
-    assert created == {control: "exists", dlq: "exists", s.topic: "exists"}
+    reply = f"{control}.replies"
+    assert created == {control: "exists", reply: "exists", dlq: "exists", s.topic: "exists"}
 
     want = yaml.safe_load(TOPICS_YAML.read_text())
     described = run_json("topics", "describe", live.config)
     assert described["problems"] == []
     topics = {t["topic"]: t for t in described["topics"]}
-    assert [topics[n]["role"] for n in (control, dlq, s.topic)] == [
+    assert [topics[n]["role"] for n in (control, reply, dlq, s.topic)] == [
         "control",
+        "reply",
         "dead_letter",
         "source",
     ]
     brokers = described["brokers"]
-    for name, section in ((control, "control"), (dlq, "dead_letter")):
+    # The reply topic is made like the control topic.
+    for name, section in ((control, "control"), (reply, "control"), (dlq, "dead_letter")):
         t = topics[name]
         conf = {k: str(v) for k, v in want[section]["config"].items()}
         assert t["partitions"] == want[section]["partitions"]
@@ -197,6 +200,7 @@ def test_topics_create_and_describe_show_the_topics_yaml_settings(live: LivePipe
     ends = end_offsets(s.bootstrap, s.topic, s.partitions)
     assert {o["partition"]: o["end"] for o in source["offsets"]} == ends
     assert topics[control]["offsets"][0]["end"] > 0  # the live pipeline's cycles
+    assert topics[reply]["offsets"][0]["end"] > 0  # and its votes and APPLIED
 
     human = run_cli("topics", "describe", live.config)
     assert human.exit_code == 0

@@ -55,6 +55,36 @@ def test_bad_messages_are_classified(mutate, kind) -> None:  # type: ignore[no-u
     assert err.value.kind == kind
 
 
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda r: r.update(reply_to=7),
+        lambda r: r.update(reply_to=["twophase.control.orders.replies"]),
+        lambda r: r["payload"].update(replies_from=-1),
+        lambda r: r["payload"].update(replies_from=1.5),
+        lambda r: r["payload"].update(replies_from="1830"),
+    ],
+)
+def test_a_reply_topic_or_its_offset_of_the_wrong_type_is_malformed(mutate) -> None:  # type: ignore[no-untyped-def]
+    """Both are read and acted on (where a participant sends its vote, where a new leader
+    starts reading replies): a reader skips such a message rather than guess."""
+    raw = json.loads((EXAMPLES[0].parent / "checkpoint-replies.json").read_text())
+    mutate(raw)
+    with pytest.raises(DecodeError) as err:
+        decode(orjson.dumps(raw))
+    assert err.value.kind == "malformed"
+    with pytest.raises(ProtocolError):
+        validate(raw)  # and no writer can send it
+
+
+def test_without_a_reply_topic_the_fields_are_absent() -> None:
+    """Read by an older reader or written by an older writer, the messages are unchanged."""
+    env = decode((EXAMPLES[0].parent / "checkpoint.json").read_bytes())
+    assert env.reply_to == "" and env.payload.replies_from == -1  # type: ignore[union-attr]
+    raw = to_dict(env)
+    assert "reply_to" not in raw and "replies_from" not in raw["payload"]
+
+
 def test_truncated_and_non_json_messages_are_malformed() -> None:
     data = EXAMPLES[0].read_bytes()
     for value in (data[: len(data) // 2], b"\x00\x01", b"[]"):

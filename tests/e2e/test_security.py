@@ -55,9 +55,11 @@ from twophase.retry import KAFKA
 
 
 def _control(s: Scenario) -> list[Any]:
-    """The pipeline's control log, decoded with the real key (forgeries are dropped here)."""
+    """The pipeline's control log, then its reply topic (the votes), decoded with the real key
+    (forgeries are dropped here)."""
     out = []
-    for m in read_topic(s.bootstrap, f"twophase.control.{s.name}"):
+    control = f"twophase.control.{s.name}"
+    for m in read_topic(s.bootstrap, control) + read_topic(s.bootstrap, f"{control}.replies"):
         headers = [(k, v) for k, v in m.headers() or [] if isinstance(v, bytes)]
         try:
             out.append(decode(m.value(), headers, key=s.hmac_key.encode()).payload)

@@ -117,7 +117,7 @@ def new_envelope(pipeline: str, sender: str, payload: Payload) -> Envelope:
 
 
 def to_dict(env: Envelope) -> dict[str, Any]:
-    return {
+    raw = {
         "id": env.id,
         "type": int(env.type),
         "version": env.version,
@@ -126,6 +126,9 @@ def to_dict(env: Envelope) -> dict[str, Any]:
         "sender": env.sender,
         "payload": env.payload.to_json(),
     }
+    if env.reply_to:
+        raw["reply_to"] = env.reply_to
+    return raw
 
 
 def _mac(key: bytes, value: bytes) -> str:
@@ -211,6 +214,7 @@ def decode(
             ts_ms=read_int(raw, "ts", 0, default=0),
             payload=payload,
             version=version,
+            reply_to=read_str(raw, "reply_to", ""),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise DecodeError("malformed", f"{mtype.name} payload: {exc!r}"[:500]) from None

@@ -345,13 +345,19 @@ class Checkpoint:
     last_txn: int
     positions: tuple[Position, ...] = ()
     pending: tuple[PendingCommit, ...] = ()
+    #: With a reply topic (the envelope's ``reply_to``): the offset in it from which a new
+    #: leader reads the replies this checkpoint does not reflect; -1 (absent): none.
+    replies_from: int = -1
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "last_txn": self.last_txn,
             "positions": [p.to_json() for p in self.positions],
             "pending": [p.to_json() for p in self.pending],
         }
+        if self.replies_from >= 0:
+            d["replies_from"] = self.replies_from
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Checkpoint:
@@ -359,6 +365,7 @@ class Checkpoint:
             read_int(d, "last_txn", 0),
             tuple(Position.from_json(p) for p in _objects(d, "positions")),
             tuple(PendingCommit.from_json(p) for p in _objects(d, "pending")),
+            read_int(d, "replies_from", 0) if "replies_from" in d else -1,
         )
 
 
@@ -424,6 +431,9 @@ class Envelope:
     ts_ms: int
     payload: Payload
     version: int = PROTOCOL_VERSION
+    #: On a coordinator's message: the topic its writer reads votes and APPLIED from (partition
+    #: 0), besides the control topic; "" (absent): the control topic only.
+    reply_to: str = ""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property

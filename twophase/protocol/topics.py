@@ -39,6 +39,13 @@ def topic_settings(cfg: PipelineConfig) -> list[tuple[str, int, int, dict[str, s
             {k: str(v) for k, v in control.items()},
         ),
         (
+            # Replies for the coordinator: one partition, kept like the control topic.
+            cfg.reply_topic,
+            1,
+            cfg.control.replication_factor,
+            {k: str(v) for k, v in control.items()},
+        ),
+        (
             cfg.dead_letter_topic,
             cfg.dead_letter.partitions,
             cfg.dead_letter.replication_factor,
