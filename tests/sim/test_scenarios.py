@@ -3,11 +3,32 @@ a commit cycle, then drives the world to quiescence and checks every guarantee."
 
 from __future__ import annotations
 
+import pytest
+
 from twophase.coordinator.machine import Phase
 from twophase.participants import machine as pm
-from twophase.protocol.messages import Decision, Outcome, Prepare, Vote, VoteValue
+from twophase.protocol.messages import (
+    Applied,
+    Checkpoint,
+    Complete,
+    Decision,
+    Outcome,
+    Prepare,
+    Vote,
+    VoteValue,
+)
 
-from .world import ABORTED, COMMITTED, PREPARED, STORES, Coordinator, Params, Participant, World
+from .world import (
+    ABORTED,
+    COMMITTED,
+    PREPARED,
+    STORES,
+    Coordinator,
+    Params,
+    Participant,
+    SimViolation,
+    World,
+)
 
 
 def calm(seed: int, **kw: int) -> World:
@@ -23,7 +44,8 @@ def decision(w: World, txn: int) -> Decision | None:
 
 
 def votes(w: World, txn: int) -> list[Vote]:
-    return [e.payload for e in w.log if isinstance(e.payload, Vote) and e.payload.txn == txn]
+    """The votes on ``txn`` in the order they landed, on the reply or the control topic."""
+    return [e.payload for e in w.landed() if isinstance(e.payload, Vote) and e.payload.txn == txn]
 
 
 def has_data(p: Participant) -> bool:
@@ -174,9 +196,9 @@ def test_repeated_failures_raise_an_alarm_and_recovery_clears_it() -> None:
 
 def outgoing_vote(p: Participant, txn: int) -> Vote | None:
     """``p``'s vote on ``txn`` waiting in its producer, if it has data."""
-    for _, _, msg in p.outbox:
-        if isinstance(msg, Vote) and msg.txn == txn and msg.sinks:
-            return msg
+    for out in p.outbox:
+        if isinstance(out.msg, Vote) and out.msg.txn == txn and out.msg.sinks:
+            return out.msg
     return None
 
 
@@ -194,10 +216,11 @@ def test_participant_cut_off_from_kafka_votes_too_late() -> None:
     assert d is not None and d.outcome is Outcome.ABORT and "vote timeout" in d.reason, d
     assert victim.member_id not in w.members, "the group kept a member it could not hear"
     finish(w)
-    decided = next(i for i, e in enumerate(w.log) if e.payload == d)
+    landed = list(w.landed())
+    decided = next(i for i, e in enumerate(landed) if e.payload == d)
     late = [
         i
-        for i, e in enumerate(w.log)
+        for i, e in enumerate(landed)
         if e.payload == outgoing_vote(victim, txn)
         or (
             isinstance(e.payload, Vote)
@@ -243,7 +266,7 @@ def test_participant_cut_off_from_its_stores_while_writing_votes_abort() -> None
     victim.hold_control = False
 
     def abort_vote() -> Vote | None:
-        mine = [e.payload for e in w.log if isinstance(e.payload, Vote)]
+        mine = [e.payload for e in w.landed() if isinstance(e.payload, Vote)]
         return next((v for v in mine if v.participant == victim.name and v.reason), None)
 
     w.run_until(lambda: abort_vote() is not None)
@@ -281,8 +304,7 @@ def test_a_vote_delayed_past_the_deadline_changes_nothing() -> None:
     txn = at_fresh_prepare(w)
     w.run_until(lambda: any(outgoing_vote(p, txn) for p in w.participants))
     victim = next(p for p in w.participants if outgoing_vote(p, txn))
-    q, _, msg = victim.outbox.popleft()
-    victim.outbox.appendleft((q, w.now + 600, msg))
+    victim.outbox[0].lands = w.now + 600
     w.run_until(lambda: decision(w, txn) is not None)
     d = decision(w, txn)
     assert d is not None and d.outcome is Outcome.ABORT and "vote timeout" in d.reason, d
@@ -304,7 +326,7 @@ def test_participant_that_cannot_deliver_its_vote_exits_and_recovers() -> None:
         isinstance(e.payload, Vote)
         and e.payload.txn == txn
         and e.payload.participant == victim.name
-        for e in w.log
+        for e in w.landed()
     ), "a vote crossed the partition"
     finish(w)
     key = (txn, victim.name)
@@ -330,3 +352,74 @@ def test_prepare_that_cannot_reach_its_stores_is_given_up_and_votes_abort() -> N
     d = decision(w, txn)
     assert d is not None and d.outcome is Outcome.ABORT, d
     finish(w)
+
+
+# -- the reply topic ----------------------------------------------------------------------------
+
+
+def test_new_leader_reads_the_applied_since_the_checkpoint_from_the_reply_topic() -> None:
+    """The leader writes a CHECKPOINT with a commit pending, then hears nothing more (held):
+    every APPLIED of that commit lands on the reply topic past the checkpoint's replies_from.
+    It crashes; the standby replays from the checkpoint, reads the reply topic from its
+    replies_from and completes the commit on those APPLIED."""
+    p = Params.calm()
+    p.checkpoint_every = 1
+    w = World(31, params=p)
+
+    def fresh_checkpoint() -> Checkpoint | None:
+        msg = w.log[-1].payload
+        if isinstance(msg, Checkpoint) and msg.pending and msg.replies_from > 0:
+            return msg
+        return None
+
+    w.run_until(lambda: commits(w) >= 2 and fresh_checkpoint() is not None)
+    cp = fresh_checkpoint()
+    old = w.leader
+    assert cp is not None and old is not None
+    old.hold = True
+    unacked = {(pc.txn, part.participant) for pc in cp.pending for part in pc.parts} - {
+        (pc.txn, name) for pc in cp.pending for name in pc.acked
+    }
+    assert unacked
+
+    def applied_at() -> dict[tuple[int, str], int]:
+        return {
+            (e.payload.txn, e.payload.part): i
+            for i, e in enumerate(w.replies)
+            if isinstance(e.payload, Applied)
+        }
+
+    w.run_until(lambda: unacked <= set(applied_at()))
+    assert all(applied_at()[key] >= cp.replies_from for key in unacked)
+    w.crash_coordinator(old)
+    txns = {txn for txn, _ in unacked}
+    w.run_until(lambda: txns <= {e.payload.txn for e in w.log if isinstance(e.payload, Complete)})
+    new = w.leader
+    assert new is not None and new is not old and new.replies_start == cp.replies_from
+    assert not any(isinstance(e.payload, Applied) for e in w.log), "an APPLIED on the control topic"
+    finish(w)
+
+
+def test_a_reply_topic_made_while_running_is_taken_up() -> None:
+    """The reply topic appears while the pipeline runs: the leader finds it at a metadata
+    refresh, reads it from its start and names it from then on; the participants move their
+    replies there once they read a message naming it."""
+    p = Params.calm()
+    p.reply_topic_at = 600
+    w = World(33, params=p)
+    w.run_until(lambda: any(e.reply_to for e in w.log))
+    first = next(i for i, e in enumerate(w.log) if e.reply_to)
+    assert w.seen["reply topic found mid-reign"] == 1
+    finish(w)
+    assert any(isinstance(e.payload, Vote) for e in w.log[:first]), "no vote before it"
+    assert any(isinstance(e.payload, Vote) for e in w.replies), "no vote on the reply topic"
+    assert all(e.reply_to for e in w.log[first:] if e.sender.startswith("C"))
+
+
+def test_a_participant_that_ignores_reply_to_is_caught() -> None:
+    """The check that replies go where the coordinator reads them can fail: a participant that
+    keeps replying on the control topic, in a world that expects none there, breaks it."""
+    w = calm(32)
+    w.participants[0].old = True  # ignores reply_to; the world does not know it
+    with pytest.raises(SimViolation, match=r"\(8\) .* on the control topic"):
+        finish(w)

@@ -112,3 +112,38 @@ def test_the_network_faults_happen() -> None:
         assert seeds[what] >= 1, what
     a, b = world.run(54, verbose=True), world.run(54, verbose=True)
     assert a.trace == b.trace and "cut off from Kafka" in "\n".join(a.trace)
+
+
+def test_the_reply_topic_is_used() -> None:
+    """Across a couple of hundred schedules the reply topic and its variants show up: replies
+    land there and are read on either side of the control messages around them; a new leader
+    resumes reading at a checkpoint's replies_from and counts an APPLIED written before its
+    takeover; a deposed leader still reads replies; the topic is found mid-reign; older
+    participants reply on the control topic."""
+    seen: Counter[str] = Counter()
+    variants: Counter[str] = Counter()
+    for seed in range(200):
+        w = world.World(seed)
+        assert w.run().ok, seed
+        seen.update(w.seen.keys())
+        at = w.p.reply_topic_at
+        variants["from the start" if at == 0 else "never" if at < 0 else "mid-run"] += 1
+        variants["old participants"] += bool(w.p.old_participants)
+        variants["old coordinator"] += w.p.old_coordinator
+    assert variants["from the start"] > 100 and min(variants.values()) >= 10, variants
+    for what in (
+        "VOTE on the reply topic",
+        "APPLIED on the reply topic",
+        "own APPLIED folded in on delivery",
+        "reply delayed",
+        "reply read ahead of a control message written before it",
+        "control message read ahead of a reply written before it",
+        "leader reads replies from the start",
+        "leader reads replies from a checkpoint's replies_from",
+        "APPLIED written before a takeover counted by the new leader",
+        "deposed leader reads a reply",
+        "reply topic found mid-reign",
+        "old participant's reply on the control topic",
+        "old participant upgraded",
+    ):
+        assert seen[what] >= 1, what

@@ -22,9 +22,29 @@ What is modelled
   transactions checked against the leadership epoch (a deposed coordinator's write fails with
   ``fenced=True`` and lands nothing); they may also fail transiently (nothing lands). A commit
   DECISION sets the consumer group's committed offsets in the same transaction.
-* Participant writes (votes, APPLIED) go through a per-process producer queue and land after a
-  random delay, in order per writer, interleaved at random with other writers. When a participant
-  crashes, a random prefix of its queue still lands (already sent) and the rest is lost.
+* Participant writes (votes, APPLIED, DRAINED) go through a per-process producer queue and land
+  after a random delay, in order per writer, each on the topic it was addressed to (below),
+  interleaved at random with other writers. When a participant crashes, a random prefix of its
+  queue still lands (already sent) and the rest is lost.
+* The reply topic (``PROTOCOL.md``, "The reply topic"): a second ordered, append-only log of one
+  partition. In most seeds it exists from the start; in some never (the replies stay on the
+  control topic); in some it appears mid-run, and each coordinator finds it at its own metadata
+  read (when it wins leadership, and now and then). Only the leading coordinator reads it: from
+  its CaughtUp on (or from finding the topic, mid-reign) until it steps down, starting at the
+  ``replies_from`` of the latest CHECKPOINT it replayed that names the topic, else at its start;
+  what it reads there is handed to the machine besides everything on the control topic. With its
+  own delays: Kafka orders nothing across the two topics, so a reply may be read before or after
+  the control messages written around it, an APPLIED long after. Reading it, the leader names it
+  in ``reply_to`` of every message it writes, and every CHECKPOINT carries ``replies_from`` (the
+  replies handed to the machine when the write started). A participant replies (VOTE, APPLIED)
+  where the latest coordinator message it read, replayed or live, says -- "" being the control
+  topic -- and folds its own APPLIED sent there in once it lands; DRAINED always goes to the
+  control topic. In some seeds some participants are of an older version that replies on the
+  control topic whatever ``reply_to`` says (a restart may upgrade one), and in some the second
+  coordinator is, never reading the reply topic. Besides the guarantees, a run checks (8): every
+  reply goes where the latest coordinator message its sender read says, and with every
+  coordinator message naming the reply topic and no older participant, none is on the control
+  topic.
 * Readers read the log in order with random delays; a restarted participant replays from the
   latest CHECKPOINT; live readers sometimes re-read a few messages (duplicates).
 * Coordinators: one active and one standby. The active one may crash (the standby takes over
@@ -37,7 +57,8 @@ What is modelled
   Crashes lose the machine, the queues and every open sink part; prepared parts stay.
 * The consumer group: eager rebalances (Revoked, later Assigned with a new generation) delivered
   to each member at its own pace, so slow members keep working in the old generation for a while.
-  Members join after their start-up replay (or, in some schedules, before it), leave a session
+  Members join after their start-up replay (or, in some schedules, before it; either way the
+  assignment reaches the machine only after the start-up in-doubt listing), leave a session
   timeout after a crash, get dropped while alive (and only notice later), and random
   rebalances happen too. Assigned offsets are the group's committed offsets.
 * Sinks: two shared stores (like one PostgreSQL and one MongoDB) with the SDK's semantics; parts
@@ -52,14 +73,15 @@ Drawn per seed like the others (most seeds get some; a seed without them runs ex
 schedule it ran before they existed: they draw from their own random stream). The clock runs
 about 25 times faster than a real pipeline's (vote timeout 400 ms, real default 10 s).
 
-* Delays: any message -- a control message to each of its readers, a participant's VOTE or
-  APPLIED on its way to the broker, a coordinator's write (the coordinator is blocked in it, as
-  the runtime is in its Kafka transaction), a source record on its way to the consumers -- may
-  arrive up to ``Params.delay_ms`` late (0-900 ms: some outlast the vote timeout). Kafka's
-  guarantee is kept and nothing more: order within one partition (the control topic is one;
-  each source partition is one), none across partitions or topics, nor between readers. So a
-  DECISION can be read before a record produced ahead of it, a VOTE can reach the coordinator
-  after it decided abort on its deadline, two participants see the log at different times.
+* Delays: any message -- a control message to each of its readers, a reply to the coordinator
+  reading them, a participant's VOTE or APPLIED on its way to the broker, a coordinator's write
+  (the coordinator is blocked in it, as the runtime is in its Kafka transaction), a source
+  record on its way to the consumers -- may arrive up to ``Params.delay_ms`` late (0-900 ms:
+  some outlast the vote timeout). Kafka's guarantee is kept and nothing more: order within one
+  partition (the control topic is one, the reply topic one; each source partition is one), none
+  across partitions or topics, nor between readers. So a DECISION can be read before a record
+  produced ahead of it, a VOTE can reach the coordinator after it decided abort on its deadline,
+  two participants see the log at different times.
 * Partitions (``Params.p_cut``, 30-1,500 ms each; they heal by themselves, also after the fault
   phase, and quiescence waits for that):
   - a participant cut off from Kafka but not its stores: it reads no control message and no
@@ -91,7 +113,10 @@ this): call ``WillWrite`` only when no Seek or AbortPart handed over by the cont
 waiting (check under the machine lock; a queued PreparePart may wait one batch); drop fetched
 records on Seek; poll before WillWrite; subscribe to the source group with the log start as the
 offset of partitions the group has never committed, on both the participant and the coordinator
-side (``SourcePartitions.group_offsets``).
+side (``SourcePartitions.group_offsets``); hand the machine no assignment before the start-up
+in-doubt listing (else, a PREPARE still open at start-up, it votes an empty part though an
+earlier incarnation's part of that transaction is prepared, and a commit of the empty part
+makes a later sweep commit the other one, whose records no position covers).
 
 Source topics created while the pipeline runs (``topic_pattern``): some seeds add one or two
 one-partition topics that the coordinator's metadata and the group (a rebalance) each find at
@@ -99,7 +124,10 @@ their own random moment, so votes name topics the coordinator does not show yet 
 coordinator shows topics no voter reads yet; votes carry their ``topics`` (the coverage rule).
 
 What is not modelled: dead-lettering and poison records, partitions added to an existing topic,
-topics deleted, control-topic retention/compaction (the whole log is kept), decode errors,
+topics deleted (the reply topic included), control- and reply-topic retention/compaction (the
+whole logs are kept), decode errors, messages other than replies on the reply topic
+(``misplaced``), a metadata read that fails (a coordinator taking over always sees the reply
+topic if it exists), a reply topic of several partitions,
 real time, clock skew between processes, participants with different sink sets, and Kafka's own
 failure modes beyond the ones above (e.g. a consumer group that loses committed offsets, a
 commit_transaction with an unknown outcome, a broker failover). Of the network: a sink call that
@@ -116,7 +144,7 @@ import random
 import sys
 from collections import Counter, deque
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from twophase.coordinator import machine as cm
@@ -141,6 +169,9 @@ __all__ = ["Params", "Result", "SimViolation", "World", "run"]
 
 PIPELINE = "sim"
 TOPIC = "src"
+REPLY_TOPIC = f"twophase.control.{PIPELINE}.replies"
+#: The messages only a coordinator writes: their ``reply_to`` tells a participant where to reply.
+COORDINATOR_MESSAGES = (Prepare, Decision, Complete, Checkpoint)
 STORES = ("pg", "mongo")
 TP = tuple[str, int]
 
@@ -295,6 +326,13 @@ class Params:
     p_cut: float = 0.0
     #: Participants read to the end say so (DRAINED), and the coordinator starts cycles early.
     drained: bool = False
+    #: When the reply topic exists (see "The reply topic" above), in ms from the start: 0 from
+    #: the start, -1 never (the replies stay on the control topic).
+    reply_topic_at: int = 0
+    #: Participants (P0, P1, ...) of an older version, which ignore ``reply_to``.
+    old_participants: int = 0
+    #: The second coordinator (C1) is of an older version: it never reads the reply topic.
+    old_coordinator: bool = False
 
     @classmethod
     def calm(cls, participants: int = 3, partitions: int = 4, records: int = 30) -> Params:
@@ -308,6 +346,7 @@ class Params:
 
         # Drawn apart, so that the main stream (every other seed's schedule) stays as it was.
         extra = random.Random(rng.random())
+        participants = rng.randint(2, 4)
         return cls(
             new_topics=extra.choice((0, 0, 1, 2)),
             # Some delays outlast the vote timeout (400 ms), some are barely there.
@@ -315,7 +354,12 @@ class Params:
             p_delay=extra.choice((0.05, 0.2, 0.5)),
             p_cut=extra.choice((0.0, 0.0, 0.003, 0.008)),
             drained=extra.random() < 0.5,
-            participants=rng.randint(2, 4),
+            # Mostly there from the start (``twophase topics create`` makes it); else never, or
+            # made while the pipeline runs.
+            reply_topic_at=extra.choice((0, 0, 0, 0, 0, 0, -1, -1, *[extra.randint(20, 1500)] * 2)),
+            old_participants=extra.randint(1, participants) if extra.random() < 0.2 else 0,
+            old_coordinator=extra.random() < 0.1,
+            participants=participants,
             partitions=rng.randint(2, 6),
             fault_steps=rng.randint(150, 500),
             records=rng.randint(10, 40),
@@ -362,30 +406,46 @@ PUBLISH_GIVE_UP_MS = 1000
 
 
 class Lag:
-    """How much of the control log one reader's consumer has fetched: each entry reaches it at
-    its own time, never before the one ahead of it (one partition: order is kept)."""
+    """How much of the control log (or, ``replies``, of the reply topic) one reader's consumer
+    has fetched: each entry reaches it at its own time, never before the one ahead of it (one
+    partition: order is kept)."""
 
-    __slots__ = ("due", "last", "upto")
+    __slots__ = ("due", "last", "replies", "upto")
 
-    def __init__(self, start: int = 0) -> None:
+    def __init__(self, start: int = 0, replies: bool = False) -> None:
         self.upto = start  # entries below this one have arrived (or are not read)
         self.due: int | None = None  # when entry ``upto`` arrives
         self.last = 0
+        self.replies = replies
 
     def visible(self, w: World) -> int:
+        log, times = (w.replies, w.reply_times) if self.replies else (w.log, w.log_times)
         if not w.p.delay_ms:
-            return len(w.log)
-        while self.upto < len(w.log):
+            return len(log)
+        while self.upto < len(log):
             if self.due is None:
-                delay = w.delay()
+                # The reply topic's delays have a stream of their own: a schedule without the
+                # topic draws what it drew before it existed.
+                delay = w.delay(w.reply_rng if self.replies else w.net)
                 if delay:
-                    w.seen["control message delayed"] += 1
-                self.due = max(self.last, w.log_times[self.upto] + delay)
+                    w.seen["reply delayed" if self.replies else "control message delayed"] += 1
+                self.due = max(self.last, times[self.upto] + delay)
             if w.now < self.due:
                 break
             self.last, self.due = self.due, None
             self.upto += 1
         return self.upto
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """A message in a participant's producer: queued at ``queued``, lands at ``lands`` (after
+    the ones ahead of it) on ``topic`` -- the reply topic, or "" for the control topic."""
+
+    queued: int
+    lands: int
+    msg: Payload
+    topic: str = ""
 
 
 class Participant:
@@ -405,6 +465,12 @@ class Participant:
             pm.ParticipantSettings(name, STORES, sweep_interval_ms=SWEEP_MS)
         )
         self.alive = True
+        #: An older version: replies on the control topic whatever ``reply_to`` says.
+        self.old = name in world.old
+        #: Where VOTE and APPLIED go: the ``reply_to`` of the latest coordinator message fed
+        #: ("": the control topic); and, for the check, the log index of that message.
+        self.reply_to = ""
+        self.told_at = -1
         self.cursor = world.latest_checkpoint()
         self.replay_end = len(world.log)
         self.lag = Lag(self.cursor)
@@ -416,8 +482,8 @@ class Participant:
         self.data_job: Iterator[None] | None = None
         self.open_txn: int | None = None
         self.fetch: dict[TP, int] = {}
-        #: The producer's queue: (queued at, lands at, message), landing in order.
-        self.outbox: deque[tuple[int, int, Payload]] = deque()
+        #: The producer's queue, landing in order (whatever topic each message goes to).
+        self.outbox: deque[Outgoing] = deque()
         #: A sink call of the data thread was given up: nothing is read until the next Seek,
         #: and a prepare of ``failed_txn`` fails without touching the sinks (the runtime's
         #: ``_poisoned`` and ``_failed_txn``).
@@ -425,6 +491,10 @@ class Participant:
         self.failed_txn: int | None = None
         self.rebalance = 0  # 1: Revoked due, 2: Assigned due
         self.joined = False
+        #: The start-up recovery (replay, then the in-doubt listing) is done: only then does the
+        #: runtime start its data thread, the one that polls -- so however early the consumer
+        #: joined the group, no assignment reaches the machine before the listing.
+        self.recovered = False
         self.next_tick = world.now
         # Hand-written scenarios freeze a thread with these.
         self.hold_control = False
@@ -438,6 +508,12 @@ class Participant:
         """Hand ``event`` to the machine; queue the other thread's actions and return this
         thread's DATA actions, which the caller runs at once (the runtime does the same)."""
         w = self.world
+        if (
+            isinstance(event, pm.Received)
+            and isinstance(event.env.payload, COORDINATOR_MESSAGES)
+            and not self.old
+        ):
+            self.reply_to = event.env.reply_to  # the latest one read decides, "" included
         actions = self.machine.handle(event)
         if w.verbose:
             w.trace(f"{self.member_id}.{'data' if data else 'ctl '} <- {_show(event)}")
@@ -466,11 +542,11 @@ class Participant:
     def add_moves(self, out: list[tuple[int, Callable[[], None]]]) -> None:
         if not self.hold_control:
             self.add_control_moves(out)
-        if not self.hold_data:
+        if not self.hold_data and self.recovered:
             self.add_data_moves(out)
         if (
             self.outbox
-            and self.outbox[0][1] <= self.world.now
+            and self.outbox[0].lands <= self.world.now
             and self.name not in self.world.kafka_cuts
         ):
             out.append((3, self.flush))
@@ -571,11 +647,15 @@ class Participant:
         live = frozenset(p.name for p in w.members.values()) if w.reaches_kafka(self.name) else None
         yield  # the listing takes a while; the data thread goes on meanwhile
         self.feed(pm.InDoubt(parts, sweep=sweep, live=live), data=False)
+        if not sweep:
+            self.recovered = True
         if not sweep and not self.joined:
             w.join_when_reachable(self)  # the runtime subscribes once recovery is done
 
     def read(self) -> None:
         env = self.world.log[self.cursor]
+        if isinstance(env.payload, COORDINATOR_MESSAGES):
+            self.told_at = self.cursor
         self.cursor += 1
         self.feed(
             pm.Received(self.world.deliver(env), replay=self.cursor <= self.replay_end), False
@@ -610,8 +690,14 @@ class Participant:
             delay = w.delay()
             if delay:
                 w.seen["participant's message delayed"] += 1
-            lands = max(self.outbox[-1][1] if self.outbox else 0, w.now + delay)
-            self.outbox.append((w.now, lands, msg))
+            lands = max(self.outbox[-1].lands if self.outbox else 0, w.now + delay)
+            told = w.log[self.told_at].reply_to if self.told_at >= 0 else ""
+            if not self.old and self.reply_to != told:
+                raise SimViolation(
+                    f"(8) {self.member_id} sends {_show(msg)} to {self.reply_to or 'the control'}"
+                    f" topic, but the latest coordinator message it read says {told or 'none'}"
+                )
+            self.outbox.append(Outgoing(w.now, lands, msg, self.reply_to))
         elif isinstance(a, pm.Sweep):
             yield from self.list_in_doubt(sweep=True)
         else:
@@ -743,16 +829,22 @@ class Participant:
             self.poisoned, self.failed_txn = False, None
         elif isinstance(a, pm.SendDrained):
             w.seen["DRAINED sent"] += 1
-            self.outbox.append(
-                (w.now, max(self.outbox[-1][1] if self.outbox else 0, w.now), a.drained)
-            )
+            # Always on the control topic: peers read it.
+            lands = max(self.outbox[-1].lands if self.outbox else 0, w.now)
+            self.outbox.append(Outgoing(w.now, lands, a.drained))
         else:
             raise SimViolation(f"{self.member_id}: data thread got {a!r}")
 
     # -- the producer --
 
     def flush(self) -> None:
-        self.world.append(self.member_id, self.outbox.popleft()[2])
+        out = self.outbox.popleft()
+        env = self.world.land(self.member_id, out)
+        if out.topic and isinstance(out.msg, Applied):
+            # Nobody reads it back to us: fold it in on delivery, as reading it would (the
+            # runtime's send returns the envelope with ``reply_to`` naming the topic).
+            self.world.seen["own APPLIED folded in on delivery"] += 1
+            self.feed(pm.Received(replace(env, reply_to=out.topic)), data=False)
 
 
 class Coordinator:
@@ -771,6 +863,8 @@ class Coordinator:
             )
         )
         self.alive = True
+        #: An older version: never reads the reply topic, so never names it.
+        self.old = world.p.old_coordinator and name == "C1"
         self.epoch = -1
         self.reading = False
         self.cursor = 0
@@ -782,12 +876,25 @@ class Coordinator:
         self.fenced_writes = 0
         self.hold = False  # hand-written scenarios freeze the coordinator with this
         self.lag = Lag()
+        #: Whether the replay since leadership was won has reached its end (CaughtUp).
+        self.recovered = False
+        #: The reply topic as the last metadata read showed it.
+        self.reply_found = False
+        #: Reading the reply topic (leading, recovered, the topic found): the next reply to hand
+        #: to the machine -- every reply below it is reflected in what it writes -- and where the
+        #: reading started; None: not reading (replies come on the control topic only).
+        self.replies_next: int | None = None
+        self.replies_start = 0
+        self.reply_lag = Lag(replies=True)
+        #: ``replies_from`` of the latest CHECKPOINT replayed that names the reply topic; -1: none.
+        self.replies_checkpointed = -1
+        self.replies_at_acquire = 0  # how long the reply topic was when we last won
         #: Events not handled yet and writes not started yet: the runtime handles one event's
         #: actions in order, each write blocking until Kafka answers.
         self.events: deque[cm.Event] = deque()
         self.writes: deque[Payload] = deque()
-        #: The write the process is blocked in: (message, started, lands at, epoch).
-        self.inflight: tuple[Payload, int, int, int] | None = None
+        #: The write the process is blocked in: (message, started, lands at, epoch, reply_to).
+        self.inflight: tuple[Payload, int, int, int, str] | None = None
         self.feed_partitions()
 
     def can_lead(self) -> bool:
@@ -824,6 +931,7 @@ class Coordinator:
                     w.alarms.append((self.label, a))
                 elif isinstance(a, cm.StepDown):
                     self.reading = False
+                    self.close_replies()
                 elif isinstance(a, cm.Skipped):
                     raise SimViolation(f"{self.label}: refused a legitimate message: {a!r}")
             if (
@@ -836,13 +944,17 @@ class Coordinator:
 
     def start_write(self, payload: Payload) -> None:
         """Publish ``payload``: at once, or -- delayed, or cut off from Kafka -- blocked until
-        it lands or is given up (:meth:`finish_write`)."""
+        it lands or is given up (:meth:`finish_write`). Reading replies, it names the reply
+        topic, and a CHECKPOINT says from where its replies are not reflected in it."""
         w = self.world
+        reply_to = REPLY_TOPIC if self.replies_next is not None else ""
+        if self.replies_next is not None and isinstance(payload, Checkpoint):
+            payload = replace(payload, replies_from=self.replies_next)
         delay = w.delay()
         if not delay and w.reaches_kafka(self.name):
-            self.events.append(self.publish(payload, self.epoch))
+            self.events.append(self.publish(payload, self.epoch, reply_to))
             return
-        self.inflight = (payload, w.now, w.now + delay, self.epoch)
+        self.inflight = (payload, w.now, w.now + delay, self.epoch, reply_to)
         w.seen["coordinator's write delayed" if delay else "coordinator's write blocked"] += 1
         if w.verbose:
             w.trace(f"{self.label} .. {_show(payload)} in flight for {delay} ms")
@@ -852,24 +964,24 @@ class Coordinator:
         for PUBLISH_GIVE_UP_MS, the transaction is aborted and nothing lands."""
         assert self.inflight is not None
         w = self.world
-        payload, _, _, epoch = self.inflight
+        payload, _, _, epoch, reply_to = self.inflight
         self.inflight = None
         if w.reaches_kafka(self.name):
-            self.feed(self.publish(payload, epoch))
+            self.feed(self.publish(payload, epoch, reply_to))
             return
         w.seen["coordinator's write given up"] += 1
         if w.verbose:
             w.trace(f"{self.label} !! {_show(payload)} given up: Kafka unreachable")
         self.feed(cm.PublishFailed(payload, w.now, "transaction timed out: Kafka unreachable"))
 
-    def publish(self, payload: Payload, epoch: int) -> cm.Event:
+    def publish(self, payload: Payload, epoch: int, reply_to: str) -> cm.Event:
         w = self.world
         if epoch != w.epoch:
             self.fenced_writes += 1
             return cm.PublishFailed(payload, w.now, "producer fenced", fenced=True)
         if w.fault(w.p.p_publish_fail):
             return cm.PublishFailed(payload, w.now, "transaction aborted: broker timeout")
-        w.append(self.label, payload, epoch=epoch)
+        w.append(self.label, payload, epoch=epoch, reply_to=reply_to)
         if isinstance(payload, Decision):
             if payload.outcome is Outcome.COMMIT:
                 self.failed_run = 0
@@ -880,9 +992,36 @@ class Coordinator:
         return cm.Published(payload, w.now)
 
     def feed_partitions(self) -> None:
+        """A metadata read: the source partitions, and whether the reply topic is there."""
         w = self.world
+        self.reply_found = w.reply_topic_exists() and not self.old
+        if self.reply_found and self.replies_next is None and self.recovered:
+            self.open_replies()  # made since we took over
         tps = frozenset(w.tp(p) for p in range(w.coord_sees))
         self.feed(cm.SourcePartitions(tps, {tp: w.group_offsets.get(tp, 0) for tp in tps}))
+
+    def open_replies(self) -> None:
+        """Start reading the reply topic (leading, recovered, the topic found): from the latest
+        replayed CHECKPOINT's ``replies_from``, else from its start."""
+        w = self.world
+        if self.replies_next is not None or not self.machine.is_leader or not self.recovered:
+            return
+        if not self.reply_found:
+            return
+        start = max(0, self.replies_checkpointed)
+        self.replies_next = self.replies_start = start
+        self.reply_lag = Lag(start, replies=True)
+        if self.machine.phase is not cm.Phase.RECOVERING:
+            w.seen["reply topic found mid-reign"] += 1
+        elif start:
+            w.seen["leader reads replies from a checkpoint's replies_from"] += 1
+        else:
+            w.seen["leader reads replies from the start"] += 1
+        if w.verbose:
+            w.trace(f"{self.label} reads replies from #{start}")
+
+    def close_replies(self) -> None:
+        self.replies_next = None
 
     def acquire(self) -> None:
         w = self.world
@@ -896,12 +1035,22 @@ class Coordinator:
         self.replay_end = len(w.log)
         self.lag = Lag(self.cursor)
         self.reading = True
+        # A new reign reads replies from its own recovery's point.
+        self.close_replies()
+        self.recovered = False
+        self.replies_checkpointed = -1
+        self.replies_at_acquire = len(w.replies)
         if w.verbose:
             w.trace(f"== {self.label} wins leadership (epoch {self.epoch})")
         self.feed(cm.LeadershipAcquired(w.now))
         self.feed_partitions()
         if self.cursor >= self.replay_end:
-            self.feed(cm.CaughtUp(w.now))
+            self.caught_up()
+
+    def caught_up(self) -> None:
+        self.recovered = True
+        self.open_replies()  # before the machine writes anything: what it writes names the topic
+        self.feed(cm.CaughtUp(self.world.now))
 
     def add_moves(self, out: list[tuple[int, Callable[[], None]]]) -> None:
         w = self.world
@@ -909,7 +1058,7 @@ class Coordinator:
             return
         kafka = self.name not in w.kafka_cuts
         if self.inflight is not None:  # blocked in a write
-            _, started, lands, _ = self.inflight
+            _, started, lands, _, _ = self.inflight
             if w.now >= (lands if kafka else started + PUBLISH_GIVE_UP_MS):
                 out.append((5, self.finish_write))
             return
@@ -920,6 +1069,13 @@ class Coordinator:
             and self.cursor < self.lag.visible(w)
         ):
             out.append((5, self.read))
+        if (
+            self.replies_next is not None
+            and self.replies_next < len(w.replies)
+            and kafka
+            and self.replies_next < self.reply_lag.visible(w)
+        ):
+            out.append((5, self.read_reply))
         if w.now >= self.next_tick:
             out.append((3, self.tick))
         if self.lost_at is not None and w.now >= self.lost_at and kafka:
@@ -927,11 +1083,41 @@ class Coordinator:
 
     def read(self) -> None:
         w = self.world
-        env = w.log[self.cursor]
+        env = w.deliver(w.log[self.cursor])
+        k = self.replies_next
+        if k is not None and k < len(w.replies) and w.reply_marks[k] <= self.cursor:
+            w.seen["control message read ahead of a reply written before it"] += 1
         self.cursor += 1
-        self.feed(cm.Received(w.deliver(env), w.now))
+        if not self.recovered and isinstance(env.payload, Checkpoint):
+            # The log's order is the checkpoints' order: the last one replayed is the newest.
+            here = env.reply_to == REPLY_TOPIC and env.payload.replies_from >= 0
+            self.replies_checkpointed = env.payload.replies_from if here else -1
+        self.feed(cm.Received(env, w.now))
         if self.cursor == self.replay_end and self.machine.phase is cm.Phase.RECOVERING:
-            self.feed(cm.CaughtUp(w.now))
+            self.caught_up()
+
+    def read_reply(self) -> None:
+        """Hand one reply to the machine: only VOTE and APPLIED belong on the reply topic."""
+        w = self.world
+        k = self.replies_next
+        assert k is not None
+        env = w.deliver(w.replies[k])
+        self.replies_next = k + 1
+        msg = env.payload
+        if w.reply_marks[k] > self.cursor:
+            w.seen["reply read ahead of a control message written before it"] += 1
+        if w.leader is not self:
+            w.seen["deposed leader reads a reply"] += 1
+        if not isinstance(msg, Vote | Applied):
+            raise SimViolation(f"{self.label}: a {type(msg).__name__} on the reply topic")
+        if (
+            isinstance(msg, Applied)
+            and k < self.replies_at_acquire
+            and msg.txn in self.machine.log.pending
+            and msg.part not in self.machine.log.pending[msg.txn].acked
+        ):
+            w.seen["APPLIED written before a takeover counted by the new leader"] += 1
+        self.feed(cm.Received(env, w.now))
 
     def tick(self) -> None:
         w = self.world
@@ -996,6 +1182,14 @@ class World:
         self.log_times: list[int] = []
         self.log_view = LogView()
         self.checkpoints: list[int] = []
+        #: The reply topic's partition 0, and when each reply landed: its time, and how long the
+        #: control log was then (which fixes the landing order across the two topics).
+        self.replies: list[Envelope] = []
+        self.reply_times: list[int] = []
+        self.reply_marks: list[int] = []
+        #: The reply topic's variants draw from their own stream too (delays, upgrades).
+        self.reply_rng = random.Random(seed + 3_000_003)
+        self.old = {f"P{i}" for i in range(self.p.old_participants)}
         self.msg_id = 0
         self.stores = {name: Store(self, name) for name in STORES}
         #: Partitions by index: the first ``p.partitions`` are topic ``src``'s, then one topic
@@ -1014,8 +1208,9 @@ class World:
         self.net = random.Random(seed + 2_000_003)
         self.kafka_cuts: dict[str, KafkaCut] = {}  # actor name -> its cut
         self.store_cuts: dict[tuple[str, str], int] = {}  # (participant name, store) -> until
-        #: Writes of dead coordinators that reached the broker: (lands at, epoch, label, message).
-        self.landing: list[tuple[int, int, str, Payload]] = []
+        #: Writes of dead coordinators that reached the broker: (lands at, epoch, label, message,
+        #: reply_to).
+        self.landing: list[tuple[int, int, str, Payload, str]] = []
         #: How often each network fault and its consequences came up (the tests check that
         #: they do).
         self.seen: Counter[str] = Counter()
@@ -1025,7 +1220,7 @@ class World:
         self.members: dict[str, Participant] = {}
         self.assignment: dict[str, set[TP]] = {}
         self.departures: list[tuple[int, str]] = []  # (when, member_id)
-        self.ghosts: list[tuple[str, deque[Payload]]] = []  # producers of dead processes
+        self.ghosts: list[tuple[str, deque[Outgoing]]] = []  # producers of dead processes
         self.epoch = 0
         self.leader: Coordinator | None = None
         self.alarms: list[tuple[str, cm.Alarm]] = []
@@ -1036,9 +1231,17 @@ class World:
         #: How eagerly members handle a rebalance: low keeps slow members in the old generation.
         self.rebalance_weight = self.rng.choice((1, 3))
         self.coordinators = [Coordinator(self, f"C{i}", 0) for i in range(2)]
-        #: Whether the runtime subscribes before its start-up replay is done (both are fine).
+        #: Whether the runtime subscribes before its start-up replay is done (both are fine, as
+        #: long as the assignment is handled after the start-up in-doubt listing).
         self.join_early = self.rng.random() < 0.3
         self.participants = [Participant(self, f"P{i}", 0) for i in range(self.p.participants)]
+        if verbose:
+            at = self.p.reply_topic_at
+            made = "none" if at < 0 else f"made at {at} ms" if at else "from the start"
+            self.trace(
+                f"== reply topic {made}; old participants: {sorted(self.old) or 'none'}"
+                f"{'; old coordinator: C1' if self.p.old_coordinator else ''}"
+            )
         self.coordinators[0].acquire()
 
     # -- utilities --
@@ -1070,12 +1273,13 @@ class World:
     def fault(self, p: float) -> bool:
         return self.faults_on and p > 0 and self.rng.random() < p
 
-    def delay(self) -> int:
+    def delay(self, rng: random.Random | None = None) -> int:
         """How late one message (control or data) arrives."""
         p = self.p
-        if not (self.faults_on and p.delay_ms) or self.net.random() >= p.p_delay:
+        r = self.net if rng is None else rng
+        if not (self.faults_on and p.delay_ms) or r.random() >= p.p_delay:
             return 0
-        return self.net.randint(1, p.delay_ms)
+        return r.randint(1, p.delay_ms)
 
     def reaches_kafka(self, name: str) -> bool:
         return name not in self.kafka_cuts
@@ -1095,9 +1299,42 @@ class World:
     def latest_checkpoint(self) -> int:
         return self.checkpoints[-1] if self.checkpoints else 0
 
-    def append(self, sender: str, payload: Payload, epoch: int = -1) -> None:
+    def reply_topic_exists(self) -> bool:
+        return 0 <= self.p.reply_topic_at <= self.now
+
+    def land(self, sender: str, out: Outgoing) -> Envelope:
+        """A participant's message reaches the broker, on the topic it was sent to."""
+        if not out.topic:
+            if isinstance(out.msg, Vote | Applied) and sender.split("-")[0] in self.old:
+                self.seen["old participant's reply on the control topic"] += 1
+            return self.append(sender, out.msg)
         self.msg_id += 1
-        env = Envelope(f"m{self.msg_id}", PIPELINE, sender, self.now, payload)
+        env = Envelope(f"m{self.msg_id}", PIPELINE, sender, self.now, out.msg)
+        self.replies.append(env)
+        self.reply_times.append(self.now)
+        self.reply_marks.append(len(self.log))
+        self.seen[f"{type(out.msg).__name__.upper()} on the reply topic"] += 1
+        if isinstance(out.msg, Vote) and out.msg.txn in self.log_view.decisions:
+            self.seen["vote lands after its decision"] += 1
+        if self.verbose:
+            self.trace(f"REPLY #{len(self.replies) - 1} from {sender}: {_show(out.msg)}")
+        return env
+
+    def landed(self) -> Iterator[Envelope]:
+        """Both topics' messages in the order they landed."""
+        k = 0
+        for i, env in enumerate(self.log):
+            while k < len(self.replies) and self.reply_marks[k] <= i:
+                yield self.replies[k]
+                k += 1
+            yield env
+        yield from self.replies[k:]
+
+    def append(
+        self, sender: str, payload: Payload, epoch: int = -1, reply_to: str = ""
+    ) -> Envelope:
+        self.msg_id += 1
+        env = Envelope(f"m{self.msg_id}", PIPELINE, sender, self.now, payload, reply_to=reply_to)
         if isinstance(payload, Checkpoint):
             self.checkpoints.append(len(self.log))
         self.log.append(env)
@@ -1117,7 +1354,9 @@ class World:
                 raise SimViolation(f"two different decisions for txn {payload.txn}")
         self.log_view.apply(env)
         if self.verbose:
-            self.trace(f"LOG #{len(self.log) - 1} from {sender}: {_show(payload)}")
+            to = " [reply_to]" if reply_to else ""
+            self.trace(f"LOG #{len(self.log) - 1} from {sender}{to}: {_show(payload)}")
+        return env
 
     def deliver(self, env: Envelope) -> Envelope:
         if not self.wire:
@@ -1183,7 +1422,7 @@ class World:
             else 0
         )
         if sent:
-            self.ghosts.append((proc.member_id, deque(m for _, _, m in list(proc.outbox)[:sent])))
+            self.ghosts.append((proc.member_id, deque(list(proc.outbox)[:sent])))
         if proc.joined:
             self.departures.append(
                 (self.now + self.rng.randint(*SESSION_TIMEOUT_MS), proc.member_id)
@@ -1194,6 +1433,9 @@ class World:
         if name.startswith("P"):
             i = int(name[1:])
             old = self.participants[i]
+            if name in self.old and self.reply_rng.random() < 0.3:
+                self.old.discard(name)  # a rolling upgrade
+                self.seen["old participant upgraded"] += 1
             self.participants[i] = Participant(self, name, old.incarnation + 1)
             if self.verbose:
                 self.trace(f"!! restart {self.participants[i].member_id}")
@@ -1210,8 +1452,8 @@ class World:
         c.alive = False
         if c.inflight is not None and self.reaches_kafka(c.name) and self.net.random() < 0.5:
             # The commit of its Kafka transaction reached the broker before the process died.
-            payload, _, lands, epoch = c.inflight
-            self.landing.append((lands, epoch, c.label, payload))
+            payload, _, lands, epoch, reply_to = c.inflight
+            self.landing.append((lands, epoch, c.label, payload, reply_to))
             self.seen["coordinator killed in a write that still lands"] += 1
         if self.leader is c:
             self.leader = None
@@ -1290,18 +1532,18 @@ class World:
                 proc.alive
                 and proc.outbox
                 and not self.reaches_kafka(proc.name)
-                and now - proc.outbox[0][0] >= PUBLISH_GIVE_UP_MS
+                and now - proc.outbox[0].queued >= PUBLISH_GIVE_UP_MS
             ):
                 self.crash_participant(proc, why="a control message could not be delivered")
         if self.landing:
             due = [x for x in self.landing if x[0] <= now]
             self.landing = [x for x in self.landing if x[0] > now]
-            for _, epoch, label, payload in due:
+            for _, epoch, label, payload, reply_to in due:
                 self.seen[
                     f"dead coordinator's write {'lands' if epoch == self.epoch else 'fenced'}"
                 ] += 1
                 if epoch == self.epoch:  # else the new leader's producer fenced it
-                    self.append(label, payload, epoch=epoch)
+                    self.append(label, payload, epoch=epoch, reply_to=reply_to)
                     if isinstance(payload, Decision) and payload.outcome is Outcome.COMMIT:
                         for pos in payload.positions:
                             self.group_offsets[(pos.topic, pos.partition)] = pos.offset
@@ -1351,7 +1593,7 @@ class World:
     def flush_ghost(self) -> None:
         i = self.rng.randrange(len(self.ghosts))
         sender, q = self.ghosts[i]
-        self.append(sender, q.popleft())
+        self.land(sender, q.popleft())
         if not q:
             self.ghosts.pop(i)
 
@@ -1387,10 +1629,22 @@ class World:
             readers: list[Any] = [x for x in live if x.caught_up] + [
                 c for c in self.coordinators if c.alive and c.reading and c.cursor > c.replay_end
             ]
-            if readers:
-                who = r.choice(readers)
-                floor = who.replay_end
-                who.cursor = max(floor, who.cursor - r.randint(1, 3))
+            # A coordinator reading replies may get some again too (never below its start).
+            replies = [
+                c
+                for c in self.coordinators
+                if c.alive and c.replies_next is not None and c.replies_next > c.replies_start
+            ]
+            if readers or replies:
+                i = r.randrange(len(readers) + len(replies))
+                back = r.randint(1, 3)
+                if i < len(readers):
+                    who = readers[i]
+                    who.cursor = max(who.replay_end, who.cursor - back)
+                else:
+                    c = replies[i - len(readers)]
+                    assert c.replies_next is not None
+                    c.replies_next = max(c.replies_start, c.replies_next - back)
 
     def timers(self) -> None:
         """Things that happen at a time: session timeouts, restarts, lease expiry."""
@@ -1537,7 +1791,8 @@ class World:
         decided: dict[int, Decision] = {}
         votes: dict[int, list[Vote]] = {}
         committed_keys: set[tuple[int, str]] = set()
-        for env in self.log:
+        # Votes in the order they landed, on either topic: per writer, the order it sent them.
+        for env in self.landed():
             msg = env.payload
             if isinstance(msg, Prepare):
                 votes[msg.txn] = []  # the leader that prepared counts votes read after this
@@ -1602,6 +1857,24 @@ class World:
             raise SimViolation(f"(3) group offsets {self.group_offsets} != positions {final}")
         if self.missing_alarm:
             raise SimViolation("(7) " + self.missing_alarm)
+        self._check_replies()
+
+    def _check_replies(self) -> None:
+        """(8) Replies go where the coordinator reads them: with every coordinator message
+        naming the reply topic and no participant of an older version, none is on the control
+        topic (what a participant sends before it has read any coordinator message -- nothing
+        -- would be). Each send is checked against the latest message read too (Participant)."""
+        if self.p.old_participants:
+            return
+        announced = [e.reply_to for e in self.log if isinstance(e.payload, COORDINATOR_MESSAGES)]
+        if not announced or not all(announced):
+            return
+        for env in self.log:
+            if isinstance(env.payload, Vote | Applied):
+                raise SimViolation(
+                    f"(8) {_show(env.payload)} from {env.sender} on the control topic, though "
+                    "every coordinator message named the reply topic"
+                )
 
     def _check_votes(
         self, d: Decision, votes: list[Vote], prev: dict[TP, int], new: dict[TP, int]
@@ -1689,7 +1962,8 @@ def _show(x: Any) -> str:
         return f"COMPLETE {x.txn}"
     if isinstance(x, Checkpoint):
         pend = ",".join(str(p.txn) for p in x.pending)
-        return f"CHECKPOINT last={x.last_txn} pending=[{pend}]"
+        since = f" replies_from={x.replies_from}" if x.replies_from >= 0 else ""
+        return f"CHECKPOINT last={x.last_txn} pending=[{pend}]{since}"
     if isinstance(x, cm.Publish):
         return f"Publish({_show(x.payload)})"
     if isinstance(x, cm.Published | cm.PublishFailed):
