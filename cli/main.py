@@ -380,8 +380,9 @@ def topics_describe(config: str, as_json: bool) -> None:
 
     Shows cleanup.policy, retention.ms, min.insync.replicas, max.message.bytes and
     unclean.leader.election.enable next to what control-topic/topics.yaml (clamped like
-    `topics create`) asks for. Exit 1 when a topic is missing, the control topic is not one
-    partition, or its settings differ from the expected ones.
+    `topics create`) asks for. Exit 1 when a topic is missing (the reply topic only noted: the
+    replies then go to the control topic), the control topic is not one partition, or its
+    settings differ from the expected ones.
 
     \b
     Example: twophase topics describe pipeline.yaml --json
@@ -400,7 +401,8 @@ def topics_describe(config: str, as_json: bool) -> None:
         click.echo(f"pipeline {d['pipeline']}  ({d['brokers']} brokers)")
         for t in d["topics"]:
             if not t["exists"]:
-                click.echo(f"{t['topic']}  ({t['role']})  MISSING")
+                note = f": {t['note']}" if t.get("note") else ""
+                click.echo(f"{t['topic']}  ({t['role']})  MISSING{note}")
                 continue
             click.echo(
                 f"{t['topic']}  ({t['role']})  partitions {t['partitions']}  "

@@ -355,9 +355,16 @@ def describe_topics(cfg: PipelineConfig, *, progress: Progress = _quiet) -> dict
             meta = md.topics.get(name)
             if meta is None or meta.error is not None:
                 entry["exists"] = False
-                problems.append(
-                    f"topic {name} ({role}) does not exist: run `twophase topics create`"
-                )
+                if role == "reply":
+                    # Not a fault: the replies go to the control topic, as before it existed.
+                    entry["note"] = (
+                        "votes and APPLIED go to the control topic, which every participant "
+                        "reads; `twophase topics create` makes it"
+                    )
+                else:
+                    problems.append(
+                        f"topic {name} ({role}) does not exist: run `twophase topics create`"
+                    )
                 topics.append(entry)
                 continue
             parts = sorted(meta.partitions.values(), key=lambda p: p.id)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from twophase.config import PipelineConfig
@@ -106,7 +106,8 @@ class LogFold:
     first_ts: int = 0
     #: (topic, partition) -> ts_ms of the last commit in the tail that moved its position.
     moved_at: dict[tuple[str, int], int] = field(default_factory=dict)
-    #: Every message about the transaction asked for (``fold_log(txn=...)``), in log order.
+    #: Every message about the transaction asked for (``fold_log(txn=...)``): the control
+    #: topic's in log order, then the reply topic's.
     of_txn: list[Envelope] = field(default_factory=list)
 
 
@@ -207,13 +208,15 @@ def _fold_replies(
                 "enable.auto.commit": False,
                 "isolation.level": "read_committed",
                 "auto.offset.reset": "earliest",
+                "enable.partition.eof": True,
             },
         )
     )
     tp = TopicPartition(cfg.reply_topic, 0)
     try:
         low, end = consumer.get_watermark_offsets(tp, timeout=CALL_TIMEOUT_S)
-        offset = max(low, start)
+        # Past the end: the topic was made again since the checkpoint; read all of it.
+        offset = low if start > end else max(low, start)
         if offset >= end:
             return
         consumer.assign([TopicPartition(cfg.reply_topic, 0, offset)])
@@ -229,6 +232,8 @@ def _fold_replies(
                     )
                 continue
             err = msg.error()
+            if err is not None and err.code() == KafkaError._PARTITION_EOF:
+                return  # the end (transaction markers may sit between the last reply and it)
             if err is not None:
                 raise RetriableError(f"reply topic {cfg.reply_topic}: {err.str()}")
             last_progress = time.monotonic()

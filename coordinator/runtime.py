@@ -78,6 +78,18 @@ log = logging.getLogger("twophase.coordinator")
 
 #: Main-loop poll: the granularity of ticks, so of vote deadlines and commit intervals.
 POLL_S = 0.02
+#: Replies handed to the machine per pass of the loop, at most (a consume returns what is there
+#: up to this many, or waits POLL_S for the first).
+REPLIES_BATCH = 500
+#: What a reply topic answers when it is not there (any more): it is stopped being read, and
+#: read again once the metadata shows it.
+REPLY_TOPIC_GONE = frozenset(
+    {
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError._UNKNOWN_TOPIC,
+        KafkaError._UNKNOWN_PARTITION,
+    }
+)
 #: The leader compares the source partitions' ends with its commits' positions this often
 #: (more often when the stall alarm is set shorter).
 STALL_CHECK_S = 10.0
@@ -157,14 +169,16 @@ class CoordinatorRuntime:
         self._next_stall_check = 0.0
         #: The end-offset requests in flight (the loop never blocks on them).
         self._stall_query: tuple[dict[TopicPartition, Future[Any]], ...] = ()
-        #: The reply topic (``control.reply_topic``) as the last metadata showed it: there, and
-        #: with the one partition the participants write to.
+        #: Whether the last metadata showed the reply topic (``control.reply_topic``).
         self._reply_topic_found = False
+        #: This reign may not read it (authorization refused): not tried again until the next.
+        self._replies_refused = False
         #: Partition 0 of the reply topic, read while this process leads once recovered; its
         #: name goes in every message we write (``reply_to``). None: replies come on the
         #: control topic only (no reply topic, or not leading).
         self._replies: Consumer | None = None
-        #: The next reply offset to hand to the machine: a CHECKPOINT reflects every one below.
+        #: The next reply offset to hand to the machine: a CHECKPOINT reflects every one below,
+        #: and a reader opened again mid-reign starts there.
         self._replies_next = 0
         #: ``replies_from`` of the latest CHECKPOINT replayed that names our reply topic.
         self._replies_checkpointed = -1
@@ -243,8 +257,12 @@ class CoordinatorRuntime:
                 if msg is not None:
                     self._on_message(msg)
                 if self._replies is not None:
-                    reply = self._replies.poll(0 if msg is not None else POLL_S)
-                    if reply is not None:
+                    # A batch at a time: a new leader may have many to read from a checkpoint.
+                    for reply in self._replies.consume(
+                        REPLIES_BATCH, 0 if msg is not None else POLL_S
+                    ):
+                        if self._replies is None:
+                            break  # dropped by the one before: the rest is not ours to read
                         self._on_reply(reply)
                 self._execute(self.machine.handle(Tick(_now_ms())))
                 if time.monotonic() >= next_refresh:
@@ -307,6 +325,7 @@ class CoordinatorRuntime:
         self._replaying = True
         self._close_replies()  # a new reign reads from its own recovery's point
         self._replies_checkpointed = -1
+        self._replies_refused = False
         # Recovery reads up to the end as of now (or an end-of-partition event, if sooner): on
         # a busy control topic the reader may never sit exactly at the moving end.
         tp = TopicPartition(self.cfg.control_topic, 0)
@@ -321,6 +340,7 @@ class CoordinatorRuntime:
     def _caught_up(self) -> None:
         self._replaying = False
         # Before the machine writes anything: what it writes names the reply topic.
+        self._replies_next = max(0, self._replies_checkpointed)
         self._open_replies()
         self._execute(self.machine.handle(CaughtUp(_now_ms())))
 
@@ -333,7 +353,12 @@ class CoordinatorRuntime:
         is ignored, an APPLIED acknowledges what it did. Not found: replies stay on the control
         topic (the participants send them where our messages say), looked for again with the
         source topics."""
-        if self._replies is not None or not self.machine.is_leader or self._replaying:
+        if (
+            self._replies is not None
+            or self._replies_refused
+            or not self.machine.is_leader
+            or self._replaying
+        ):
             return
         topic = self.cfg.reply_topic
         if not self._reply_topic_found:
@@ -343,6 +368,10 @@ class CoordinatorRuntime:
                 topic,
             )
             return
+        # Assigned at an offset, not asked for the topic's bounds: nothing here waits for a
+        # broker on the loop that ticks the cycles. An offset retention removed (or one past
+        # the end of a topic made again) is read from the start (auto.offset.reset).
+        start = self._replies_next
         replies = Consumer(
             client_settings(
                 self.cfg,
@@ -356,19 +385,19 @@ class CoordinatorRuntime:
                 },
             )
         )
-        try:
-            low, _high = replies.get_watermark_offsets(
-                TopicPartition(topic, 0), timeout=CALL_TIMEOUT_S
-            )
-            start = max(low, self._replies_checkpointed)
-            replies.assign([TopicPartition(topic, 0, start)])
-        except KafkaException as exc:
-            replies.close()
-            log.warning("cannot read reply topic %s now: %s", topic, exc.args[0].str())
-            return
+        replies.assign([TopicPartition(topic, 0, start)])
         self._replies = replies
-        self._replies_next = start
         log.info("reading replies from %s[0] at offset %d", topic, start)
+
+    def _drop_replies(self, why: str) -> None:
+        """Stop reading a reply topic that cannot be read: the messages we write name it no
+        more, so the participants reply on the control topic again."""
+        log.warning(
+            "reply topic %s cannot be read (%s): replies go to the control topic",
+            self.cfg.reply_topic,
+            why,
+        )
+        self._close_replies()
 
     def _close_replies(self) -> None:
         replies, self._replies = self._replies, None
@@ -379,12 +408,17 @@ class CoordinatorRuntime:
                 log.info("closing the replies consumer: %s", exc)
 
     def _on_reply(self, msg: Message) -> None:
-        note_broker_contact()
         err = msg.error()
         if err is not None:
-            if err.code() != KafkaError._PARTITION_EOF:
+            if err.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+                self._replies_refused = True  # not to be tried again while we lead
+                self._drop_replies(err.str())
+            elif err.code() in REPLY_TOPIC_GONE:
+                self._drop_replies(err.str())  # found again with the source topics, if made
+            elif err.code() != KafkaError._PARTITION_EOF:
                 raise_fatal(err)
             return
+        note_broker_contact()
         self._replies_next = (msg.offset() or 0) + 1
         env = read_control(self.cfg, msg, self._count_skipped)
         if env is None:
@@ -582,7 +616,9 @@ class CoordinatorRuntime:
         reply = md.topics.get(self.cfg.reply_topic)
         self._reply_topic_found = reply is not None and reply.error is None
         if self._replies is None and self._reply_topic_found:
-            self._open_replies()  # made since we took over
+            self._open_replies()  # made since we took over, or back
+        elif self._replies is not None and not self._reply_topic_found:
+            self._drop_replies("not in the topic metadata")
         tps: set[tuple[str, int]] = set()
         for topic in self.cfg.source_topics:
             t = md.topics.get(topic)

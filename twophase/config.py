@@ -371,6 +371,23 @@ class PipelineConfig(_Strict):
                     )
         return self
 
+    @model_validator(mode="after")
+    def _reply_topic_of_its_own(self) -> PipelineConfig:
+        reply, others = (
+            self.reply_topic,
+            {
+                self.control_topic: "the control topic",
+                self.dead_letter_topic: "the dead-letter topic",
+                **{t: "a source topic" for t in self.source_topics},
+            },
+        )
+        if reply in others:
+            raise ValueError(
+                f"control.reply_topic: {reply} is {others[reply]}; the replies need a topic of "
+                "their own"
+            )
+        return self
+
     @property
     def control_topic(self) -> str:
         return self.control.topic or f"twophase.control.{self.pipeline}"
@@ -521,6 +538,12 @@ def _secret_strings(value: Any, secret: bool) -> list[str]:
     return [str(value)] if secret and value is not None else []
 
 
+#: "Value error, control.reply_topic: ..." -- how a model validator's error names its field.
+_NAMED_FIELD = re.compile(
+    r"^Value error, (?P<field>[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+): (?P<rest>.*)$", re.S
+)
+
+
 def validation_error(exc: ValidationError, *, prefix: str = "", source: str = "") -> ConfigError:
     """The first problem of a pydantic error as a :class:`ConfigError` that names the field.
 
@@ -532,6 +555,9 @@ def validation_error(exc: ValidationError, *, prefix: str = "", source: str = ""
     loc = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in err["loc"])
     field = (prefix + loc).replace(".[", "[").strip(".")
     message = str(err["msg"])
+    if not loc and (named := _NAMED_FIELD.match(message)):
+        # A check across fields (a model validator) names the field it is about first.
+        field, message = prefix + named["field"], named["rest"]
     secret_here = any(_is_secret(p) and p != "key" for p in err["loc"])
     # Longest first, so a secret that contains another is masked whole.
     for value in sorted(set(_secret_strings(err.get("input"), secret_here)), key=len, reverse=True):

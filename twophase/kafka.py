@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, TypeVar
 
 from confluent_kafka import (
@@ -320,8 +321,7 @@ def create_topics(
     only: Collection[str] | None = None,
 ) -> dict[str, str]:
     """Create the control, reply, dead-letter and source topics (or ``only`` those named) if
-    missing,
-    and wait until they are ready; returns topic -> outcome.
+    missing, and wait until they are ready; returns topic -> outcome.
 
     Replication factors and min.insync.replicas are clamped to the broker count so the same
     config works on a one-broker laptop stack and a real cluster.
@@ -547,21 +547,44 @@ class ControlReader:
         self.consumer.close()
 
 
+#: What a write to a reply topic this process cannot use gets back: the reply goes to the
+#: control topic instead (which the coordinator reads too), and so do the later ones.
+REPLY_TOPIC_UNUSABLE = PERMANENT_DELIVERY_ERRORS | {
+    KafkaError.UNKNOWN_TOPIC_OR_PART,
+    KafkaError._UNKNOWN_TOPIC,
+    KafkaError._UNKNOWN_PARTITION,
+}
+
+
 class ControlWriter:
     """Participants' writes to the control topic: idempotent, acks=all, flushed per message.
 
     Replies (VOTE, APPLIED) go to :attr:`reply_to` when set -- the reply topic the latest
     coordinator message named, whose partition 0 its writer reads -- so that no participant
     reads its peers' replies; otherwise, and always for DRAINED (which peers read), to the
-    control topic."""
+    control topic. A reply topic that refuses this process's writes (not there, not allowed)
+    is given up -- its replies go to the control topic -- until a coordinator message names no
+    reply topic (the coordinator gave it up too: one it names again is tried again)."""
 
     def __init__(self, cfg: PipelineConfig, sender: str, producer: Producer) -> None:
         self.cfg = cfg
         self.sender = sender
         self.producer = producer
-        #: Set by the control thread from every coordinator message read (one attribute
-        #: store: the threads that send read whole values).
-        self.reply_to = ""
+        self._reply_to = ""
+        #: A reply topic a write was refused by; set by a delivery report (any thread).
+        self._unusable = ""
+
+    @property
+    def reply_to(self) -> str:
+        return self._reply_to
+
+    @reply_to.setter
+    def reply_to(self, topic: str) -> None:
+        """Set by the control thread from every coordinator message read (attribute stores:
+        the threads that send read whole values)."""
+        if not topic:
+            self._unusable = ""
+        self._reply_to = topic
 
     def envelope(self, payload: Payload) -> Envelope:
         return new_envelope(self.cfg.pipeline, self.sender, payload)
@@ -586,6 +609,10 @@ class ControlWriter:
         env = self.envelope(payload)
         value, headers = encode(env, self.cfg.hmac_key)
         reply_to = self.reply_to if isinstance(payload, (Vote, Applied)) else ""
+        if reply_to and reply_to == self._unusable:
+            reply_to = ""
+        if reply_to:
+            on_delivery = partial(self._from_reply_topic, reply_to, on_delivery)
         self.producer.produce(
             reply_to or self.cfg.control_topic,
             value=value,
@@ -597,6 +624,24 @@ class ControlWriter:
             partition=0 if reply_to else -1,
         )
         return replace(env, reply_to=reply_to)
+
+    def _from_reply_topic(
+        self,
+        topic: str,
+        then: Callable[[KafkaError | None, Message], None],
+        err: KafkaError | None,
+        msg: Message,
+    ) -> None:
+        if err is not None and err.code() in REPLY_TOPIC_UNUSABLE and self._unusable != topic:
+            self._unusable = topic
+            log.error(
+                "reply topic %s refused a reply (%s): replies go to the control topic from now "
+                "on (the coordinator reads both; make the topic, or allow this principal to "
+                "write to it, and restart)",
+                topic,
+                err.str(),
+            )
+        then(err, msg)
 
     def send(self, payload: Payload, *, timeout_s: float = CALL_TIMEOUT_S) -> Envelope:
         """Write and flush ``payload``; the envelope sent, whose ``reply_to`` names the reply
@@ -610,6 +655,8 @@ class ControlWriter:
         env = self._produce(payload, on_delivery)
         if self.producer.flush(timeout_s) > 0:
             raise RetriableError(f"control message not delivered within {timeout_s}s")
+        if errors and env.reply_to and env.reply_to == self._unusable:
+            return self.send(payload, timeout_s=timeout_s)  # to the control topic, this time
         if errors:
             err = errors[0]
             if err.fatal() or err.code() in PERMANENT_DELIVERY_ERRORS:

@@ -28,6 +28,7 @@ def _with(**changes: object) -> dict[str, object]:
 def test_a_valid_config_has_derived_names() -> None:
     cfg = parse_config(BASE, env={})
     assert cfg.control_topic == "twophase.control.orders"
+    assert cfg.reply_topic == "twophase.control.orders.replies"
     assert cfg.dead_letter_topic == "orders.dlq"
     assert cfg.transactional_id == "twophase.orders.coordinator"  # stable, never random
     assert cfg.group_id == "twophase.orders"
@@ -46,6 +47,14 @@ def test_a_valid_config_has_derived_names() -> None:
         (_with(sources=[{"topic_pattern": "cdc\\.(.*"}]), "sources[0].topic_pattern"),
         (_with(sources=[{"topic": "a", "topic_pattern": "b.*"}]), "sources[0]"),
         (_with(sources=[{"format": "json"}]), "sources[0]"),
+        # The replies need a topic of their own: any other of the pipeline's would take them.
+        (_with(control={"reply_topic": "orders"}), "control.reply_topic"),
+        (_with(control={"reply_topic": "twophase.control.orders"}), "control.reply_topic"),
+        (_with(control={"reply_topic": "orders.dlq"}), "control.reply_topic"),
+        (
+            _with(control={"topic": "ctl", "reply_topic": "ctl"}, sources=[{"topic": "o"}]),
+            "control.reply_topic",
+        ),
     ],
 )
 def test_errors_name_the_field(raw: dict[str, object], field: str) -> None:
