@@ -90,7 +90,7 @@ from twophase.participants.sdk import (
 from twophase.protocol.messages import Checkpoint, Complete, Decision, Drained, Outcome, Prepare
 from twophase.retry import KAFKA, STORE, STORE_WAIT_S
 
-__all__ = ["ParticipantRuntime", "consume_timeout"]
+__all__ = ["ParticipantRuntime", "prepare_due"]
 
 log = logging.getLogger("twophase.participant")
 T = TypeVar("T")
@@ -98,10 +98,12 @@ T = TypeVar("T")
 #: Data-thread poll: short, so queued control actions (prepare, rewind) run promptly. A
 #: consume waits this long unless it fills its batch: a PREPARE read meanwhile waits for it.
 CONSUME_TIMEOUT_S = 0.05
-#: ... and while a PREPARE is due (PREPARE_DUE_S around one interval after the last one, or just
-#: after a DRAINED): a shorter wait, so the cut does not wait ~25 ms on average for the consume.
-CONSUME_TIMEOUT_DUE_S = 0.005
-PREPARE_DUE_S = (0.05, 0.25)
+#: ... so while a PREPARE is due -- from the first value before one interval after the last one
+#: was read until it is read (or the second value after it was due), and for the second value
+#: after a DRAINED -- the data thread takes what the consumer holds and waits on the control
+#: thread instead, which wakes it with the PREPARE. The lead is the consume's wait: no consume
+#: started before the window runs into the due time.
+PREPARE_DUE_S = (CONSUME_TIMEOUT_S, 0.25)
 #: Control-thread poll.
 CONTROL_POLL_S = 0.02
 #: Time one batch may take to write into every sink. A PREPARE waits for the batch in flight,
@@ -148,18 +150,13 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def consume_timeout(
-    now: float, prepare_seen: float, interval_s: float, drained_sent: float
-) -> float:
-    """How long the data thread's consume may wait: short while the next PREPARE is due -- from
-    a little before one interval after the last one was read until it is read (or a little
-    after it was due), and right after a DRAINED, this participant's or a peer's -- long
-    otherwise, so an idle participant does not spin. (Monotonic seconds.)"""
+def prepare_due(now: float, prepare_seen: float, interval_s: float, drained_sent: float) -> bool:
+    """Whether the next PREPARE is due (:data:`PREPARE_DUE_S`): from a little before one
+    interval after the last one was read until it is read (or a little after it was due), and
+    right after a DRAINED, this participant's or a peer's. (Monotonic seconds.)"""
     lead, grace = PREPARE_DUE_S
     due = prepare_seen + interval_s
-    if due - lead <= now <= due + grace or now - drained_sent <= grace:
-        return CONSUME_TIMEOUT_DUE_S
-    return CONSUME_TIMEOUT_S
+    return due - lead <= now <= due + grace or now - drained_sent <= grace
 
 
 class ParticipantRuntime:
@@ -187,6 +184,9 @@ class ParticipantRuntime:
         )
         self.lock = threading.RLock()
         self.data_queue: queue.Queue[Action] = queue.Queue()
+        #: Set with every action queued for the data thread (and at stop): while a PREPARE is
+        #: due the data thread waits on it instead of in a consume, so the PREPARE wakes it.
+        self._wake = threading.Event()
         self.apply_queue: queue.Queue[Action | _Forget | _AbortStale] = queue.Queue()
         #: Set while a forget is queued or running: a slow one is not queued again meanwhile.
         self._forgetting = threading.Event()
@@ -354,6 +354,11 @@ class ParticipantRuntime:
 
     def stop(self) -> None:
         self.stop_event.set()
+        self._wake.set()
+
+    def _to_data_thread(self, action: Action) -> None:
+        self.data_queue.put(action)
+        self._wake.set()
 
     def _close(self, control_running: bool) -> Exception | None:
         """Close the clients, the sinks and the health server; the first error that is not a
@@ -378,10 +383,12 @@ class ParticipantRuntime:
                 # exit status its class calls for -- no traceback for an error we named.
                 self.fatal = exc
                 self.stop_event.set()
+                self._wake.set()
             except BaseException as exc:  # a dead control thread must stop the process
                 log.exception("control thread failed")
                 self.fatal = exc
                 self.stop_event.set()
+                self._wake.set()
 
         return run
 
@@ -406,7 +413,7 @@ class ParticipantRuntime:
             rest: list[Action] = []
             for action in actions:
                 if getattr(action, "thread", here) is Thread.DATA:
-                    self.data_queue.put(action)
+                    self._to_data_thread(action)
                 else:
                     rest.append(action)
             return rest
@@ -450,7 +457,7 @@ class ParticipantRuntime:
         for action in actions:
             target = getattr(action, "thread", here)
             if here is Thread.CONTROL and target is Thread.DATA:
-                self.data_queue.put(action)
+                self._to_data_thread(action)
             elif (
                 isinstance(action, (CommitPart, AbortPart))
                 and target is Thread.CONTROL
@@ -790,7 +797,15 @@ class ParticipantRuntime:
         elif self._paused and not self._poisoned:
             self._resume()
         self.subscription.refresh()
-        msgs = self.consumer.consume(self._batch_size, self._consume_timeout())
+        if self._prepare_due():
+            # Take what is there, and with nothing there wait for the control thread -- the
+            # PREPARE wakes this thread at once -- not in a consume nothing can cut short.
+            msgs = self.consumer.consume(self._batch_size, 0)
+            if not msgs:
+                self._wake.wait(CONSUME_TIMEOUT_S)
+                self._wake.clear()  # before the queue is drained (next step): nothing is lost
+        else:
+            msgs = self.consumer.consume(self._batch_size, CONSUME_TIMEOUT_S)
         if msgs:
             delay_point("after_consume")
         if self._drain_queue():
@@ -820,8 +835,8 @@ class ParticipantRuntime:
             self._next_lag = time.monotonic() + LAG_REFRESH_S
             self._update_lag()
 
-    def _consume_timeout(self) -> float:
-        return consume_timeout(
+    def _prepare_due(self) -> bool:
+        return prepare_due(
             time.monotonic(), self._prepare_seen, self._interval_s, self._drained_sent
         )
 
