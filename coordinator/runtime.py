@@ -78,8 +78,9 @@ log = logging.getLogger("twophase.coordinator")
 
 #: Main-loop poll: the granularity of ticks, so of vote deadlines and commit intervals.
 POLL_S = 0.02
-#: Replies handed to the machine per pass of the loop, at most (a consume returns what is there
-#: up to this many, or waits POLL_S for the first).
+#: Replies handed to the machine per pass of the loop, at most: the first is waited for (up to
+#: POLL_S), the rest are what the reader holds already (a consume waits for its whole batch,
+#: so it never waits here).
 REPLIES_BATCH = 500
 #: What a reply topic answers when it is not there (any more): it is stopped being read, and
 #: read again once the metadata shows it.
@@ -257,13 +258,7 @@ class CoordinatorRuntime:
                 if msg is not None:
                     self._on_message(msg)
                 if self._replies is not None:
-                    # A batch at a time: a new leader may have many to read from a checkpoint.
-                    for reply in self._replies.consume(
-                        REPLIES_BATCH, 0 if msg is not None else POLL_S
-                    ):
-                        if self._replies is None:
-                            break  # dropped by the one before: the rest is not ours to read
-                        self._on_reply(reply)
+                    self._read_replies(0 if msg is not None else POLL_S)
                 self._execute(self.machine.handle(Tick(_now_ms())))
                 if time.monotonic() >= next_refresh:
                     next_refresh = time.monotonic() + TOPIC_REFRESH_S
@@ -406,6 +401,18 @@ class CoordinatorRuntime:
                 replies.close()
             except (KafkaException, RuntimeError) as exc:
                 log.info("closing the replies consumer: %s", exc)
+
+    def _read_replies(self, wait_s: float) -> None:
+        """Hand the machine the next reply -- waiting up to ``wait_s`` for it -- and those the
+        reader holds behind it (a new leader may have many to read from a checkpoint)."""
+        replies = self._replies
+        first = replies.poll(wait_s) if replies is not None else None
+        if first is None or replies is None:
+            return
+        for reply in [first, *replies.consume(REPLIES_BATCH - 1, 0)]:
+            if self._replies is None:
+                return  # dropped by the one before: the rest is not ours to read
+            self._on_reply(reply)
 
     def _on_reply(self, msg: Message) -> None:
         err = msg.error()
