@@ -202,7 +202,7 @@ def _fold_replies(
     consumer = Consumer(
         client_settings(
             cfg,
-            "replies-reader",
+            "replies-consumer",
             **{
                 "group.id": cfg.coordinator_group_id,  # never joins: assigned only
                 "enable.auto.commit": False,
@@ -233,7 +233,7 @@ def _fold_replies(
                 continue
             err = msg.error()
             if err is not None and err.code() == KafkaError._PARTITION_EOF:
-                return  # the end (transaction markers may sit between the last reply and it)
+                return  # the end, as of now
             if err is not None:
                 raise RetriableError(f"reply topic {cfg.reply_topic}: {err.str()}")
             last_progress = time.monotonic()

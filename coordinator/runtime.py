@@ -181,6 +181,9 @@ class CoordinatorRuntime:
         #: The next reply offset to hand to the machine: a CHECKPOINT reflects every one below,
         #: and a reader opened again mid-reign starts there.
         self._replies_next = 0
+        #: Whether _replies_next is where the reader is: not after a reopen mid-reign until a
+        #: reply is read (the topic may have been made again, its offsets starting over).
+        self._replies_known = False
         #: ``replies_from`` of the latest CHECKPOINT replayed that names our reply topic.
         self._replies_checkpointed = -1
 
@@ -336,6 +339,7 @@ class CoordinatorRuntime:
         self._replaying = False
         # Before the machine writes anything: what it writes names the reply topic.
         self._replies_next = max(0, self._replies_checkpointed)
+        self._replies_known = True
         self._open_replies()
         self._execute(self.machine.handle(CaughtUp(_now_ms())))
 
@@ -370,7 +374,7 @@ class CoordinatorRuntime:
         replies = Consumer(
             client_settings(
                 self.cfg,
-                "replies",
+                "replies-consumer",
                 **{
                     # Never joins the group (assigned, never subscribed, never commits).
                     "group.id": self.cfg.coordinator_group_id,
@@ -393,6 +397,7 @@ class CoordinatorRuntime:
             why,
         )
         self._close_replies()
+        self._replies_known = False
 
     def _close_replies(self) -> None:
         replies, self._replies = self._replies, None
@@ -427,6 +432,7 @@ class CoordinatorRuntime:
             return
         note_broker_contact()
         self._replies_next = (msg.offset() or 0) + 1
+        self._replies_known = True
         env = read_control(self.cfg, msg, self._count_skipped)
         if env is None:
             return
@@ -537,7 +543,10 @@ class CoordinatorRuntime:
         if publisher is None:
             return self.machine.handle(PublishFailed(payload, now(), "no producer", fenced=True))
         if self._replies is not None and isinstance(payload, Checkpoint):
-            payload = replace(payload, replies_from=self._replies_next)
+            # Unknown: none, and a later leader reads the reply topic from its start.
+            payload = replace(
+                payload, replies_from=self._replies_next if self._replies_known else -1
+            )
         env = new_envelope(self.cfg.pipeline, self.sender, payload)
         if self._replies is not None:
             env = replace(env, reply_to=self.cfg.reply_topic)

@@ -547,13 +547,17 @@ class ControlReader:
         self.consumer.close()
 
 
-#: What a write to a reply topic this process cannot use gets back: the reply goes to the
-#: control topic instead (which the coordinator reads too), and so do the later ones.
-REPLY_TOPIC_UNUSABLE = PERMANENT_DELIVERY_ERRORS | {
-    KafkaError.UNKNOWN_TOPIC_OR_PART,
-    KafkaError._UNKNOWN_TOPIC,
-    KafkaError._UNKNOWN_PARTITION,
-}
+#: What a write to a reply topic this process cannot use gets back (from produce() itself or
+#: in its delivery report): the reply goes to the control topic instead (which the
+#: coordinator reads too), and so do the later ones. Not a size refusal: that is the message's.
+REPLY_TOPIC_UNUSABLE = frozenset(
+    {
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError._UNKNOWN_TOPIC,
+        KafkaError._UNKNOWN_PARTITION,
+    }
+)
 
 
 class ControlWriter:
@@ -604,26 +608,55 @@ class ControlWriter:
         self.producer.poll(0)
 
     def _produce(
-        self, payload: Payload, on_delivery: Callable[[KafkaError | None, Message], None]
+        self,
+        payload: Payload,
+        on_delivery: Callable[[KafkaError | None, Message], None],
+        *,
+        control: bool = False,
     ) -> Envelope:
+        """Produce ``payload`` where it goes (``control``: to the control topic whatever the
+        reply topic); the envelope, its ``reply_to`` naming the reply topic it went to."""
         env = self.envelope(payload)
         value, headers = encode(env, self.cfg.hmac_key)
-        reply_to = self.reply_to if isinstance(payload, (Vote, Applied)) else ""
+        reply_to = self._reply_to if isinstance(payload, (Vote, Applied)) and not control else ""
         if reply_to and reply_to == self._unusable:
             reply_to = ""
         if reply_to:
-            on_delivery = partial(self._from_reply_topic, reply_to, on_delivery)
+            try:
+                self.producer.produce(
+                    reply_to,
+                    value=value,
+                    key=self.cfg.pipeline.encode(),
+                    headers=list(headers),
+                    on_delivery=partial(self._from_reply_topic, reply_to, on_delivery),
+                    partition=0,  # the one the coordinator reads, however many it has
+                )
+                return replace(env, reply_to=reply_to)
+            except KafkaException as exc:
+                # librdkafka knows the topic refused or is missing: not even queued.
+                if exc.args[0].code() not in REPLY_TOPIC_UNUSABLE:
+                    raise
+                self._give_up(reply_to, exc.args[0])
         self.producer.produce(
-            reply_to or self.cfg.control_topic,
+            self.cfg.control_topic,
             value=value,
             key=self.cfg.pipeline.encode(),
             headers=list(headers),
             on_delivery=on_delivery,
-            # The coordinator reads partition 0 of the reply topic, however many it has
-            # (-1: the partitioner's choice, by key -- the control topic has one).
-            partition=0 if reply_to else -1,
         )
-        return replace(env, reply_to=reply_to)
+        return env
+
+    def _give_up(self, topic: str, err: KafkaError) -> None:
+        if topic != self._reply_to or self._unusable == topic:
+            return  # a topic no coordinator names now, or given up already: nothing to change
+        self._unusable = topic
+        log.error(
+            "reply topic %s refused a reply (%s): replies go to the control topic until a "
+            "coordinator names no reply topic (the coordinator reads both; make the topic, or "
+            "allow this principal to write to it)",
+            topic,
+            err.str(),
+        )
 
     def _from_reply_topic(
         self,
@@ -632,31 +665,27 @@ class ControlWriter:
         err: KafkaError | None,
         msg: Message,
     ) -> None:
-        if err is not None and err.code() in REPLY_TOPIC_UNUSABLE and self._unusable != topic:
-            self._unusable = topic
-            log.error(
-                "reply topic %s refused a reply (%s): replies go to the control topic from now "
-                "on (the coordinator reads both; make the topic, or allow this principal to "
-                "write to it, and restart)",
-                topic,
-                err.str(),
-            )
+        if err is not None and err.code() in REPLY_TOPIC_UNUSABLE:
+            self._give_up(topic, err)
         then(err, msg)
 
-    def send(self, payload: Payload, *, timeout_s: float = CALL_TIMEOUT_S) -> Envelope:
+    def send(
+        self, payload: Payload, *, timeout_s: float = CALL_TIMEOUT_S, control: bool = False
+    ) -> Envelope:
         """Write and flush ``payload``; the envelope sent, whose ``reply_to`` names the reply
-        topic it went to ("": the control topic)."""
+        topic it went to ("": the control topic). A reply the reply topic refuses is sent to
+        the control topic (``control``) at once."""
         errors: list[KafkaError] = []
 
         def on_delivery(err: KafkaError | None, _msg: Message) -> None:
             if err is not None:
                 errors.append(err)
 
-        env = self._produce(payload, on_delivery)
+        env = self._produce(payload, on_delivery, control=control)
         if self.producer.flush(timeout_s) > 0:
             raise RetriableError(f"control message not delivered within {timeout_s}s")
-        if errors and env.reply_to and env.reply_to == self._unusable:
-            return self.send(payload, timeout_s=timeout_s)  # to the control topic, this time
+        if errors and env.reply_to and errors[0].code() in REPLY_TOPIC_UNUSABLE:
+            return self.send(payload, timeout_s=timeout_s, control=True)
         if errors:
             err = errors[0]
             if err.fatal() or err.code() in PERMANENT_DELIVERY_ERRORS:

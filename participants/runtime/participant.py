@@ -777,11 +777,14 @@ class ParticipantRuntime:
             env = reader.poll(CONTROL_POLL_S)
             if env is not None:
                 if isinstance(env.payload, Prepare):
-                    self._prepare_seen = time.monotonic()
                     delay_point("on_prepare")
+                self._run(self._feed(Received(env), Thread.CONTROL), Thread.CONTROL)
+                # After the PREPARE is handed over (and the data thread woken): a data thread
+                # that saw it no longer due before that would wait in a consume, not for it.
+                if isinstance(env.payload, Prepare):
+                    self._prepare_seen = time.monotonic()
                 elif isinstance(env.payload, Drained):
                     self._drained_sent = time.monotonic()  # a peer's: a PREPARE may come now
-                self._run(self._feed(Received(env), Thread.CONTROL), Thread.CONTROL)
             self._run(self._feed(Tick(_now_ms()), Thread.CONTROL), Thread.CONTROL)
 
     # -- data thread ---------------------------------------------------------------------------

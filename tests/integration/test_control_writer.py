@@ -99,5 +99,9 @@ def test_a_reply_topic_given_up_is_tried_again_once_the_coordinator_stopped_nami
     w.reply_to = missing
     assert w.send(VOTE).reply_to == ""  # still given up while it is named
     w.reply_to = ""  # a coordinator message naming no reply topic
-    w.reply_to = cfg.reply_topic  # and then one naming a topic that is there
+    w.reply_to = missing  # and one naming it again: tried again, and librdkafka, which knows
+    assert w.send(VOTE).reply_to == ""  # it is missing, refuses it in produce() itself
+    w.reply_to = ""
+    w.reply_to = cfg.reply_topic  # a topic that is there
     assert w.send(VOTE).reply_to == cfg.reply_topic
+    assert [t for _, t in _types(cfg, cfg.control_topic)] == ["Vote"] * 3
