@@ -104,8 +104,10 @@ CONSUME_TIMEOUT_S = 0.05
 #: thread instead, which wakes it with the PREPARE. The lead is the consume's wait: no consume
 #: started before the window runs into the due time.
 PREPARE_DUE_S = (CONSUME_TIMEOUT_S, 0.25)
-#: Control-thread poll.
-CONTROL_POLL_S = 0.02
+#: Control-thread poll. A control message ends the wait at once; the timeout only sets how
+#: often an idle control thread wakes (the sweep timer, a stop): 20 ms cost each of sixteen
+#: participants 50 wake-ups a second on two shared cores (docs/benchmarks.md).
+CONTROL_POLL_S = 0.1
 #: Time one batch may take to write into every sink. A PREPARE waits for the batch in flight,
 #: so this bounds how much of the vote timeout a slow store can eat; batches are sized to it.
 BATCH_TARGET_S = 0.5
