@@ -23,12 +23,18 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from twophase.config import PipelineConfig
 from twophase.errors import ConfigError, FatalError, RetriableError, TwophaseError
-from twophase.kafka import CALL_TIMEOUT_S, ControlReader, client_settings, read_control
+from twophase.kafka import (
+    CALL_TIMEOUT_S,
+    ControlReader,
+    client_settings,
+    read_control,
+    reply_reader,
+)
 from twophase.participants.registry import build_sinks
 from twophase.participants.sdk import (
     BatchingSink,
@@ -38,6 +44,7 @@ from twophase.participants.sdk import (
 )
 from twophase.protocol.logview import LogView
 from twophase.protocol.messages import (
+    REPLIES,
     Applied,
     Checkpoint,
     Complete,
@@ -199,19 +206,7 @@ def _fold_replies(
 ) -> None:
     """Fold the reply topic's VOTE and APPLIED from ``start`` (-1: the first retained) to its
     end as of now, after the control log: an APPLIED follows its DECISION."""
-    consumer = Consumer(
-        client_settings(
-            cfg,
-            "replies-consumer",
-            **{
-                "group.id": cfg.coordinator_group_id,  # never joins: assigned only
-                "enable.auto.commit": False,
-                "isolation.level": "read_committed",
-                "auto.offset.reset": "earliest",
-                "enable.partition.eof": True,
-            },
-        )
-    )
+    consumer = reply_reader(cfg, **{"enable.partition.eof": True})
     tp = TopicPartition(cfg.reply_topic, 0)
     try:
         low, end = consumer.get_watermark_offsets(tp, timeout=CALL_TIMEOUT_S)
@@ -241,7 +236,7 @@ def _fold_replies(
             env = read_control(cfg, msg, skipped.append)
             if env is None:
                 continue
-            if not isinstance(env.payload, Vote | Applied):
+            if not isinstance(env.payload, REPLIES):
                 skipped.append("misplaced")
                 continue
             _fold_one(fold, env, txn)

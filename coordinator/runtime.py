@@ -59,18 +59,11 @@ from twophase.kafka import (
     note_broker_contact,
     raise_fatal,
     read_control,
+    reply_reader,
 )
 from twophase.observability import HealthServer, Metrics, log_context, txn_extra
 from twophase.protocol.codec import new_envelope
-from twophase.protocol.messages import (
-    Applied,
-    Checkpoint,
-    Decision,
-    Outcome,
-    Payload,
-    Prepare,
-    Vote,
-)
+from twophase.protocol.messages import REPLIES, Checkpoint, Decision, Outcome, Payload, Prepare
 
 __all__ = ["CoordinatorRuntime"]
 
@@ -371,19 +364,7 @@ class CoordinatorRuntime:
         # broker on the loop that ticks the cycles. An offset retention removed (or one past
         # the end of a topic made again) is read from the start (auto.offset.reset).
         start = self._replies_next
-        replies = Consumer(
-            client_settings(
-                self.cfg,
-                "replies-consumer",
-                **{
-                    # Never joins the group (assigned, never subscribed, never commits).
-                    "group.id": self.cfg.coordinator_group_id,
-                    "enable.auto.commit": False,
-                    "isolation.level": "read_committed",
-                    "auto.offset.reset": "earliest",
-                },
-            )
-        )
+        replies = reply_reader(self.cfg)
         replies.assign([TopicPartition(topic, 0, start)])
         self._replies = replies
         log.info("reading replies from %s[0] at offset %d", topic, start)
@@ -436,7 +417,7 @@ class CoordinatorRuntime:
         env = read_control(self.cfg, msg, self._count_skipped)
         if env is None:
             return
-        if not isinstance(env.payload, (Vote, Applied)):
+        if not isinstance(env.payload, REPLIES):
             # Only participants' replies belong here: a coordinator's message or a DRAINED on
             # the reply topic is no one's to act on.
             log.warning(

@@ -30,7 +30,7 @@ from twophase.config import PipelineConfig
 from twophase.errors import ConfigError, FatalError, RetriableError
 from twophase.logrepeat import CollapseRepeats
 from twophase.protocol.codec import DecodeError, decode, encode, new_envelope
-from twophase.protocol.messages import Applied, Envelope, Payload, Vote
+from twophase.protocol.messages import REPLIES, Envelope, Payload
 from twophase.retry import KAFKA, KAFKA_RETRY_S, TXN_COMMIT, TXN_COMMIT_ATTEMPTS, Policy
 
 __all__ = [
@@ -547,6 +547,24 @@ class ControlReader:
         self.consumer.close()
 
 
+def reply_reader(cfg: PipelineConfig, **extra: Any) -> Consumer:
+    """A consumer of the reply topic that never joins a group (assigned, never commits): the
+    coordinator's while it leads, the CLI's. Only replies belong there (:data:`REPLIES`)."""
+    return Consumer(
+        client_settings(
+            cfg,
+            "replies-consumer",
+            **{
+                "group.id": cfg.coordinator_group_id,
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+                "auto.offset.reset": "earliest",
+                **extra,
+            },
+        )
+    )
+
+
 #: What a write to a reply topic this process cannot use gets back (from produce() itself or
 #: in its delivery report): the reply goes to the control topic instead (which the
 #: coordinator reads too), and so do the later ones. Not a size refusal: that is the message's.
@@ -618,7 +636,7 @@ class ControlWriter:
         reply topic); the envelope, its ``reply_to`` naming the reply topic it went to."""
         env = self.envelope(payload)
         value, headers = encode(env, self.cfg.hmac_key)
-        reply_to = self._reply_to if isinstance(payload, (Vote, Applied)) and not control else ""
+        reply_to = self._reply_to if isinstance(payload, REPLIES) and not control else ""
         if reply_to and reply_to == self._unusable:
             reply_to = ""
         if reply_to:

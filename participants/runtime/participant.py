@@ -87,7 +87,7 @@ from twophase.participants.sdk import (
     SinkError,
     UnknownPartError,
 )
-from twophase.protocol.messages import Checkpoint, Complete, Decision, Drained, Outcome, Prepare
+from twophase.protocol.messages import COORDINATOR_MESSAGES, Drained, Outcome, Prepare
 from twophase.retry import KAFKA, STORE, STORE_WAIT_S
 
 __all__ = ["ParticipantRuntime", "prepare_due"]
@@ -142,10 +142,6 @@ class _Forget:
 class _AbortStale:
     """Housekeeping for the apply worker: abort parts that dead processes began and never
     prepared (:meth:`ParticipantRuntime._abort_stale`)."""
-
-
-#: The messages only a coordinator writes: their envelope's ``reply_to`` says where it reads.
-_COORDINATOR_MESSAGES = (Prepare, Decision, Complete, Checkpoint)
 
 
 def _now_ms() -> int:
@@ -403,7 +399,7 @@ class ParticipantRuntime:
         """Feed the machine. From the control side, actions for the data thread are queued
         *under the lock*, so the data thread's "nothing queued -> open a part" check is atomic
         with every decision the machine took."""
-        if isinstance(event, Received) and isinstance(event.env.payload, _COORDINATOR_MESSAGES):
+        if isinstance(event, Received) and isinstance(event.env.payload, COORDINATOR_MESSAGES):
             # Where the coordinator that wrote it reads replies: the latest one read decides.
             self.control.reply_to = event.env.reply_to
         with self.lock:

@@ -23,6 +23,7 @@ from twophase.config import PipelineConfig, load_config
 from twophase.kafka import create_topics
 from twophase.protocol.codec import AUTH_HEADER, _mac, decode, encode, new_envelope
 from twophase.protocol.messages import (
+    COORDINATOR_MESSAGES,
     Applied,
     Checkpoint,
     Complete,
@@ -33,8 +34,6 @@ from twophase.protocol.messages import (
     Vote,
     VoteValue,
 )
-
-COORDINATOR_MESSAGES = (Prepare, Decision, Complete, Checkpoint)
 
 
 def _envelopes(s: Scenario, topic: str) -> list[Envelope]:

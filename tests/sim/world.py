@@ -151,6 +151,7 @@ from twophase.coordinator import machine as cm
 from twophase.participants import machine as pm
 from twophase.protocol.logview import LogView
 from twophase.protocol.messages import (
+    COORDINATOR_MESSAGES,
     Applied,
     Checkpoint,
     Complete,
@@ -170,8 +171,6 @@ __all__ = ["Params", "Result", "SimViolation", "World", "run"]
 PIPELINE = "sim"
 TOPIC = "src"
 REPLY_TOPIC = f"twophase.control.{PIPELINE}.replies"
-#: The messages only a coordinator writes: their ``reply_to`` tells a participant where to reply.
-COORDINATOR_MESSAGES = (Prepare, Decision, Complete, Checkpoint)
 STORES = ("pg", "mongo")
 TP = tuple[str, int]
 

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, TypeAlias
 __all__ = [
     "PROTOCOL_VERSION",
     "Applied",
+    "COORDINATOR_MESSAGES",
     "Checkpoint",
     "Complete",
     "Decision",
@@ -28,6 +29,7 @@ __all__ = [
     "PendingCommit",
     "Position",
     "Prepare",
+    "REPLIES",
     "Vote",
     "VoteValue",
 ]
@@ -409,6 +411,11 @@ class Drained:
 
 
 Payload: TypeAlias = Prepare | Vote | Decision | Applied | Complete | Checkpoint | Drained
+#: The messages only a coordinator writes: their envelope's ``reply_to`` says where it reads
+#: replies (VOTE and APPLIED).
+COORDINATOR_MESSAGES = (Prepare, Decision, Complete, Checkpoint)
+#: The participants' replies: all the reply topic carries.
+REPLIES = (Vote, Applied)
 
 PAYLOAD_TYPES: dict[MessageType, type[Payload]] = {
     MessageType.PREPARE: Prepare,
