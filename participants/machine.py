@@ -332,6 +332,9 @@ class ParticipantMachine:
         self.me = settings.participant
         self.log = LogView(prepare_in_sequence=True)
         self.caught_up = False
+        #: The start-up in-doubt listing is folded in: until then this machine cannot tell a
+        #: part of its own earlier incarnation from none, so it votes and writes nothing.
+        self.listed = False
         self.generation = -1
         self.member_id = ""
         self.topics: tuple[str, ...] | None = None
@@ -373,7 +376,7 @@ class ParticipantMachine:
 
     @property
     def ready(self) -> bool:
-        return self.caught_up and self.assigned
+        return self.caught_up and self.listed and self.assigned
 
     def next_txn(self) -> int:
         return max(self.log.last_txn, self.log.last_decided) + 1
@@ -579,17 +582,32 @@ class ParticipantMachine:
             Log("info", f"assigned {len(self.base)} partitions in generation {self.generation}")
         )
         actions += self._revote_idle()
+        return actions + self._vote_inflight(Thread.DATA)
+
+    def _vote_inflight(self, thread: Thread) -> list[Action]:
+        """Vote on the PREPARE still open when the start-up replay ended, from the committed
+        positions -- once both the assignment and the start-up in-doubt listing are in, in
+        whichever order they came. Before the listing an earlier incarnation's part of that
+        transaction may sit prepared in a sink: a vote committed beside it would let a later
+        sweep commit that part too, whose records no position covers.
+
+        On the data thread (the assignment came last) nothing is written yet: the part is cut
+        empty at once. From the control thread (the listing came last) the data thread cuts
+        it, as for a PREPARE read live, with whatever it wrote into it meanwhile."""
+        if not (self.assigned and self.listed and self.inflight_at_start):
+            return []
         inflight, self.inflight_at_start = self.inflight_at_start, 0
         if (
-            inflight > self.log.last_decided
-            and not self.pending_prepare
-            and inflight > self.last_cut
-            and (inflight, self.me) not in self.in_doubt
+            inflight <= self.log.last_decided
+            or self.pending_prepare
+            or inflight <= self.last_cut
+            or (inflight, self.me) in self.in_doubt
         ):
-            # Nothing written yet: the part is empty, from the committed positions.
-            self.pending_prepare = inflight
-            actions += self._on_cut(inflight)
-        return actions
+            return []
+        self.pending_prepare = inflight
+        if thread is Thread.DATA and self.open is None:
+            return self._on_cut(inflight)
+        return [PreparePart(inflight)]
 
     def _revote_idle(self) -> list[Action]:
         """An idle vote (no partitions: cast before this process held any) on a transaction
@@ -771,7 +789,9 @@ class ParticipantMachine:
             self.in_doubt.setdefault(key, set()).update(sinks)
         if event.sweep:
             self.seen_last_sweep = seen_now
-        return self._resolve_known()
+            return self._resolve_known()
+        self.listed = True
+        return self._resolve_known() + self._vote_inflight(Thread.CONTROL)
 
     def _resolve_known(self) -> list[Action]:
         actions: list[Action] = []

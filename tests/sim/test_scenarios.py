@@ -3,6 +3,8 @@ a commit cycle, then drives the world to quiescence and checks every guarantee."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from twophase.coordinator.machine import Phase
@@ -423,3 +425,57 @@ def test_a_participant_that_ignores_reply_to_is_caught() -> None:
     w.participants[0].old = True  # ignores reply_to; the world does not know it
     with pytest.raises(SimViolation, match=r"\(8\) .* on the control topic"):
         finish(w)
+
+
+@pytest.mark.parametrize("seed", [3, 5, 11])
+def test_an_assignment_before_the_start_up_listing_votes_nothing_over_a_prepared_part(
+    seed: int,
+) -> None:
+    """A participant dies with its part of a PREPARE prepared in the sinks but its vote unsent;
+    restarted, its assignment reaches the machine before the start-up in-doubt listing (the
+    runtime never lets it; the machine must not need that). It must not vote at all: an empty
+    vote, once committed beside the old part, lets a sweep commit that part too, its records
+    covered by no position, so read and written again (a random schedule found it, where the
+    generations let the empty vote commit). Here the rule is checked where it acts: no vote."""
+    w = calm(seed)
+    # The restart outlasts the vote timeout: a long one keeps the transaction open for it.
+    for c in w.coordinators:
+        c.machine.settings = dataclasses.replace(c.machine.settings, vote_timeout_ms=10**9)
+    txn = at_fresh_prepare(w)
+    leader = w.leader
+    assert leader is not None
+    leader.hold = True
+
+    def prepared_unsent() -> Participant | None:
+        for p in w.participants:
+            k = (txn, p.name)
+            if all(k in s.parts and s.parts[k].state == PREPARED for s in w.stores.values()):
+                return p
+        return None
+
+    w.run_until(lambda: prepared_unsent() is not None)
+    victim = prepared_unsent()
+    assert victim is not None
+    key = (txn, victim.name)
+    assert not any(v.participant == victim.name for v in votes(w, txn))
+    victim.outbox.clear()  # died before its vote left
+    w.crash_participant(victim)
+    w.join_early = w.assign_early = True
+    index = w.participants.index(victim)
+    w.run_until(lambda: w.participants[index] is not victim and w.participants[index].caught_up)
+    again = w.participants[index]
+    again.hold_control = True  # the start-up listing waits: the assignment comes first
+    w.run_until(lambda: again.machine.assigned)
+    assert not again.machine.ready
+    again.hold_control = False
+    leader.hold = False
+    # Time for a vote (the mutation that votes at the assignment fails just here).
+    until = w.now + 500
+    w.run_until(lambda: decision(w, txn) is not None or w.now >= until)
+    assert decision(w, txn) is None
+    assert not any(v.participant == victim.name for v in votes(w, txn))
+    w.crash_coordinator(leader)  # the standby takes over: presumed abort
+    finish(w)  # every record in the sinks exactly once, nothing left prepared
+    d = decision(w, txn)
+    assert d is not None and d.outcome is Outcome.ABORT
+    assert all(s.parts[key].state == ABORTED for s in w.stores.values())

@@ -57,8 +57,9 @@ What is modelled
   Crashes lose the machine, the queues and every open sink part; prepared parts stay.
 * The consumer group: eager rebalances (Revoked, later Assigned with a new generation) delivered
   to each member at its own pace, so slow members keep working in the old generation for a while.
-  Members join after their start-up replay (or, in some schedules, before it; either way the
-  assignment reaches the machine only after the start-up in-doubt listing), leave a session
+  Members join after their start-up replay (or, in some schedules, before it; then in half
+  of them the assignment may reach the machine before the start-up in-doubt listing, which
+  the runtime never lets happen but the machine must survive), leave a session
   timeout after a crash, get dropped while alive (and only notice later), and random
   rebalances happen too. Assigned offsets are the group's committed offsets.
 * Sinks: two shared stores (like one PostgreSQL and one MongoDB) with the SDK's semantics; parts
@@ -113,10 +114,12 @@ this): call ``WillWrite`` only when no Seek or AbortPart handed over by the cont
 waiting (check under the machine lock; a queued PreparePart may wait one batch); drop fetched
 records on Seek; poll before WillWrite; subscribe to the source group with the log start as the
 offset of partitions the group has never committed, on both the participant and the coordinator
-side (``SourcePartitions.group_offsets``); hand the machine no assignment before the start-up
-in-doubt listing (else, a PREPARE still open at start-up, it votes an empty part though an
-earlier incarnation's part of that transaction is prepared, and a commit of the empty part
-makes a later sweep commit the other one, whose records no position covers).
+side (``SourcePartitions.group_offsets``); call ``WillWrite`` only while the machine is
+``ready`` (caught up, the start-up in-doubt listing folded in, assigned). The machine itself
+holds back its vote on a PREPARE still open at start-up until the listing is in (else it
+would vote an empty part though an earlier incarnation's part of that transaction is
+prepared, and a commit of the empty part would make a later sweep commit the other one,
+whose records no position covers: seed 9841 before the machine waited).
 
 Source topics created while the pipeline runs (``topic_pattern``): some seeds add one or two
 one-partition topics that the coordinator's metadata and the group (a rebalance) each find at
@@ -541,7 +544,7 @@ class Participant:
     def add_moves(self, out: list[tuple[int, Callable[[], None]]]) -> None:
         if not self.hold_control:
             self.add_control_moves(out)
-        if not self.hold_data and self.recovered:
+        if not self.hold_data and (self.recovered or (self.world.assign_early and self.caught_up)):
             self.add_data_moves(out)
         if (
             self.outbox
@@ -1233,6 +1236,10 @@ class World:
         #: Whether the runtime subscribes before its start-up replay is done (both are fine, as
         #: long as the assignment is handled after the start-up in-doubt listing).
         self.join_early = self.rng.random() < 0.3
+        #: Whether an early member's data thread runs before the start-up in-doubt listing (the
+        #: runtime's does not): the assignment may then reach the machine first, which must
+        #: wait for the listing before it votes or writes.
+        self.assign_early = self.join_early and self.rng.random() < 0.5
         self.participants = [Participant(self, f"P{i}", 0) for i in range(self.p.participants)]
         if verbose:
             at = self.p.reply_topic_at

@@ -92,6 +92,7 @@ def valid_run(cycles: int, inject: Injector = list) -> Run:
     coord.handle(cm.CaughtUp(0))
     part = pm.ParticipantMachine(pm.ParticipantSettings("p", SINKS))
     part.handle(pm.CaughtUp())
+    part.handle(pm.InDoubt(()))
     part.handle(pm.Assigned(1, "p-m", {TP: 0}))
     run = Run(coord, part)
     foreign: set[str] = set()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from twophase.participants.machine import (
     AbortPart,
     Action,
@@ -62,6 +64,7 @@ def machine(
 ) -> ParticipantMachine:
     m = ParticipantMachine(ParticipantSettings(name, SINKS, sweep_interval_ms=1000))
     m.handle(CaughtUp())
+    m.handle(InDoubt(()))
     m.handle(Assigned(3, f"{name}-1", offsets if offsets is not None else {TP0: 0, TP1: 10}))
     return m
 
@@ -98,6 +101,8 @@ def test_replay_acts_on_nothing_and_assignment_seeks_to_committed_positions() ->
     acts = m.handle(Assigned(2, "a-1", {TP0: 3, TP1: 4}))
     # The log's position wins over the group's offset; the group's offset is the fallback.
     assert of(acts, Seek) == [Seek({TP0: 7, TP1: 4})]
+    assert not m.ready  # not before the start-up in-doubt listing
+    m.handle(InDoubt(()))
     assert m.ready
 
 
@@ -312,6 +317,34 @@ def test_a_prepare_in_flight_at_start_up_is_not_voted_when_own_part_is_prepared(
     m.handle(CaughtUp())
     m.handle(InDoubt((("pg", 4, "a"),)))
     assert of(m.handle(Assigned(2, "a-2", {TP0: 7})), PreparePart) == []
+
+
+@pytest.mark.parametrize("own_part_prepared", [False, True])
+def test_an_assignment_before_the_start_up_listing_waits_for_it(own_part_prepared: bool) -> None:
+    """The class behind simulator seed 9841: whichever order the assignment and the start-up
+    listing come in, the PREPARE open at start-up is voted empty only when no part of this
+    participant's earlier incarnation is prepared for it."""
+    m = ParticipantMachine(ParticipantSettings("a", SINKS))
+    m.handle(Received(env(Prepare(4, 0)), replay=True))
+    m.handle(CaughtUp())
+    acts = m.handle(Assigned(2, "a-2", {TP0: 7}))
+    assert of(acts, PreparePart) == [] and of(acts, Seek) == [Seek({TP0: 7})]
+    assert not m.ready
+    listed = (("pg", 4, "a"),) if own_part_prepared else ()
+    prepares = of(m.handle(InDoubt(listed)), PreparePart)
+    assert m.ready
+    if own_part_prepared:
+        assert prepares == []
+    else:
+        # Handed to the data thread, which cuts it as a PREPARE read live: what it writes in
+        # between (it is ready now) belongs to the part.
+        assert prepares == [PreparePart(4)]
+        assert m.handle(WillWrite()) == [BeginPart(4)]
+        m.handle(Written(4, {TP0: (8, 2, 0)}))
+        (ready,) = of(m.handle(Cut(4)), PreparePart)
+        assert ready.txn == 4 and ready.ready and ready.sinks == SINKS
+        assert ready.positions == {TP0: 9}
+    assert of(m.handle(Assigned(3, "a-3", {TP0: 7})), PreparePart) == []  # once only
 
 
 # -- DRAINED: read to the end, the input quiet ---------------------------------------------------
