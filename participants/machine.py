@@ -582,32 +582,34 @@ class ParticipantMachine:
             Log("info", f"assigned {len(self.base)} partitions in generation {self.generation}")
         )
         actions += self._revote_idle()
-        return actions + self._vote_inflight(Thread.DATA)
+        return actions + self._vote_inflight()
 
-    def _vote_inflight(self, thread: Thread) -> list[Action]:
-        """Vote on the PREPARE still open when the start-up replay ended, from the committed
-        positions -- once both the assignment and the start-up in-doubt listing are in, in
-        whichever order they came. Before the listing an earlier incarnation's part of that
-        transaction may sit prepared in a sink: a vote committed beside it would let a later
-        sweep commit that part too, whose records no position covers.
+    def _vote_inflight(self) -> list[Action]:
+        """Vote an empty part, from the committed positions, on the PREPARE still open when the
+        start-up replay ended -- on an assignment that comes after the start-up in-doubt
+        listing. Before the listing an earlier incarnation's part of that transaction may sit
+        prepared in a sink: an empty vote committed beside it would let a later sweep commit
+        that part too, whose records no position covers (simulator seed 9841).
 
-        On the data thread (the assignment came last) nothing is written yet: the part is cut
-        empty at once. From the control thread (the listing came last) the data thread cuts
-        it, as for a PREPARE read live, with whatever it wrote into it meanwhile."""
-        if not (self.assigned and self.listed and self.inflight_at_start):
+        An assignment that came before the listing leaves the vote to the next assignment, or
+        to the coordinator's vote timeout. Voting when the listing comes would hand the cut to
+        a data thread that may write into the part first; and records voted on a transaction
+        an earlier incarnation already voted on can be committed under that incarnation's
+        vote, which names none of them (seed 25043)."""
+        if not (self.listed and self.inflight_at_start):
             return []
         inflight, self.inflight_at_start = self.inflight_at_start, 0
         if (
-            inflight <= self.log.last_decided
-            or self.pending_prepare
-            or inflight <= self.last_cut
-            or (inflight, self.me) in self.in_doubt
+            inflight > self.log.last_decided
+            and not self.pending_prepare
+            and inflight > self.last_cut
+            and (inflight, self.me) not in self.in_doubt
         ):
-            return []
-        self.pending_prepare = inflight
-        if thread is Thread.DATA and self.open is None:
+            # Nothing written yet (the assignment just dropped any open part): the part is
+            # empty, from the committed positions.
+            self.pending_prepare = inflight
             return self._on_cut(inflight)
-        return [PreparePart(inflight)]
+        return []
 
     def _revote_idle(self) -> list[Action]:
         """An idle vote (no partitions: cast before this process held any) on a transaction
@@ -789,9 +791,9 @@ class ParticipantMachine:
             self.in_doubt.setdefault(key, set()).update(sinks)
         if event.sweep:
             self.seen_last_sweep = seen_now
-            return self._resolve_known()
-        self.listed = True
-        return self._resolve_known() + self._vote_inflight(Thread.CONTROL)
+        else:
+            self.listed = True
+        return self._resolve_known()
 
     def _resolve_known(self) -> list[Action]:
         actions: list[Action] = []
