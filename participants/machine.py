@@ -333,7 +333,8 @@ class ParticipantMachine:
         self.log = LogView(prepare_in_sequence=True)
         self.caught_up = False
         #: The start-up in-doubt listing is folded in: until then this machine cannot tell a
-        #: part of its own earlier incarnation from none, so it votes and writes nothing.
+        #: part of its own earlier incarnation from none, so it votes nothing, and is not
+        #: ``ready`` (a runtime writes only while it is).
         self.listed = False
         self.generation = -1
         self.member_id = ""
