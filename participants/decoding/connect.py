@@ -19,7 +19,6 @@ import base64
 import binascii
 import hashlib
 from datetime import UTC, date, datetime, timedelta
-from decimal import Decimal
 from typing import Any
 
 import orjson
@@ -49,12 +48,28 @@ def is_envelope(obj: Any) -> bool:
 
 def unwrap(obj: Any) -> Any:
     """The payload of a Connect envelope, its logical types made exact JSON values; anything
-    else as it is. Raises :class:`ConnectError` when the payload contradicts its schema."""
+    else as it is. Raises :class:`ConnectError` when the payload contradicts its schema or
+    the schema is malformed -- whatever the message holds, never another exception."""
     if not is_envelope(obj):
         return obj
     schema = obj["schema"]
     payload = obj["payload"]
-    return payload if schema is None else _convert(schema, payload, "payload")
+    if schema is None:
+        return payload
+    try:
+        return _convert(schema, payload, "payload")
+    except ConnectError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the schema travels in the message: any shape
+        raise _malformed("schema", exc) from None
+
+
+def _malformed(where: str, exc: Exception) -> ConnectError:
+    """A schema whose shape Connect would never write (a list where a name goes, a struct's
+    fields not a list, nesting past Python's recursion limit, a parameter not a number)."""
+    said = str(exc)
+    said = said if len(said) <= 200 else said[:200] + "..."
+    return ConnectError(f"{where}: malformed Kafka Connect schema ({type(exc).__name__}: {said})")
 
 
 def _convert(schema: dict[str, Any], value: Any, where: str) -> Any:
@@ -66,8 +81,18 @@ def _convert(schema: dict[str, Any], value: Any, where: str) -> Any:
         if logical is not None:
             try:
                 return logical(schema, value)
-            except (TypeError, ValueError, OverflowError, binascii.Error) as exc:
-                raise ConnectError(f"{where}: not a valid {name}: {value!r} ({exc})") from None
+            except (
+                TypeError,
+                ValueError,
+                OverflowError,
+                ArithmeticError,
+                KeyError,
+                AttributeError,
+                binascii.Error,
+            ) as exc:
+                shown = repr(value)
+                shown = shown if len(shown) <= 200 else shown[:200] + "..."
+                raise ConnectError(f"{where}: not a valid {name}: {shown} ({exc!r})") from None
     kind = schema.get("type")
     if kind == "struct" and value.__class__ is dict:
         fields = {f.get("field"): f for f in schema.get("fields") or () if f.__class__ is dict}
@@ -84,9 +109,20 @@ def _convert(schema: dict[str, Any], value: Any, where: str) -> Any:
     return value
 
 
+#: The widest scale a decimal may declare: PostgreSQL's ``numeric`` display scale. Wider is no
+#: decimal any sink stores, and would spell as a string of that many digits.
+MAX_SCALE = 16383
+
+
 def _scale(schema: dict[str, Any]) -> int:
     params = schema.get("parameters") or {}
-    return int(params.get("scale", 0))
+    return _bounded_scale(int(params.get("scale", 0)))
+
+
+def _bounded_scale(scale: int) -> int:
+    if not -MAX_SCALE <= scale <= MAX_SCALE:
+        raise ValueError(f"scale {scale} is out of range (at most {MAX_SCALE} either way)")
+    return scale
 
 
 def _decimal(schema: dict[str, Any], value: Any) -> str:
@@ -102,11 +138,18 @@ def _variable_decimal(_schema: dict[str, Any], value: Any) -> str:
     if value.__class__ is not dict:
         raise TypeError("expected a struct {scale, value}")
     raw = base64.b64decode(value["value"], validate=True)
-    return _exact(int.from_bytes(raw, "big", signed=True), int(value["scale"]))
+    return _exact(int.from_bytes(raw, "big", signed=True), _bounded_scale(int(value["scale"])))
 
 
 def _exact(unscaled: int, scale: int) -> str:
-    return str(Decimal(unscaled).scaleb(-scale))
+    """The decimal's exact text in plain notation (``0.0000000001``, not ``1E-10``): the
+    spelling the registry formats' decimals have, so a text column gets one form."""
+    sign = "-" if unscaled < 0 else ""
+    digits = str(abs(unscaled))
+    if scale <= 0:
+        return sign + digits + "0" * -scale if unscaled else "0"
+    digits = digits.rjust(scale + 1, "0")
+    return f"{sign}{digits[:-scale]}.{digits[-scale:]}"
 
 
 def _days(_schema: dict[str, Any], value: Any) -> str:
@@ -255,6 +298,13 @@ def record_schema(schema: dict[str, Any] | None, field: str = "") -> RecordSchem
     (``after`` of a Debezium envelope) -- None when it is not one."""
     if schema is None:
         return None
+    try:
+        return _record_schema(schema, field)
+    except Exception as exc:  # noqa: BLE001 - the schema travels in the message: any shape
+        raise _malformed("schema", exc) from None
+
+
+def _record_schema(schema: dict[str, Any], field: str) -> RecordSchema | None:
     text = orjson.dumps(schema)
     key = text + field.encode()
     if (known := _SCHEMAS.get(key, False)) is not False:

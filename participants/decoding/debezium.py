@@ -18,16 +18,20 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import orjson
-
 from twophase.config import DebeziumConfig, SchemaRegistryConfig, SourceConfig
 from twophase.participants.decoding.base import Decoder, Headers, Row
 from twophase.participants.decoding.connect import ConnectError, record_schema, unwrap
+from twophase.participants.decoding.formats import loads_exact
 from twophase.participants.sdk import RawShape, RecordSchema
 
 __all__ = ["DebeziumDecoder"]
 
 _ROW_OPS = frozenset({"c", "r", "u"})
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 100 else text[:100] + "..."
 
 
 class DebeziumDecoder(Decoder):
@@ -65,12 +69,13 @@ class DebeziumDecoder(Decoder):
     ) -> dict[str, Any] | Row | str:
         schema: RecordSchema | None = None
         if self._json:
-            # JSON, with or without the Connect envelope (recognised by its shape).
+            # JSON, with or without the Connect envelope (recognised by its shape); integers
+            # of any width exact, as the JSON format reads them.
+            obj, reason = loads_exact(value)
+            if reason:
+                return reason
             try:
-                obj = orjson.loads(value)
                 event = unwrap(obj)
-            except orjson.JSONDecodeError as exc:
-                return f"undecodable: not JSON ({exc})"
             except ConnectError as exc:
                 return f"undecodable: {exc}"
             envelope = obj["schema"] if event is not obj else None
@@ -85,12 +90,17 @@ class DebeziumDecoder(Decoder):
         if not self.unwrap:
             return event if schema is None else Row(event, schema=schema)
         op = event["op"]
+        if op.__class__ is not str:
+            return f"undecodable: Debezium op {_shown(op)} is not a string"
         source = event.get("source")
         if source.__class__ is not dict:
             source = None
         # The row's schema: the envelope's ``after`` field (``before`` has the same one).
         if envelope is not None:
-            row_schema = record_schema(envelope, "after")
+            try:
+                row_schema = record_schema(envelope, "after")
+            except ConnectError as exc:
+                return f"undecodable: {exc}"
         elif schema is not None:
             row_schema = schema.sub("after")
         else:

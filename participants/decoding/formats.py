@@ -139,9 +139,10 @@ class ConnectJsonFormat(ValueFormat):
             return "undecodable: not a Kafka Connect {schema, payload} envelope"
         try:
             payload: Any = unwrap_envelope(obj)
+            schema = record_schema(obj["schema"])
         except ConnectError as exc:
             return f"undecodable: {exc}"
-        return payload, record_schema(obj["schema"])
+        return payload, schema
 
 
 def value_format(name: str, registry: SchemaRegistryConfig | None = None) -> ValueFormat:

@@ -22,6 +22,7 @@ pipeline never stops on it.
 from __future__ import annotations
 
 import base64
+import decimal
 import io
 import json
 import logging
@@ -237,6 +238,20 @@ def _decimal(v: Any) -> Any:
     return format(v, "f") if isinstance(v, Decimal) else v
 
 
+def _decimal_of(precision: int) -> Convert:
+    """A decimal of a type that declares ``precision``: its exact text, or refused when it has
+    more digits than that (the Avro reader would round it to fit; read exactly here, see
+    :func:`_exact_decimal`)."""
+
+    def convert(v: Any) -> Any:
+        if isinstance(v, Decimal) and v.is_finite() and len(v.as_tuple().digits) > precision:
+            digits = len(v.as_tuple().digits)
+            raise _Mismatch(f"decimal {v} has {digits} digits, more than its precision {precision}")
+        return _decimal(v)
+
+    return convert
+
+
 def _iso(v: Any) -> Any:
     return v.isoformat() if isinstance(v, date | time) else v
 
@@ -273,6 +288,8 @@ _BY_KIND: dict[str, Convert | None] = {
 
 def _converter(t: FieldType) -> Convert | None:
     """What turns a decoded value of type ``t`` into the model; None when nothing must."""
+    if t.kind == "decimal" and t.precision:
+        return _nullable(_decimal_of(t.precision))
     if t.kind in _BY_KIND:
         fn = _BY_KIND[t.kind]
         return None if fn is None else _nullable(fn)
@@ -418,6 +435,28 @@ def _avro_fields(schema: dict[str, Any], names: dict[str, Any], depth: int) -> t
     )
 
 
+_EXACT = decimal.Context(prec=decimal.MAX_PREC, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN)
+
+
+def _exact_decimal(data: bytes, writer_schema: Any = None, reader_schema: Any = None) -> Decimal:
+    """An Avro decimal as it was written: fastavro's own reader rounds it to the schema's
+    precision (a writer should never have written more digits, but one did: 1234.56 in a
+    ``decimal(4,2)`` came out as 1235 -- a changed value, silently). Read exactly, the
+    model's conversion (:func:`_decimal_of`) refuses it against the declared precision."""
+    scale = writer_schema.get("scale", 0) if writer_schema is not None else 0
+    unscaled = int.from_bytes(data, byteorder="big", signed=True)
+    return Decimal(unscaled).scaleb(-scale, _EXACT)
+
+
+def _read_decimals_exactly() -> None:
+    """Install :func:`_exact_decimal` as fastavro's decimal reader: its documented hook for
+    logical types (``fastavro.read.LOGICAL_READERS``), read by every fastavro reader."""
+    from fastavro.read import LOGICAL_READERS
+
+    LOGICAL_READERS["bytes-decimal"] = _exact_decimal
+    LOGICAL_READERS["fixed-decimal"] = _exact_decimal
+
+
 def _avro_reader(schema: Any, client: Any, sid: str) -> _Reader:
     from confluent_kafka.schema_registry._sync.avro import _resolve_named_schema
     from fastavro import parse_schema, schemaless_reader
@@ -425,6 +464,7 @@ def _avro_reader(schema: Any, client: Any, sid: str) -> _Reader:
     named = _resolve_named_schema(schema, client)
     raw = json.loads(schema.schema_str)
     parsed = parse_schema(raw, named_schemas=dict(named))  # type: ignore[arg-type]
+    _read_decimals_exactly()
     names: dict[str, Any] = {}
     for ref in named.values():
         avro_field_type(ref, names)

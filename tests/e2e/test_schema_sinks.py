@@ -48,6 +48,14 @@ V1 = {
 V2 = {**V1, "fields": [*V1["fields"], {"field": "note", "type": "string", "optional": True}]}
 #: amount becomes a string: not a widening, refused by the files sink, so stored nowhere.
 BAD = {**V1, "fields": [V1["fields"][0], {"field": "amount", "type": "string"}, TS]}
+#: Schemas Kafka Connect never writes -- a producer's bug: each record is dead-lettered by the
+#: decoder, and the participant that reads it goes on (it used to exit, and crash-loop on it).
+MALFORMED_VALUES = [
+    {"type": "struct", "fields": 5},
+    {**V1, "fields": [V1["fields"][0], {**AMOUNT, "parameters": [1]}, TS]},
+    {**V1, "fields": [{"field": ["id"], "type": "int64"}, AMOUNT, TS]},
+]
+MALFORMED_KEY = {"type": "struct", "fields": [{"field": "id", "type": "int64", "name": ["x"]}]}
 
 
 def cents(n: int) -> str:
@@ -104,6 +112,16 @@ def test_schemas_evolve_the_dataset_inside_the_transactions(tmp_path: Path) -> N
         sent[i] = (i * 101 - 5000, payload.get("note"))
         key = orjson.dumps({"schema": KEY_SCHEMA, "payload": {"id": i}})
         producer.produce(s.topic, key=key, value=envelope(schema, payload), partition=i % 2)
+        if i == 100:
+            for j, broken in enumerate(MALFORMED_VALUES):
+                junk = {"id": 9000 + j, "amount": cents(1), "ts": MICROS}
+                junk_key = orjson.dumps({"schema": KEY_SCHEMA, "payload": {"id": 9000 + j}})
+                producer.produce(
+                    s.topic, key=junk_key, value=envelope(broken, junk), partition=j % 2
+                )
+            junk_key = orjson.dumps({"schema": MALFORMED_KEY, "payload": {"id": 9009}})
+            junk = envelope(V1, {"id": 9009, "amount": cents(1), "ts": MICROS})
+            producer.produce(s.topic, key=junk_key, value=junk, partition=1)
         if i == 300:
             bad = {"id": 9999, "amount": "lots", "ts": MICROS}
             bad_key = orjson.dumps({"schema": KEY_SCHEMA, "payload": {"id": 9999}})
@@ -158,8 +176,21 @@ def test_schemas_evolve_the_dataset_inside_the_transactions(tmp_path: Path) -> N
         assert doc["amount"].to_decimal() == Decimal(unscaled).scaleb(-2)
         assert doc["ts"] == f"2024-05-01T13:45:00.{(MICROS + i) % 1_000_000:06d}Z"
         assert doc.get("note") == note
+    # The malformed ones are in no sink, dead-lettered by the decoder with what is wrong.
+    letters = dead_letters(s)
+    assert len(letters) == len(MALFORMED_VALUES) + 2, [dl.headers for dl in letters]
+    decoded = [dl for dl in letters if "twophase.sink" not in dl.headers]
+    assert len(decoded) == len(MALFORMED_VALUES) + 1, [dl.headers for dl in letters]
+    for dl in decoded:
+        assert dl.header("twophase.reason").startswith(
+            (
+                "undecodable: schema: malformed Kafka Connect schema",
+                "undecodable: payload.amount: not a valid",
+                "key: schema: malformed Kafka Connect schema",
+            )
+        ), dl.headers
     # The incompatible record is in no sink, dead-lettered with the files sink's reason.
-    [letter] = dead_letters(s)
+    [letter] = [dl for dl in letters if "twophase.sink" in dl.headers]
     assert letter.header("twophase.sink") == "files"
     assert letter.header("twophase.reason") == (
         f"rejected by sink files: dataset {s.topic!r}: schema change refused: field 'amount': "

@@ -265,6 +265,57 @@ def test_bad_framing_unknown_ids_other_formats_and_broken_payloads_are_named(
     assert other == f"undecodable: schema id {json_id} is JSON, the source reads avro"
 
 
+def _zigzag(n: int) -> bytes:
+    n = (n << 1) ^ (n >> 63)
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    return bytes(out) + bytes([n])
+
+
+def test_an_avro_decimal_with_more_digits_than_its_precision_is_refused_never_rounded(
+    client: SchemaRegistryClient, registry: SchemaRegistryConfig, unique_name: str
+) -> None:
+    """fastavro reads a decimal in a context of its schema's precision: 1234.56 in a
+    decimal(4,2) came out as 1235. A writer should never write it, but one did: the value is
+    refused with the reason, wherever the decimal sits (a field, an array's fixed items), and
+    the compiled reader hands it back rather than store what the Python path refuses."""
+    topic = f"{unique_name}-decimals"
+    dec = {"logicalType": "decimal", "precision": 4, "scale": 2}
+    schema = {
+        "type": "record",
+        "name": "Price",
+        "fields": [
+            {"name": "p", "type": {"type": "bytes", **dec}},
+            {"name": "ps", "type": {"type": "array", "items": {"type": "fixed", "name": "F", "size": 4, **dec}}},
+        ],
+    }  # fmt: skip
+    sid = client.register_schema(f"{topic}-value", Schema(_json(schema), "AVRO"))
+
+    def framed(p: int, ps: list[int]) -> bytes:
+        raw = p.to_bytes((p.bit_length() + 8) // 8, "big", signed=True)
+        body = _zigzag(len(raw)) + raw
+        if ps:
+            body += _zigzag(len(ps)) + b"".join(x.to_bytes(4, "big", signed=True) for x in ps)
+        return b"\x00" + struct.pack(">I", sid) + body + b"\x00"
+
+    fmt = RegistryFormat("avro", registry)
+    got = fmt.decode(framed(-9999, [1234, 0]), topic)
+    assert not isinstance(got, str), got
+    assert got[0] == {"p": "-99.99", "ps": ["12.34", "0.00"]}
+    for value in (framed(123456, []), framed(1, [99999])):
+        refused = fmt.decode(value, topic)
+        assert isinstance(refused, str), refused
+        assert refused.startswith("undecodable: payload does not match its schema"), refused
+        assert "digits, more than its precision 4" in refused, refused
+    import twophase_native
+
+    encoder = twophase_native.AvroCopyEncoder([("p", "numeric", None)])
+    encoder.add_schema(sid, _json(schema))
+    assert encoder.encode([framed(-9999, []), framed(123456, [])])[1] == [1]
+
+
 def test_a_registry_that_does_not_answer_is_retried_then_raised_never_dead_lettered(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

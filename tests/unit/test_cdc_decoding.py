@@ -4,6 +4,7 @@ Connect envelope), record keys, Kafka coordinates and tombstones become rows and
 from __future__ import annotations
 
 import base64
+import json
 from typing import Any
 
 import orjson
@@ -111,6 +112,100 @@ def test_a_payload_that_contradicts_its_schema_is_a_reason() -> None:
     }
     with pytest.raises(ConnectError, match=r"payload\.d: not a valid .*Decimal"):
         unwrap(envelope(schema, {"d": "%%% not base64"}))
+
+
+DECIMAL = "org.apache.kafka.connect.data.Decimal"
+VARIABLE = "io.debezium.data.VariableScaleDecimal"
+
+
+def _struct(*fields: Any) -> dict[str, Any]:
+    return {"type": "struct", "fields": list(fields)}
+
+
+def _nested(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "int32"}
+    for _ in range(depth):
+        schema = {"type": "struct", "fields": [{"field": "a", **schema}]}
+    return schema
+
+
+#: Envelopes whose schema Kafka Connect would never write, or whose payload breaks a logical
+#: type in a way the type's own check does not see: each must be a reason, never an exception
+#: (the schema travels in every message: a producer's bug must not stop the pipeline).
+MALFORMED: list[tuple[str, dict[str, Any], Any]] = [
+    ("variable decimal without value", _struct({"field": "x", "type": "struct", "name": VARIABLE}), {"x": {"scale": 2}}),
+    ("decimal parameters a list", _struct({"field": "x", "type": "bytes", "name": DECIMAL, "parameters": [1]}), {"x": "AQ=="}),
+    ("a name that is a list", _struct({"field": "x", "type": "bytes", "name": [1]}), {"x": 1}),
+    ("a field name that is a list", _struct({"field": [1], "type": "int32"}), {"x": 1}),
+    ("a huge scale", _struct({"field": "x", "type": "bytes", "name": DECIMAL, "parameters": {"scale": str(10**30)}}), {"x": "AQ=="}),
+    ("a huge variable scale", _struct({"field": "x", "type": "struct", "name": VARIABLE}), {"x": {"scale": 10**30, "value": "AQ=="}}),
+    ("a precision not a number", _struct({"field": "x", "type": "bytes", "name": DECIMAL, "parameters": {"connect.decimal.precision": "abc"}}), {"x": None}),
+    ("a scale not a number, value null", _struct({"field": "x", "type": "bytes", "name": DECIMAL, "parameters": {"scale": "abc"}}), {"x": None}),
+    ("fields not a list", {"type": "struct", "fields": 5}, {"a": 1}),
+    ("a wide integer in the schema", {"type": "struct", "fields": [], "v": 2**64 + 1}, {}),
+    ("structs nested past the recursion limit", _nested(250), {"a": None}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("why", "schema", "payload"), MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_a_malformed_envelope_is_a_reason_in_every_decoder_never_a_crash(
+    why: str, schema: dict[str, Any], payload: Any
+) -> None:
+    # The standard library writes what a producer could: integers past 64 bits, deep nesting.
+    value = json.dumps(envelope(schema, payload)).encode()
+    change = json.dumps(envelope(schema, event("c", after={}))).encode()
+    # Debezium's envelope carries the row schema as its after field.
+    dbz_schema = _struct({"field": "after", **schema}, {"field": "op", "type": "string"})
+    dbz_value = json.dumps(envelope(dbz_schema, {"op": "c", "after": payload})).encode()
+    cases = [
+        (JsonDecoder(source(value_format="connect_json")), value, None),
+        (DebeziumDecoder(source(format="debezium")), dbz_value, None),
+        (DebeziumDecoder(source(format="debezium")), change, None),
+        (JsonDecoder(source(key_format="json")), orjson.dumps({"id": 1}), value),
+    ]
+    for decoder, val, key in cases:
+        out = decoder.decode_batch([msg(1, val, key=key)], max_record_bytes=10**7)
+        reasons = [b.reason for b in out.bad]
+        # Every case is refused but one: a struct field no payload value reaches converts
+        # nothing -- then the record is kept, and what matters is that nothing raised.
+        assert len(reasons) + len(out.records) == 1
+        for reason in reasons:
+            assert reason.startswith(("undecodable: ", "key: ")), reason
+
+
+def test_a_debezium_op_that_is_not_a_string_is_a_reason() -> None:
+    d = DebeziumDecoder(source(format="debezium"))
+    out = d.decode_batch(
+        [msg(1, {"op": [1], "after": {}}), msg(2, {"op": {}, "after": {}})], max_record_bytes=10**6
+    )
+    assert [b.reason for b in out.bad] == [
+        "undecodable: Debezium op [1] is not a string",
+        "undecodable: Debezium op {} is not a string",
+    ]
+
+
+def test_debezium_integers_of_any_width_are_exact() -> None:
+    d = DebeziumDecoder(source(format="debezium"))
+    value = b'{"op":"c","after":{"id":-9223372036854775809,"n":18446744073709551617}}'
+    (rec,) = d.decode_batch([msg(1, value)], max_record_bytes=10**6).records
+    assert rec.value == {"id": -(2**63) - 1, "n": 2**64 + 1}
+
+
+@pytest.mark.parametrize(
+    ("unscaled", "scale", "text"),
+    [(1, 10, "0.0000000001"), (-5, 2, "-0.05"), (0, 2, "0.00"), (5, -2, "500"), (0, -2, "0"),
+     (123456, 2, "1234.56"), (-1234567, 0, "-1234567")],
+)  # fmt: skip
+def test_connect_decimals_are_spelled_in_plain_notation(
+    unscaled: int, scale: int, text: str
+) -> None:
+    """As the registry formats spell theirs: a text column gets one form whatever the format."""
+    schema = _struct(
+        {"field": "d", "type": "bytes", "name": DECIMAL, "parameters": {"scale": str(scale)}},
+        {"field": "v", "type": "struct", "name": VARIABLE},
+    )
+    payload = {"d": decimal_b64(unscaled), "v": {"scale": scale, "value": decimal_b64(unscaled)}}
+    assert unwrap(envelope(schema, payload)) == {"d": text, "v": text}
 
 
 # -- Debezium change events -------------------------------------------------------------------
