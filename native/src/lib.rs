@@ -676,8 +676,8 @@ fn put_value(out: &mut Vec<u8>, kind: Kind, tok: Tok, scratch: &mut Scratch) -> 
                 _ => return None,
             };
             if let Kind::Float4 = kind {
-                if x.abs() > FLOAT4_MAX {
-                    return None;
+                if x.abs() > FLOAT4_MAX || (x != 0.0 && (x as f32) == 0.0) {
+                    return None; // out of real's range, or rounding to 0: Python refuses it
                 }
                 put_len(out, 4);
                 out.extend_from_slice(&(x as f32).to_be_bytes());
@@ -1153,6 +1153,9 @@ fn put_avro(out: &mut Vec<u8>, kind: Kind, value: &AvroValue, schema: &AvroSchem
             let digits = unscaled.magnitude().to_string();
             if digits.len() > 40 || scale > 100 {
                 return None; // put_numeric's bounds: the Python path takes the rest
+            }
+            if digits.len() > ds.precision {
+                return None; // more digits than its type declares: the Python path refuses it
             }
             put_numeric(out, unscaled.sign() == num_bigint::Sign::Minus, digits.as_bytes(), -scale, scale);
             return Some(());

@@ -17,6 +17,7 @@ import binascii
 import json
 import math
 import re
+import struct
 import uuid
 from collections.abc import Callable
 from datetime import date, datetime, time, timedelta
@@ -26,6 +27,7 @@ from typing import Any
 import orjson
 
 __all__ = [
+    "FLOAT32_MAX",
     "INT64_MAX",
     "INT64_MIN",
     "MAX_DECIMAL_DIGITS",
@@ -36,8 +38,10 @@ __all__ = [
     "fit_decimal",
     "from_base64",
     "json_text",
+    "micros_text",
     "nested",
     "to_bool",
+    "to_float32",
     "to_date",
     "to_decimal",
     "to_float",
@@ -186,12 +190,43 @@ def to_float(value: Any) -> float:
             return float(value)
         except OverflowError:
             raise BadValue(f"{value} is out of range for double precision") from None
-    if isinstance(value, str):
+    if isinstance(value, str) and value.isascii() and "_" not in value and value == value.strip():
+        # JSON's spelling of a number (ASCII digits, no "1_000", no padding), or NaN/Infinity.
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
             pass
+        else:
+            if math.isinf(number) and value.lstrip("+-").lower() not in ("inf", "infinity"):
+                raise BadValue(f"{value!r} is out of range for double precision")
+            if number == 0.0 and _NONZERO_MANTISSA.match(value):
+                raise BadValue(f"{value!r} is too close to 0 for double precision (it underflows)")
+            return number
     raise wrong(value, "a number")
+
+
+#: A number spelling with a digit other than 0 before its exponent.
+_NONZERO_MANTISSA = re.compile(r"\A[+-]?[0.]*[1-9]")
+
+
+def to_float32(value: Any) -> float:
+    """:func:`to_float` within a float4 (PostgreSQL's ``real``, a Parquet ``float``): refused
+    past its range, or when it would round to 0 (PostgreSQL's own ``float4in`` refuses both)."""
+    number = to_float(value)
+    if math.isfinite(number) and (
+        abs(number) > FLOAT32_MAX or (number != 0.0 and _as_f32(number) == 0.0)
+    ):
+        raise BadValue(f"{number!r} is out of range for a 4-byte float (real)")
+    return number
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+_F32 = struct.Struct("f")
+
+
+def _as_f32(number: float) -> float:
+    value: float = _F32.unpack(_F32.pack(number))[0]
+    return value
 
 
 def to_bool(value: Any) -> bool:
@@ -213,8 +248,8 @@ def to_bool(value: Any) -> bool:
 #: What ``Decimal`` reads, less NaN, the infinities, spaces and underscores (no store's decimal
 #: type holds the first three, and the others are not JSON's spellings of a number).
 _DECIMAL_TEXT = re.compile(r"\A[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\Z")
-#: The fraction of a second in an ISO-8601 time (after ``HH:MM:SS``).
-_FRACTION = re.compile(r"(?<=[0-9]{2}:[0-9]{2}:[0-9]{2})[.,]([0-9]+)")
+#: The fraction of a second in an ISO-8601 time (``HH:MM:SS.f`` or the basic ``HHMMSS.f``).
+_FRACTION = re.compile(r"[.,]([0-9]+)")  # only the seconds carry a fraction in ISO-8601
 _EPOCH = datetime(1970, 1, 1)
 _MICRO = timedelta(microseconds=1)
 
@@ -292,7 +327,7 @@ def _too_many(number: Decimal, precision: int | None, scale: int | None) -> BadV
     return BadValue(f"{shown} has more than {precision} digits (decimal({precision},{scale}))")
 
 
-def _to_micros(value: str, what: str) -> str:
+def micros_text(value: str, what: str) -> str:
     """``value`` with its fraction of a second cut to microseconds, when every digit cut is
     a zero; refused otherwise (``datetime.fromisoformat`` would drop them silently)."""
     m = _FRACTION.search(value)
@@ -311,7 +346,7 @@ def to_instant(value: Any, *, local: bool = False) -> int:
     if value.__class__ is not str:
         raise wrong(value, "an ISO-8601 date-time")
     what = "local date-time" if local else "timestamp"
-    text = _to_micros(value, what)
+    text = micros_text(value, what)
     try:
         moment = datetime.fromisoformat(text)
     except ValueError:
@@ -337,7 +372,7 @@ def to_time(value: Any) -> int:
     """Microseconds since midnight of an ISO-8601 time of day (``13:45:00.000001``); one with
     an offset, or digits below the microsecond that are not zeros, is refused."""
     if value.__class__ is str:
-        text = _to_micros(value, "time")
+        text = micros_text(value, "time")
         try:
             moment = time.fromisoformat(text)
         except ValueError:

@@ -63,8 +63,9 @@ odd_keys = st.one_of(
     st.sampled_from(["$where", "$set", "a.b", "", "_id", "_topic", "id\u0000", "\u0000"]),
 )
 float_like = st.sampled_from(
-    ["NaN", "Infinity", "-Infinity", "12", "3.0", "-0", "1e400", "0x10", " 12", "12\n", "١٢"]
-)
+    ["NaN", "Infinity", "-Infinity", "12", "3.0", "-0", "1e400", "0x10", " 12", "12\n", "١٢",
+     "1e-20000", "1E+200000", "1_000"]
+)  # fmt: skip
 wide_ints = st.integers(min_value=-(2**130), max_value=2**130)
 scalars = st.one_of(
     st.none(),

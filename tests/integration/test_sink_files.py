@@ -804,6 +804,35 @@ def test_inferred_schema_does_not_depend_on_record_order(tmp_path: Path, seed: i
     assert rows == {0: '"12"', **{i: str(i) for i in range(1, 31)}}
 
 
+def test_configured_timestamps_are_refused_rather_than_cut_or_overflowed(tmp_path: Path) -> None:
+    """A timestamp field holds milliseconds of the years 1-9999: digits below the millisecond
+    are refused, not floored, and an epoch past int64 is the record's refusal -- it used to
+    pass the check and end the write of the whole part (Arrow's OverflowError)."""
+    sink = make_sink(tmp_path / "out", schema={"id": "int64", "at": "timestamp"})
+    bad = [
+        {"id": 10, "at": "2024-05-01T00:00:00.0019Z"},
+        {"id": 11, "at": "2024-05-01T00:00:00.9999999Z"},
+        {"id": 12, "at": 10**19},
+        {"id": 13, "at": -(2**63) - 1},
+        {"id": 14, "at": 253_402_300_800_000},  # 10000-01-01
+    ]
+    good = [{"id": 1, "at": "2024-05-01T00:00:00.123Z"}, {"id": 2, "at": -62_135_596_800_000}]
+    records = [rec(i, value=v) for i, v in enumerate(good + bad)]
+    checked = {r.record.offset for r in sink.check(records)}
+    p = part(1)
+    sink.begin(p)
+    rejected = sink.write(p, records)
+    assert checked == {r.record.offset for r in rejected} == set(range(2, 7))
+    for r in rejected:
+        assert "'at'" in r.reason, r.reason
+    sink.prepare(p, {("orders", 0): 10})
+    sink.commit(p)
+    [path] = visible_files(tmp_path / "out")
+    rows = pq.read_table(path).to_pylist()
+    assert [r["id"] for r in rows] == [1, 2]
+    assert rows[0]["at"].isoformat() == "2024-05-01T00:00:00.123000+00:00"
+
+
 def test_bad_topic_names_are_rejected(tmp_path: Path) -> None:
     sink = make_sink(tmp_path / "out")
     p = part(1)

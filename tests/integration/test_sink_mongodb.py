@@ -1141,6 +1141,22 @@ def test_a_delete_without_its_key_is_rejected(make_sink: MakeSink, db: Database[
     assert ids(db.target) == ["k"]
 
 
+def test_a_wide_integer_key_is_deleted_where_its_upsert_put_it(
+    make_sink: MakeSink, db: Database[Doc]
+) -> None:
+    """A key past int64 is stored as its exact Decimal128 (docs/types.md); its delete must
+    stage and find the same _id -- it used to end the participant (bson's OverflowError)."""
+    sink = make_sink(mode="upsert", key=["sku"])
+    wide, wider = 2**64 + 1, 10**40
+    run_part(sink, PartId("p1", 1, "w1"), [rec(0, {"sku": wide, "q": 1}), rec(1, {"sku": 7})])
+    assert {str(d["_id"]) for d in db.target.find({})} == {"7", str(wide)}
+    rejected = run_part(
+        sink, PartId("p1", 2, "w1"), [delete(2, {"sku": wide}), delete(3, {"sku": wider})]
+    )
+    assert [(r.record.offset, "no exact BSON form" in r.reason) for r in rejected] == [(3, True)]
+    assert ids(db.target) == [7]
+
+
 @pytest.mark.parametrize("versioned", [False, True])
 @pytest.mark.parametrize(
     ("mode", "partial", "chunk"),

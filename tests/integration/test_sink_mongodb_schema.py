@@ -250,6 +250,8 @@ def test_values_without_an_exact_bson_form_are_refused_in_check_and_write(
         19: ("small", 2**31, "out of range for int32"),
         20: ("tags", [1, "x"], "expected an integer"),
         21: ("address", {"street": "x", "seen": "noon"}, "expected an ISO-8601 timestamp"),
+        22: ("ts_us", "0001-01-01T00:00:00+01:00", "within the years 1-9999"),
+        23: ("ts_ms", "9999-12-31T23:30:00-01:00", "within the years 1-9999"),
     }
     where = {20: "tags[1]", 21: "address.seen"}
     records = [rec(o, {"id": o, name: v}, EVERY_KIND) for o, (name, v, _) in bad.items()]

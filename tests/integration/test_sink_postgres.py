@@ -750,6 +750,39 @@ def test_bad_records_are_rejected_and_the_rest_commit(env: PgEnv, make_sink: Mak
     ) == [(202, 9)]
 
 
+def test_values_past_what_the_columns_hold_are_the_record_s_refusal_never_the_part_s(
+    env: PgEnv, make_sink: MakeSink
+) -> None:
+    """Numbers past numeric's reach (psycopg refuses them while sending the COPY: the whole
+    part failed, and failed again on every try), instants outside the years 1-9999 once in
+    UTC (an OverflowError), and numbers spelled in other scripts' digits are refused with the
+    reason; the rest commit."""
+    table = env.table("reach", "id bigint PRIMARY KEY, n numeric, at timestamp")
+    sink = make_sink(table)
+    bad = {
+        1: {"id": 1, "n": "1e-20000"},
+        2: {"id": 2, "n": "1E+200000"},
+        3: {"id": 3, "n": "1e-16384"},
+        4: {"id": 4, "n": "\u0661\u0662.\u0665"},
+        5: {"id": 5, "n": "12 5"},
+        6: {"id": 6, "at": "0001-01-01T00:00:00+01:00"},
+        7: {"id": 7, "at": "9999-12-31T23:00:00-01:00"},
+    }
+    good = {0: {"id": 1000, "n": "1e-16383", "at": "2024-05-01T13:45:00+02:00"}}
+    good |= {10 + i: {"id": 10 + i, "n": i} for i in range(100)}
+    records = [rec(o, v) for o, v in sorted((good | bad).items())]
+    checked = {r.record.offset: r.reason for r in sink.check(records)}
+    rejected = {r.record.offset: r.reason for r in run_part(sink, part(env, 1), records)}
+    assert sorted(rejected) == sorted(checked) == sorted(bad), rejected
+    for offset, reason in rejected.items():
+        column = "'n'" if "n" in bad[offset] else "'at'"
+        assert f"column {column}" in reason, reason
+    assert env.rows(f'SELECT count(*) FROM "{table}"') == [(101,)]
+    assert env.rows(f'SELECT n = 1e-16383, at::text FROM "{table}" WHERE id = 1000') == [
+        (True, "2024-05-01 11:45:00")
+    ]
+
+
 def test_upsert_rejects_null_key_and_pins_server_errors_on_the_right_record(
     env: PgEnv, make_sink: MakeSink
 ) -> None:

@@ -49,6 +49,7 @@ def _refused_or_kept(fn: Any, value: Any) -> None:
 def test_the_value_rules_refuse_only_with_bad_value(value: Any) -> None:
     _refused_or_kept(lambda v: values.to_integer(v, *INT64, "bigint"), value)
     _refused_or_kept(values.to_float, value)
+    _refused_or_kept(values.to_float32, value)
     _refused_or_kept(values.to_bool, value)
     _refused_or_kept(values.json_text, value)
     _refused_or_kept(values.to_decimal, value)
@@ -179,6 +180,7 @@ def test_instants_are_counted_in_utc_to_the_microsecond() -> None:
     [
         ("2024-05-01T13:45:00.1234567Z", False, "digits below the microsecond"),
         ("2024-05-01T13:45:00.123456789Z", False, "digits below the microsecond"),
+        ("20240501T134500.1234567Z", False, "digits below the microsecond"),  # basic format
         ("2024-05-01T13:45:00Z", True, "has an offset"),
         ("yesterday", False, "expected an ISO-8601 timestamp"),
         (1714571100123, False, "expected an ISO-8601 date-time"),
@@ -208,3 +210,37 @@ def test_times_dates_bytes_and_uuids() -> None:
     assert values.to_uuid(text.upper()) == uuid.UUID(text)
     with pytest.raises(values.BadValue):
         values.to_uuid("a0eebc99")
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ("1e400", "out of range for double precision"),  # never Infinity
+        ("-1E+999", "out of range for double precision"),
+        ("1e-400", "underflows"),  # never 0
+        (".5e-330", "underflows"),
+        ("\u0661\u0662", "expected a number"),  # Arabic-Indic digits: float() reads them
+        ("1_000", "expected a number"),
+        (" 12", "expected a number"),
+    ],
+)
+def test_a_float_is_read_as_json_spells_it_or_refused(value: str, reason: str) -> None:
+    with pytest.raises(values.BadValue, match=reason):
+        values.to_float(value)
+
+
+def test_float_spellings_that_are_kept() -> None:
+    assert values.to_float("Infinity") == float("inf") and values.to_float("-inf") < 0
+    assert values.to_float("0e-999") == 0.0 and str(values.to_float("-0")) == "-0.0"
+    assert values.to_float("1.5e300") == 1.5e300
+
+
+@pytest.mark.parametrize("value", [1e-50, "1e-46", 3.5e38, -1e39])
+def test_a_four_byte_float_refuses_what_it_cannot_hold_or_would_round_to_0(value: Any) -> None:
+    with pytest.raises(values.BadValue, match="4-byte float"):
+        values.to_float32(value)
+
+
+def test_a_four_byte_float_keeps_its_smallest_values_and_zero() -> None:
+    assert values.to_float32(1.5e-45) == 1.5e-45  # rounds to the smallest subnormal, not to 0
+    assert values.to_float32(0.0) == 0.0 and values.to_float32("NaN") != values.to_float32("NaN")

@@ -7,9 +7,8 @@ naming the field. Without a configured schema the files sink infers types (:mod:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, date, datetime
 from typing import Any
 
 import pyarrow as pa
@@ -62,15 +61,14 @@ def _to_int(bits: int) -> Callable[[Any], Any]:
     return convert
 
 
-def _to_float(bits: int, limit: float) -> Callable[[Any], Any]:
+def _to_float(bits: int) -> Callable[[Any], Any]:
+    read = values.to_float32 if bits == 32 else values.to_float
+
     def convert(value: Any) -> Any:
         try:
-            number = values.to_float(value)
+            return read(value)
         except values.BadValue as exc:
             raise ValueError(str(exc)) from None
-        if math.isfinite(number) and abs(number) > limit:
-            raise ValueError(f"out of the float{bits} range")
-        return number
 
     return convert
 
@@ -85,18 +83,29 @@ def _to_bool(value: Any) -> Any:
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
+#: Epoch milliseconds a timestamp column holds: those of the years 1-9999 (Arrow's int64
+#: would hold more, but no reader's calendar does).
+_MS_RANGE = range(-62_135_596_800_000, 253_402_300_800_000)
+
+
 def _to_timestamp(value: Any) -> Any:
-    """Epoch milliseconds (int) or an ISO-8601 string; naive times are UTC."""
+    """Epoch milliseconds (int) or an ISO-8601 string; naive times are UTC. Never rounded: a
+    string with digits below the millisecond is refused (the column holds milliseconds)."""
     if isinstance(value, int) and not isinstance(value, bool):
+        if value not in _MS_RANGE:
+            raise ValueError(f"epoch milliseconds {value} are outside the years 1-9999")
         return value
     if isinstance(value, str):
         try:
-            moment = datetime.fromisoformat(value)
-        except ValueError:
-            raise ValueError("expected an ISO-8601 timestamp or epoch milliseconds") from None
-        if moment.tzinfo is None:
-            moment = moment.replace(tzinfo=UTC)
-        return (moment - _EPOCH) // timedelta(milliseconds=1)
+            micros = values.to_instant(value)
+        except values.BadValue as exc:
+            raise ValueError(f"{exc} (or epoch milliseconds)") from None
+        if micros % 1000:
+            raise ValueError(
+                f"{value!r} has digits below the millisecond, which a timestamp field (ms) "
+                "does not hold"
+            )
+        return micros // 1000
     raise ValueError(f"expected timestamp, got {_describe(value)}")
 
 
@@ -117,8 +126,8 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "string": _to_string,
     "int32": _to_int(32),
     "int64": _to_int(64),
-    "float32": _to_float(32, 3.4028234663852886e38),
-    "float64": _to_float(64, float("inf")),
+    "float32": _to_float(32),
+    "float64": _to_float(64),
     "bool": _to_bool,
     "timestamp": _to_timestamp,
     "date": _to_date,

@@ -10,7 +10,6 @@ the rows of every key the part touched.
 
 from __future__ import annotations
 
-import math
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import UTC, date, datetime, timedelta
@@ -46,7 +45,6 @@ from twophase.participants.sdk.values import BadValue
 __all__ = ["PartRows", "RawReader", "RowMaker", "conform"]
 
 Convert = Callable[[Any], Any]
-_FLOAT32_MAX = 3.4028234663852886e38
 _EPOCH = datetime(1970, 1, 1)
 
 
@@ -81,10 +79,7 @@ def _integer(low: int, high: int, name: str) -> Convert:
 
 
 def _float32(value: Any) -> float:
-    number = values.to_float(value)
-    if math.isfinite(number) and abs(number) > _FLOAT32_MAX:
-        raise BadValue(f"{number!r} is beyond a float's range")
-    return number
+    return values.to_float32(value)  # refused past its range, or when it would round to 0
 
 
 def _decimal(t: DecimalType) -> Convert:

@@ -63,7 +63,7 @@ class Documents:
             # Typed by the record's schema (``docs/types.md``), the key too.
             try:
                 value = self.typed.convert(value, record.schema)
-            except ValueError as exc:
+            except (ValueError, ArithmeticError) as exc:
                 raise Reject(str(exc)) from None
         key = self.cfg.key or (record.schema.key if record.schema is not None else ())
         body: Doc
@@ -75,18 +75,15 @@ class Documents:
                 doc_id = self.key_of(value, key)
             except Reject as exc:
                 raise Reject(f"a delete needs its key: {exc}") from None
-            return RawBSONDocument(
-                bson.encode(
-                    {
-                        "_id": f"{pk}|{record.record_id}",
-                        "part": pk,
-                        "seq": seq,
-                        "delete": True,
-                        "doc": {"_id": doc_id},
-                        **where,
-                    }
-                )
-            )
+            deleted = {
+                "_id": f"{pk}|{record.record_id}",
+                "part": pk,
+                "seq": seq,
+                "delete": True,
+                "doc": {"_id": doc_id},
+                **where,
+            }
+            return RawBSONDocument(_encode(deleted))
         if self.cfg.mode == "insert":
             if "_id" in value:
                 raise Reject(
@@ -100,15 +97,7 @@ class Documents:
             if self.cfg.version_field:
                 body[self.cfg.version_field] = {"pipeline": part.pipeline, "txn": part.txn}
         staged = {"_id": f"{pk}|{record.record_id}", "part": pk, "seq": seq, "doc": body, **where}
-        try:
-            try:
-                raw = bson.encode(staged)
-            except OverflowError:
-                # An integer outside int64 (rare: checked only when BSON says so).
-                staged["doc"] = _wide_ints_as_decimal(body, "")
-                raw = bson.encode(staged)
-        except (bson.InvalidDocument, OverflowError, TypeError, ValueError) as exc:
-            raise Reject(f"value cannot be stored as BSON: {exc}") from None
+        raw = _encode(staged)
         # Staged inside a chunk document (_staging.py), whose own fields need some room.
         if len(raw) > self.store.max_bson - STAGING_ROOM:
             raise Reject(
@@ -159,6 +148,20 @@ def _check_fields(value: Mapping[Any, Any] | Sequence[Any], path: str, depth: in
         for i, inner in enumerate(value):
             if isinstance(inner, Mapping | list | tuple):
                 _check_fields(inner, f"{path}[{i}]", depth + 1)
+
+
+def _encode(staged: dict[str, Any]) -> bytes:
+    """The staged document as BSON; its ``doc`` with integers outside int64 as Decimal128 (as
+    for an upsert's document, so for a delete's ``_id`` too: the same key, the same ``_id``)."""
+    try:
+        try:
+            return bson.encode(staged)
+        except OverflowError:
+            # An integer outside int64 (rare: checked only when BSON says so).
+            staged["doc"] = _wide_ints_as_decimal(staged["doc"], "")
+            return bson.encode(staged)
+    except (bson.InvalidDocument, OverflowError, TypeError, ValueError) as exc:
+        raise Reject(f"value cannot be stored as BSON: {exc}") from None
 
 
 def _wide_ints_as_decimal(value: Any, path: str) -> Any:

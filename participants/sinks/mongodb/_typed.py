@@ -97,7 +97,10 @@ def _instant(*, local: bool, millis: bool) -> Convert:
 
     def convert(value: Any) -> Any:
         micros = values.to_instant(value, local=local)
-        moment = epoch + timedelta(microseconds=micros)
+        try:
+            moment = epoch + timedelta(microseconds=micros)
+        except OverflowError:
+            raise values.wrong(value, "an instant within the years 1-9999 in UTC") from None
         if not millis:
             return moment.replace(tzinfo=None).isoformat(timespec="microseconds") + suffix
         if micros % 1000:

@@ -728,12 +728,15 @@ class _WritePath(_Markers):
                     append(convert(raw))
                     mask |= bit
                 bit <<= 1
-        except BadValue as exc:
+        except (BadValue, ArithmeticError, TypeError, ValueError) as exc:
+            # A converter's own refusal, or what a value outside its checks made it raise (an
+            # instant past year 9999 once in UTC): the record's, never the part's.
+            said = str(exc) if isinstance(exc, BadValue) else f"not storable ({exc!r})"
             column = self._mapped[len(values)]  # the column being converted
             return Rejected(
                 record,
                 f"column {column.column.name!r} ({column.column.sql_type}) "
-                f"from field {column.field!r}: {exc}",
+                f"from field {column.field!r}: {said}",
             )
         if mask == 0:
             return Rejected(

@@ -141,7 +141,7 @@ def _float4(value: Any) -> Any:
     number = _to_float(value)
     if math.isfinite(number) and abs(number) > _FLOAT4_MAX:
         raise BadValue(f"{number} is out of range for real")
-    return number
+    return values.to_float32(number)  # one rounding to 0 too: PostgreSQL's float4in refuses it
 
 
 def _numeric(value: Any) -> Any:
@@ -150,20 +150,45 @@ def _numeric(value: Any) -> Any:
     if isinstance(value, bool):
         raise _wrong(value, "a number")
     if isinstance(value, int):
-        return Decimal(value)
+        return Decimal(value) if -_WIDE < value < _WIDE else _within_numeric(Decimal(value))
     if isinstance(value, float):
         if not math.isfinite(value):
             raise _wrong(value, "a finite number")
         return Decimal(repr(value))  # repr is the shortest exact round trip of the JSON text
-    if isinstance(value, str):
+    if isinstance(value, str) and value.isascii():
+        # ASCII digits only (Decimal alone reads other scripts' digits, "١٢", which PostgreSQL
+        # refuses); spaces around the number and "1_000" as PostgreSQL's own input reads them.
         try:
             number = Decimal(value)
         except InvalidOperation:
             pass
         else:
             if not number.is_snan():
-                return number
+                return _within_numeric(number)
     raise _wrong(value, "a number")
+
+
+#: What PostgreSQL's numeric holds (and psycopg's binary format sends): 131,072 digits before
+#: the point, 16,383 after. Past them psycopg fails the whole COPY, not this record.
+_NUMERIC_INT_DIGITS = 131_072
+_NUMERIC_SCALE = 16_383
+_WIDE = 10**18
+
+
+def _within_numeric(number: Decimal) -> Decimal:
+    if not number.is_finite():
+        return number
+    _sign, digits, exponent = number.as_tuple()
+    assert isinstance(exponent, int)
+    scale = -exponent if exponent < 0 else 0
+    before = len(digits) + exponent if number else 0
+    if scale > _NUMERIC_SCALE:
+        raise BadValue(f"{scale} digits after the point, more than numeric's {_NUMERIC_SCALE}")
+    if before > _NUMERIC_INT_DIGITS:
+        raise BadValue(
+            f"{before} digits before the point, more than numeric's {_NUMERIC_INT_DIGITS}"
+        )
+    return number
 
 
 _bool = values.to_bool
@@ -217,9 +242,11 @@ def _json(value: Any) -> Any:
 def _parse_datetime(value: Any) -> dt.datetime:
     if not isinstance(value, str):
         raise _wrong(value, "an ISO-8601 timestamp string")
+    # Python 3.11 reads "Z" and fractional seconds of any length -- and drops the digits
+    # below the microsecond: those must be zeros, or the value is refused.
+    text = values.micros_text(value, "timestamp")
     try:
-        # Python 3.11 reads "Z" and fractional seconds of any length.
-        return dt.datetime.fromisoformat(value)
+        return dt.datetime.fromisoformat(text)
     except ValueError:
         raise _wrong(value, "an ISO-8601 timestamp string") from None
 
@@ -236,7 +263,10 @@ def _timestamptz(value: Any) -> Any:
 def _timestamp(value: Any) -> Any:
     parsed = _parse_datetime(value)
     if parsed.tzinfo is not None:
-        parsed = parsed.astimezone(dt.UTC).replace(tzinfo=None)
+        try:
+            parsed = parsed.astimezone(dt.UTC).replace(tzinfo=None)
+        except OverflowError:
+            raise _wrong(value, "an instant within the years 1-9999 in UTC") from None
     return parsed
 
 
