@@ -11,6 +11,7 @@ UUIDs, bytes) as exact JSON values, and, when the format has one, the value's
 from __future__ import annotations
 
 import json
+import math
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -74,7 +75,10 @@ def loads_exact(value: bytes) -> tuple[Any, str]:
     try:
         obj = orjson.loads(value)
     except orjson.JSONDecodeError as exc:
-        return None, f"undecodable: not JSON ({exc})"
+        if "number is infinity" not in str(exc):
+            return None, f"undecodable: not JSON ({exc})"
+        # orjson reads every number as a double first: an integer past ~308 digits fails so.
+        return _loads_wide(value, exc)
     kind = obj.__class__
     if kind is dict or kind is list:
         obj = exact(value, obj)
@@ -83,6 +87,29 @@ def loads_exact(value: bytes) -> tuple[Any, str]:
     elif kind is float and (obj >= _WIDE or obj <= -_WIDE):
         return json.loads(value), ""
     return obj, ""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if math.isinf(number):
+        raise ValueError(f"number {text[:40]} is out of a double's range")
+    return number
+
+
+def _loads_wide(value: bytes, exc: Exception) -> tuple[Any, str]:
+    """``value`` that orjson refused for a number it read as infinity: read by the standard
+    library, which keeps integers exact (up to the interpreter's 4,300 digits); a float past
+    a double's range, or NaN/Infinity, is refused as orjson would have."""
+    try:
+        return json.loads(value, parse_float=_finite, parse_constant=_refuse_constant), ""
+    except RecursionError:
+        return None, "undecodable: nested too deeply"
+    except ValueError:  # the float, a constant, or an integer past the digit limit
+        return None, f"undecodable: not JSON ({exc})"
 
 
 #: A decoded value and its schema (None when the format has none), or why it did not decode.

@@ -153,8 +153,12 @@ def _decode_batch(
         if obj.__class__ is dict and wide(obj):
             obj = exact(value, obj)
         if obj.__class__ is not dict:
-            bad.append(Undecodable(m, _not_an_object(value)[1]))
-            continue
+            # Why not, or (an integer past a double's range, which orjson cannot read) the
+            # object after all.
+            obj, reason = _not_an_object(value)
+            if obj is None:
+                bad.append(Undecodable(m, reason))
+                continue
         append(record_of(m, topic, partition, offset, obj, n))
         run_good += 1
         size += n

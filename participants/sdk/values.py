@@ -278,6 +278,8 @@ def fit_decimal(number: Decimal, precision: int | None, scale: int | None) -> De
     sign, digits, exponent = number.as_tuple()
     if not isinstance(exponent, int):  # NaN or an infinity: to_decimal never makes one
         raise BadValue(f"{number} is not a finite number")
+    if not any(digits):  # zero, however spelled (0E+5): every decimal type holds it
+        return Decimal((sign, (0,), -scale if scale is not None else 0))
     limit = MAX_DECIMAL_DIGITS if precision is None else precision
     if scale is not None:
         if exponent > -scale:

@@ -93,6 +93,27 @@ def test_json_decoding_keeps_its_reasons_and_wide_integers() -> None:
     assert [r.offset for r in raw.raw_batch().records()] == [10, 5, 14, 3]
 
 
+@pytest.mark.parametrize("decoder", [JsonDecoder(), _JsonThroughTheBase()], ids=["json", "base"])
+def test_integers_past_a_double_s_range_are_kept_exact_and_floats_past_it_refused(
+    decoder: Decoder,
+) -> None:
+    """orjson reads every number as a double first, so an integer of 309+ digits failed as
+    "number is infinity": it is kept exact, as narrower wide integers are; a float past a
+    double's range, NaN, and an integer past the interpreter's 4,300 digits stay refused."""
+    wide = 10**400 + 1
+    batch = [
+        msg(0, 1, b'{"n": %d, "x": [1.5, -%d]}' % (wide, wide)),
+        msg(0, 2, b'{"n": %d, "f": 1e400}' % wide),
+        msg(0, 3, b'{"n": %d, "c": NaN}' % wide),
+        msg(0, 4, b'{"n": 1%s}' % (b"0" * 5000)),
+    ]
+    d = decoder.decode_batch(batch, max_record_bytes=10**6)
+    assert [(r.offset, r.value) for r in d.records] == [(1, {"n": wide, "x": [1.5, -wide]})]
+    reasons = {u.msg.offset(): u.reason for u in d.bad}
+    assert sorted(reasons) == [2, 3, 4]
+    assert all(r.startswith("undecodable: not JSON") for r in reasons.values()), reasons
+
+
 def test_the_config_names_exactly_the_formats_there_are_decoders_for() -> None:
     assert set(get_args(SourceConfig.model_fields["format"].annotation)) == set(DECODERS)
 

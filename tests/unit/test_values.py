@@ -120,6 +120,8 @@ def test_an_integer_string_too_long_for_int_is_out_of_range() -> None:
         ("9" * 38, 38, 0, "9" * 38),
         ("0.0012", 2, 4, "0.0012"),  # scale over precision: all digits after the point
         ("00012.00", 3, 0, "12"),
+        ("0E+5", 5, 2, "0.00"),  # zero however spelled: every decimal type holds it
+        ("-0e10", 1, 0, "-0"),
     ],
 )
 def test_fit_decimal_keeps_the_number(text: str, precision: int, scale: int, kept: str) -> None:
