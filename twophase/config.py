@@ -68,11 +68,26 @@ class KafkaConfig(_Strict):
     producer: dict[str, str | int | float | bool] = Field(default_factory=dict)
 
 
+#: The longest interval or timeout in milliseconds: ~24.8 days, a signed 32-bit count (what
+#: the control messages and the stores' own timeouts carry); past it a value is a typo.
+_MAX_MS = 2**31 - 1
+
+
 class ControlConfig(_Strict):
     #: The control topic; empty: ``twophase.control.<pipeline>``.
     topic: str = ""
     #: HMAC-SHA256 key for control messages; with it, unauthenticated messages are rejected.
+    #: Leave it out (or null) to run without authentication; an empty key is refused (an empty
+    #: ``${ENV:...}`` or secret file would otherwise turn authentication off unnoticed).
     hmac_key: SecretStr | None = None
+
+    @field_validator("hmac_key")
+    @classmethod
+    def _key_not_empty(cls, key: SecretStr | None) -> SecretStr | None:
+        if key is not None and not key.get_secret_value():
+            raise ValueError("empty; leave it out (or null) to run without authentication")
+        return key
+
     #: Not used: the control topic is always made with one partition (the protocol needs one
     #: total order of control messages).
     partitions: int = 1
@@ -264,16 +279,16 @@ class DeadLetterConfig(_Strict):
 
 class CommitConfig(_Strict):
     #: How often the leading coordinator starts a commit cycle (PREPARE): the batching latency.
-    interval_ms: int = Field(default=1000, ge=50)
+    interval_ms: int = Field(default=1000, ge=50, le=_MAX_MS)
     #: A cycle whose votes are not all in after this long is aborted (its records are retried).
-    vote_timeout_ms: int = Field(default=10_000, ge=100)
+    vote_timeout_ms: int = Field(default=10_000, ge=100, le=_MAX_MS)
     #: Start the next cycle before ``interval_ms`` once the input has gone quiet: each
     #: participant that has read everything its partitions hold and has got no new record for
     #: this long tells the coordinator (a DRAINED control message), and when those cover every
     #: source partition and hold at least ``early_min_records`` records the cycle starts at once.
     #: The end of a burst or a backfill is then committed without waiting for the tick; a steady
     #: stream, which never goes quiet this long, keeps the interval. 0: never early.
-    early_idle_ms: int = Field(default=100, ge=0)
+    early_idle_ms: int = Field(default=100, ge=0, le=_MAX_MS)
     #: The fewest records (all participants' open parts together) a cycle started early by
     #: ``early_idle_ms`` commits: a sparse stream, a few records now and then, keeps the interval
     #: instead of committing each one on its own.
@@ -298,13 +313,14 @@ class ParticipantConfig(_Strict):
     #: replays the batch (duplicates unless the sinks upsert). For comparison and for sinks that
     #: dedupe by key; it keeps none of the all-or-nothing guarantees.
     mode: Literal["exactly_once", "at_least_once"] = "exactly_once"
-    #: Most records taken from Kafka and written to the sinks in one batch.
-    max_batch_records: int = Field(default=5000, ge=1)
+    #: Most records taken from Kafka and written to the sinks in one batch (librdkafka's
+    #: ``consume()`` takes at most 1,000,000).
+    max_batch_records: int = Field(default=5000, ge=1, le=1_000_000)
     #: A record value larger than this goes to the dead-letter topic (``oversize``).
     max_record_bytes: int = Field(default=1_048_576, ge=1)
     #: How often a participant looks for in-doubt parts of dead participants and forgets old
     #: markers (``keep_decided_txns``).
-    sweep_interval_ms: int = Field(default=15_000, ge=100)
+    sweep_interval_ms: int = Field(default=15_000, ge=100, le=_MAX_MS)
     #: The sinks keep the markers of this many decided transactions below the last decided one
     #: (``twophase txn show`` reads them); each sweep forgets older ones, never a commit still
     #: pending nor the newest committed one. 0 keeps only what recovery and status need.
@@ -369,6 +385,28 @@ class PipelineConfig(_Strict):
                         f"sources[{i}] ({source.name}) reads {source.value_format} values or "
                         f"{source.key_format} keys: set schema_registry.url"
                     )
+        return self
+
+    @model_validator(mode="after")
+    def _topics_of_their_own(self) -> PipelineConfig:
+        """The control and dead-letter topics are the pipeline's own: a source topic as either
+        would feed control messages to the sinks, or dead letters back into the input."""
+        sources = set(self.source_topics)
+        if self.control_topic in sources:
+            raise ValueError(
+                f"control.topic: {self.control_topic} is a source topic; the control messages "
+                "need a topic of their own"
+            )
+        if self.dead_letter_topic in sources:
+            raise ValueError(
+                f"dead_letter.topic: {self.dead_letter_topic} is a source topic; dead letters "
+                "written there would be read again"
+            )
+        if self.dead_letter_topic == self.control_topic:
+            raise ValueError(
+                f"dead_letter.topic: {self.dead_letter_topic} is the control topic; dead letters "
+                "need a topic of their own"
+            )
         return self
 
     @model_validator(mode="after")
@@ -495,8 +533,27 @@ def _overrides(env: Mapping[str, str]) -> dict[str, Any]:
         for k in keys[:-1]:
             node = node.setdefault(k, {})
         if keys:
-            node[keys[-1]] = yaml.safe_load(value) if value else value
+            node[keys[-1]] = _override_value(".".join(keys), value, name)
     return out
+
+
+def _override_value(path: str, value: str, name: str) -> Any:
+    """An environment override's value: a YAML list or mapping when it spells one
+    (``[a, b]``, ``{k: v}``), None for ``null``, else the text itself -- which the field's type
+    reads (``"250"`` for a number, ``"true"`` for a flag), so that a string field keeps a value
+    YAML would have turned into a number (an HMAC key ``12345``, a password ``0777``, a host
+    ``::``). A value that fails to parse is named by its variable, never shown (a secret)."""
+    text = value.strip()
+    if text in ("null", "~"):
+        return None
+    if text[:1] not in ("[", "{"):
+        return value
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError:
+        raise ConfigError(
+            path, f"{name} starts like a YAML list or mapping but is not one", source="(env)"
+        ) from None
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -512,7 +569,11 @@ def parse_config(
     if not isinstance(raw, dict):
         raise ConfigError("(root)", "expected a mapping", source=source)
     merged = _merge(raw, _overrides(os.environ if env is None else env))
-    resolved = _resolve(merged, "", source)
+    try:
+        resolved = _resolve(merged, "", source)
+    except RecursionError:
+        # A YAML alias inside itself (``a: &a [*a]``): a value with no end.
+        raise ConfigError("(root)", "a YAML alias refers to itself", source=source) from None
     try:
         return PipelineConfig.model_validate({**resolved, "source_file": source})
     except ValidationError as exc:
@@ -587,9 +648,13 @@ def load_yaml(path: str | Path) -> Any:
     of the problem (never the file's text)."""
     p = Path(path)
     try:
-        return yaml.safe_load(p.read_text())
+        return yaml.safe_load(p.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError("(file)", f"cannot read: {exc.strerror}", source=str(p)) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            "(file)", f"not UTF-8 text (byte {exc.start} cannot be read)", source=str(p)
+        ) from None
     except yaml.YAMLError as exc:
         raise ConfigError(
             "(file)", f"not valid YAML: {_yaml_problem(exc)}", source=str(p)

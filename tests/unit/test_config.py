@@ -55,6 +55,15 @@ def test_a_valid_config_has_derived_names() -> None:
             _with(control={"topic": "ctl", "reply_topic": "ctl"}, sources=[{"topic": "o"}]),
             "control.reply_topic",
         ),
+        # Control messages read as records, dead letters read again as input: refused.
+        (_with(control={"topic": "orders"}), "control.topic"),
+        (_with(dead_letter={"topic": "orders"}), "dead_letter.topic"),
+        (_with(dead_letter={"topic": "twophase.control.orders"}), "dead_letter.topic"),
+        # An empty key (an empty ${ENV:..} or secret file) would turn authentication off.
+        (_with(control={"hmac_key": ""}), "control.hmac_key"),
+        # Past what librdkafka's consume() and the control messages' fields take.
+        (_with(participant={"max_batch_records": 2_000_000}), "participant.max_batch_records"),
+        (_with(commit={"vote_timeout_ms": 10**20}), "commit.vote_timeout_ms"),
     ],
 )
 def test_errors_name_the_field(raw: dict[str, object], field: str) -> None:
@@ -112,6 +121,41 @@ def test_environment_overrides_any_field() -> None:
     )
     assert cfg.commit.interval_ms == 250
     assert cfg.metrics.port == 0
+
+
+def test_environment_overrides_keep_text_for_text_fields_and_never_show_a_bad_value() -> None:
+    """YAML would read 12345 and 0777 as numbers (a string field then refused the key, and a
+    password became 511); only lists and mappings are parsed, and one that fails is named by
+    its variable without its value (it may be a secret)."""
+    cfg = parse_config(
+        BASE,
+        env={
+            "TWOPHASE__CONTROL__HMAC_KEY": "12345",
+            "TWOPHASE__KAFKA__CONFIG__SASL.PASSWORD": "0777",
+            "TWOPHASE__METRICS__HOST": "::",
+            "TWOPHASE__PARTICIPANT__MAX_BATCH_RECORDS": "100",
+            "TWOPHASE__COMMIT__STALL_ALARM_S": "2.5",
+        },
+    )
+    assert cfg.hmac_key == b"12345"
+    assert cfg.kafka.config["sasl.password"] == "0777"
+    assert cfg.metrics.host == "::"
+    assert cfg.participant.max_batch_records == 100 and cfg.commit.stall_alarm_s == 2.5
+    with pytest.raises(ConfigError) as err:
+        parse_config(BASE, env={"TWOPHASE__CONTROL__HMAC_KEY": "{s3cr3t-x"})
+    assert err.value.field == "control.hmac_key" and "s3cr3t" not in str(err.value)
+    assert "TWOPHASE__CONTROL__HMAC_KEY" in str(err.value)
+
+
+def test_a_file_that_is_not_utf8_or_aliases_itself_is_a_named_error(tmp_path: Path) -> None:
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfe pipeline: x\n")
+    with pytest.raises(ConfigError, match=r"bin\.yaml.*not UTF-8"):
+        load_config(binary)
+    looped = tmp_path / "loop.yaml"
+    looped.write_text("pipeline: orders\nextra: &a [*a]\n")
+    with pytest.raises(ConfigError, match="alias refers to itself"):
+        load_config(looped)
 
 
 def test_load_config_reports_yaml_errors_with_the_file(tmp_path: Path) -> None:
