@@ -85,6 +85,26 @@ def test_sink_sections_are_validated_by_their_own_model() -> None:
     assert err.value.field.startswith("sinks[0].")
 
 
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"mode": "upsert", "key": ["id"], "create_table": {"a": "int"}}, r"key column\(s\) id"),
+        ({"mode": "update", "create_table": {"a": "int"}}, "without a primary key"),
+        ({"columns": {"a": "a"}, "create_table": {"b": "int"}}, "no column a"),
+    ],
+)
+def test_a_table_create_table_would_make_unwritable_fails_at_start_up(
+    options: dict[str, object], says: str
+) -> None:
+    """Each of these used to pass validation and fail at the first record (a CREATE TABLE
+    naming a key it lacks, an upsert into a table without a key, a mapping to no column)."""
+    sink = {"name": "pg", "type": "postgres", "dsn": "postgresql://x/y", "table": "t", **options}
+    cfg = parse_config(_with(sinks=[sink]), env={})
+    with pytest.raises(ConfigError, match=says) as err:
+        build_sinks(cfg.sinks, pipeline="orders", participant="p", source="pipeline.yaml")
+    assert err.value.field == "sinks[0].create_table", err.value.field
+
+
 def test_unknown_sink_type_lists_the_installed_ones() -> None:
     cfg = parse_config(_with(sinks=[{"name": "x", "type": "nosuch"}]), env={})
     with pytest.raises(ConfigError, match="postgres") as err:

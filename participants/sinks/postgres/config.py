@@ -76,7 +76,9 @@ class PostgresSinkConfig(SinkConfig):
     #: untouched on update; an explicit JSON null stores NULL.
     columns: dict[str, str] | None = None
     #: Column -> SQL type: create the target table with these columns when it does not exist
-    #: (with the upsert key as primary key). Without it the table must exist.
+    #: (with the upsert key as primary key: in ``upsert`` and ``update`` mode set ``key`` and
+    #: declare its columns here, as every column ``columns`` maps). Without it the table must
+    #: exist.
     create_table: dict[str, str] | None = None
     #: Create a missing table -- the fixed ``table``, or one a template names -- from the
     #: first record's schema (``docs/schema-changes.md``): a column per field, typed by the
@@ -188,7 +190,9 @@ class PostgresSinkConfig(SinkConfig):
 
     @field_validator("create_table")
     @classmethod
-    def _create_table_types(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+    def _create_table_types(
+        cls, value: dict[str, str] | None, info: ValidationInfo
+    ) -> dict[str, str] | None:
         if value is None:
             return None
         if not value:
@@ -196,4 +200,17 @@ class PostgresSinkConfig(SinkConfig):
         for column, sql_type in value.items():
             if not re.match(_SQL_TYPE_PATTERN, sql_type):
                 raise ValueError(f"column {column!r}: {sql_type!r} is not a column type")
+        # The table it makes must be one the sink can write: checked here, not at the first
+        # record (a CREATE TABLE naming a key it lacks, a mapping to a column it has not).
+        key = info.data.get("key") or []
+        if info.data.get("mode") in ("upsert", "update") and not key:
+            raise ValueError(
+                "makes a table without a primary key, which upsert and update need: set key"
+            )
+        missing = [k for k in key if k not in value]
+        if missing:
+            raise ValueError(f"must declare the key column(s) {', '.join(missing)}")
+        unmapped = [c for c in info.data.get("columns") or {} if c not in value]
+        if unmapped:
+            raise ValueError(f"declares no column {', '.join(unmapped)} that columns maps")
         return value
