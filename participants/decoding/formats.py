@@ -100,14 +100,33 @@ def _finite(text: str) -> float:
     return number
 
 
+def _valid_text(obj: Any) -> None:
+    """Raise ValueError for a string (or key) orjson would have refused: a lone surrogate
+    escape (``"\\ud800"``), which the standard library reads."""
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            item.encode("utf-8")  # UnicodeEncodeError is a ValueError
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
 def _loads_wide(value: bytes, exc: Exception) -> tuple[Any, str]:
     """``value`` that orjson refused for a number it read as infinity: read by the standard
     library, which keeps integers exact (up to the interpreter's 4,300 digits); a float past
-    a double's range, or NaN/Infinity, is refused as orjson would have."""
+    a double's range, NaN/Infinity or a lone surrogate is refused as orjson would have."""
     try:
-        return json.loads(value, parse_float=_finite, parse_constant=_refuse_constant), ""
+        obj = json.loads(value, parse_float=_finite, parse_constant=_refuse_constant)
+        _valid_text(obj)
+        return obj, ""
     except RecursionError:
         return None, "undecodable: nested too deeply"
+    except UnicodeEncodeError:
+        return None, "undecodable: not JSON (a string holds a lone surrogate escape)"
     except ValueError:  # the float, a constant, or an integer past the digit limit
         return None, f"undecodable: not JSON ({exc})"
 

@@ -190,8 +190,9 @@ def to_float(value: Any) -> float:
             return float(value)
         except OverflowError:
             raise BadValue(f"{value} is out of range for double precision") from None
-    if isinstance(value, str) and value.isascii() and "_" not in value and value == value.strip():
-        # JSON's spelling of a number (ASCII digits, no "1_000", no padding), or NaN/Infinity.
+    if isinstance(value, str) and value.isascii() and "_" not in value:
+        # A number in ASCII digits, no "1_000" (spaces around it are PostgreSQL's own input's
+        # too), or NaN/Infinity.
         try:
             number = float(value)
         except ValueError:
@@ -279,7 +280,7 @@ def fit_decimal(number: Decimal, precision: int | None, scale: int | None) -> De
     if not isinstance(exponent, int):  # NaN or an infinity: to_decimal never makes one
         raise BadValue(f"{number} is not a finite number")
     if not any(digits):  # zero, however spelled (0E+5): every decimal type holds it
-        return Decimal((sign, (0,), -scale if scale is not None else 0))
+        return Decimal((sign, (0,), -scale if scale is not None else min(exponent, 0)))
     limit = MAX_DECIMAL_DIGITS if precision is None else precision
     if scale is not None:
         if exponent > -scale:

@@ -106,11 +106,12 @@ def test_integers_past_a_double_s_range_are_kept_exact_and_floats_past_it_refuse
         msg(0, 2, b'{"n": %d, "f": 1e400}' % wide),
         msg(0, 3, b'{"n": %d, "c": NaN}' % wide),
         msg(0, 4, b'{"n": 1%s}' % (b"0" * 5000)),
+        msg(0, 5, b'{"n": %d, "s": "\\ud800"}' % wide),  # orjson refuses the surrogate too
     ]
     d = decoder.decode_batch(batch, max_record_bytes=10**6)
     assert [(r.offset, r.value) for r in d.records] == [(1, {"n": wide, "x": [1.5, -wide]})]
     reasons = {u.msg.offset(): u.reason for u in d.bad}
-    assert sorted(reasons) == [2, 3, 4]
+    assert sorted(reasons) == [2, 3, 4, 5]
     assert all(r.startswith("undecodable: not JSON") for r in reasons.values()), reasons
 
 
