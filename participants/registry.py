@@ -91,5 +91,26 @@ def check_config(cfg: PipelineConfig) -> PipelineConfig:
                     f"tombstones {decoder.tombstones}) produces them",
                     source=cfg.source_file,
                 )
+    if cfg.schema_registry is not None and any(s.registry_formats for s in cfg.sources):
+        _check_registry_settings(cfg)
     check_kafka_settings(cfg)
     return cfg
+
+
+def _check_registry_settings(cfg: PipelineConfig) -> None:
+    """``schema_registry.config`` as confluent-kafka's client reads it: a misspelt setting is a
+    start-up error, not every record's dead letter (the client is otherwise made at the first
+    record). Making the client connects to nothing."""
+    from twophase.participants.decoding.registry import registry_client
+
+    assert cfg.schema_registry is not None
+    try:
+        registry_client(cfg.schema_registry)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError("schema_registry.config", str(exc), source=cfg.source_file) from None
+    except OSError as exc:  # a certificate or key file it names and cannot read
+        raise ConfigError(
+            "schema_registry.config",
+            f"cannot read {exc.filename or 'a file it names'}: {exc.strerror}",
+            source=cfg.source_file,
+        ) from None

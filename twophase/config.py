@@ -14,7 +14,7 @@ import re
 import socket
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -57,15 +57,33 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+#: librdkafka settings twophase sets itself (the protocol needs its own values): one in a
+#: passthrough section would be overwritten unseen, so it is refused.
+_OWN_KAFKA_SETTINGS = {
+    "bootstrap.servers": "set kafka.bootstrap_servers",
+    "group.id": "the pipeline's group is twophase.<pipeline>",
+    "transactional.id": "the coordinator's is twophase.<pipeline>.coordinator",
+    "isolation.level": "the control readers need read_committed",
+}
+
+
 class KafkaConfig(_Strict):
     #: ``host:port[,host:port...]`` of the Kafka cluster (librdkafka's ``bootstrap.servers``).
-    bootstrap_servers: str
+    bootstrap_servers: str = Field(min_length=1)
     #: librdkafka settings for every client (security.protocol, sasl.*, ssl.*, ...).
     config: dict[str, str | int | float | bool] = Field(default_factory=dict)
     #: librdkafka settings for the consumers only (source and control readers), over ``config``.
     consumer: dict[str, str | int | float | bool] = Field(default_factory=dict)
     #: librdkafka settings for the producers only (control, decisions, dead letters), over ``config``.
     producer: dict[str, str | int | float | bool] = Field(default_factory=dict)
+
+    @field_validator("config", "consumer", "producer")
+    @classmethod
+    def _not_ours(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key in value:
+            if key in _OWN_KAFKA_SETTINGS:
+                raise ValueError(f"{key}: set by twophase, not here ({_OWN_KAFKA_SETTINGS[key]})")
+        return value
 
 
 #: The longest interval or timeout in milliseconds: ~24.8 days, a signed 32-bit count (what
@@ -93,8 +111,21 @@ class ControlConfig(_Strict):
     partitions: int = 1
     #: Replication factor of the control topic when ``twophase topics create`` makes it.
     replication_factor: int = Field(default=3, ge=1)
-    #: Topic settings over those of ``control-topic/topics.yaml`` (e.g. ``min.insync.replicas``).
+    #: Topic settings over those of ``control-topic/topics.yaml`` (e.g. ``min.insync.replicas``;
+    #: a number or a flag is taken as Kafka spells it: ``2``, ``true``).
     topic_config: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("topic_config", mode="before")
+    @classmethod
+    def _settings_as_text(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        return {
+            k: ("true" if v else "false") if isinstance(v, bool)
+            else str(v) if isinstance(v, int | float) else v
+            for k, v in value.items()
+        }  # fmt: skip
+
     #: The reply topic: participants write their votes and APPLIED there (partition 0), so that
     #: no participant reads its peers' -- with N participants, N^2 deliveries a cycle on the
     #: control topic. ``twophase topics create`` makes it like the control topic (one
@@ -303,6 +334,18 @@ class CommitConfig(_Strict):
     #: commits: a participant that votes but no longer reads.
     stall_alarm_s: float = Field(default=120.0, gt=0)
 
+    @model_validator(mode="after")
+    def _stall_alarm_past_a_cycle(self) -> CommitConfig:
+        # A healthy pipeline holds a record for up to an interval and the cycle that commits
+        # it: an alarm that short would go off, and clear, on every cycle.
+        least_s = 2 * self.interval_ms / 1000
+        if self.stall_alarm_s < least_s:
+            raise ValueError(
+                f"stall_alarm_s: {self.stall_alarm_s:g} s is shorter than two intervals "
+                f"({least_s:g} s): a healthy pipeline holds records about an interval"
+            )
+        return self
+
 
 class ParticipantConfig(_Strict):
     #: This participant's stable id; empty: ``$TWOPHASE_PARTICIPANT_ID``, else the host name.
@@ -372,9 +415,25 @@ class PipelineConfig(_Strict):
                 raise ValueError(f"sinks[{i}].name must be 1-32 of [A-Za-z0-9_-], got {name!r}")
             if "type" not in sinks[i]:
                 raise ValueError(f"sinks[{i}].type is required")
-        if len(set(names)) != len(names):
-            raise ValueError("sink names must be unique")
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise ValueError(f"sinks[{i}].name: {name!r} is also sinks[{names.index(name)}]'s")
         return sinks
+
+    @field_validator("sources")
+    @classmethod
+    def _one_source_per_topic(cls, sources: list[SourceConfig]) -> list[SourceConfig]:
+        """A topic read as two sources would be read by the first only (its options; the
+        second's ignored): refused."""
+        seen: dict[str, int] = {}
+        for i, source in enumerate(sources):
+            if source.topic and source.topic in seen:
+                raise ValueError(
+                    f"sources[{i}].topic: {source.topic} is also sources[{seen[source.topic]}]'s"
+                )
+            if source.topic:
+                seen.setdefault(source.topic, i)
+        return sources
 
     @model_validator(mode="after")
     def _registry_for_registry_formats(self) -> PipelineConfig:
@@ -533,27 +592,61 @@ def _overrides(env: Mapping[str, str]) -> dict[str, Any]:
         for k in keys[:-1]:
             node = node.setdefault(k, {})
         if keys:
-            node[keys[-1]] = _override_value(".".join(keys), value, name)
+            node[keys[-1]] = _override_value(keys, value, name)
     return out
 
 
-def _override_value(path: str, value: str, name: str) -> Any:
-    """An environment override's value: a YAML list or mapping when it spells one
-    (``[a, b]``, ``{k: v}``), None for ``null``, else the text itself -- which the field's type
-    reads (``"250"`` for a number, ``"true"`` for a flag), so that a string field keeps a value
-    YAML would have turned into a number (an HMAC key ``12345``, a password ``0777``, a host
-    ``::``). A value that fails to parse is named by its variable, never shown (a secret)."""
-    text = value.strip()
-    if text in ("null", "~"):
-        return None
-    if text[:1] not in ("[", "{"):
+def _field_kind(keys: list[str]) -> str:
+    """What the config field at ``keys`` holds, by the models: ``text`` (a string or a
+    secret), ``entry`` (an entry of a passthrough mapping: librdkafka's or the registry
+    client's settings), or ``other``."""
+    model: Any = PipelineConfig
+    for depth, key in enumerate(keys):
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return "other"
+        field = model.model_fields.get(key)
+        if field is None:
+            return "other"
+        kinds = get_args(field.annotation) if get_origin(field.annotation) is not dict else ()
+        kinds = kinds or (field.annotation,)
+        if mappings := [k for k in kinds if get_origin(k) is dict]:
+            if depth != len(keys) - 2:
+                return "other"
+            values = get_args(get_args(mappings[0])[1]) or (get_args(mappings[0])[1],)
+            return "text" if all(v in (str, SecretStr) for v in values) else "entry"
+        models = [k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)]
+        if models:
+            model = models[0]
+            continue
+        return "text" if any(k in (str, SecretStr) for k in kinds) else "other"
+    return "other"
+
+
+def _override_value(keys: list[str], value: str, name: str) -> Any:
+    """An environment override's value, read as YAML (``500``, ``true``, ``[a, b]``,
+    ``{k: v}``, ``null``), as a value in the file would be -- except that a text field keeps
+    the text when YAML would make it something else (an HMAC key ``12345``, a password
+    ``0777``, a host ``::``): YAML's quotes still work, and its nulls still clear it. A value
+    that does not parse is named by its variable, never shown (it may be a secret)."""
+    kind = _field_kind(keys)
+    if not value:
         return value
     try:
-        return yaml.safe_load(value)
+        parsed = yaml.safe_load(value)
     except yaml.YAMLError:
-        raise ConfigError(
-            path, f"{name} starts like a YAML list or mapping but is not one", source="(env)"
-        ) from None
+        if kind != "other":
+            return value
+        raise ConfigError(".".join(keys), f"{name} is not a YAML value", source="(env)") from None
+    if kind == "text" and parsed is not None and not isinstance(parsed, str):
+        return value
+    if (
+        kind == "entry"
+        and isinstance(parsed, int | float)
+        and not isinstance(parsed, bool)
+        and (str(parsed) != value.strip() or _is_secret(keys[-1]))
+    ):
+        return value  # a password 0777 stays text; a number spelled as one stays a number
+    return parsed
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -600,8 +693,12 @@ def _secret_strings(value: Any, secret: bool) -> list[str]:
 
 
 #: "Value error, control.reply_topic: ..." -- how a model validator's error names its field.
+#: A check across fields says which field it is about first: ``control.reply_topic: ...``,
+#: ``sinks[1].name: ...``, or within a section ``stall_alarm_s: ...``.
 _NAMED_FIELD = re.compile(
-    r"^Value error, (?P<field>[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+): (?P<rest>.*)$", re.S
+    r"^Value error, (?P<field>[a-z_][a-z0-9_]*(?:\[\d+\])?(?:\.[a-z_][a-z0-9_]*(?:\[\d+\])?)*): "
+    r"(?P<rest>.*)$",
+    re.S,
 )
 
 
@@ -616,9 +713,12 @@ def validation_error(exc: ValidationError, *, prefix: str = "", source: str = ""
     loc = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in err["loc"])
     field = (prefix + loc).replace(".[", "[").strip(".")
     message = str(err["msg"])
-    if not loc and (named := _NAMED_FIELD.match(message)):
-        # A check across fields (a model validator) names the field it is about first.
-        field, message = prefix + named["field"], named["rest"]
+    if named := _NAMED_FIELD.match(message):
+        # A check across fields (a model validator) names the field it is about first: from
+        # the root, or (a section's own check) within the section.
+        inner = named["field"]
+        whole = inner if not loc or inner.startswith(loc.split(".")[0]) else f"{loc}.{inner}"
+        field, message = (prefix + whole).replace(".[", "["), named["rest"]
     secret_here = any(_is_secret(p) and p != "key" for p in err["loc"])
     # Longest first, so a secret that contains another is masked whole.
     for value in sorted(set(_secret_strings(err.get("input"), secret_here)), key=len, reverse=True):

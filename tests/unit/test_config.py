@@ -64,6 +64,20 @@ def test_a_valid_config_has_derived_names() -> None:
         # Past what librdkafka's consume() and the control messages' fields take.
         (_with(participant={"max_batch_records": 2_000_000}), "participant.max_batch_records"),
         (_with(commit={"vote_timeout_ms": 10**20}), "commit.vote_timeout_ms"),
+        # An alarm shorter than two intervals goes off on every healthy cycle.
+        (_with(commit={"interval_ms": 300_000}), "commit.stall_alarm_s"),
+        # Set by twophase itself: a passthrough value would be overwritten unseen.
+        (
+            _with(kafka={"bootstrap_servers": "k:1", "config": {"group.id": "g"}}),
+            "kafka.config.group.id",
+        ),
+        (_with(kafka={"bootstrap_servers": ""}), "kafka.bootstrap_servers"),
+        # A topic read as two sources would take the first one's options only.
+        (_with(sources=[{"topic": "orders"}, {"topic": "orders"}]), "sources[1].topic"),
+        (
+            _with(sinks=[{"name": "a", "type": "files"}, {"name": "a", "type": "files"}]),
+            "sinks[1].name",
+        ),
     ],
 )
 def test_errors_name_the_field(raw: dict[str, object], field: str) -> None:
@@ -144,27 +158,42 @@ def test_environment_overrides_any_field() -> None:
 
 
 def test_environment_overrides_keep_text_for_text_fields_and_never_show_a_bad_value() -> None:
-    """YAML would read 12345 and 0777 as numbers (a string field then refused the key, and a
-    password became 511); only lists and mappings are parsed, and one that fails is named by
-    its variable without its value (it may be a secret)."""
+    """YAML reads 12345 and 0777 as numbers: a string field then refused the key, a password
+    became 511, and an unparsable value ended in a traceback that printed it. Text fields keep
+    their text (YAML's quotes and nulls still work), settings passed through keep YAML's
+    typing where it spells the number as written (librdkafka's flags, the registry client's
+    numbers), and a value that fails elsewhere is named by its variable without its value."""
     cfg = parse_config(
-        BASE,
+        {**BASE, "schema_registry": {"url": "http://r:1"}},
         env={
             "TWOPHASE__CONTROL__HMAC_KEY": "12345",
             "TWOPHASE__KAFKA__CONFIG__SASL.PASSWORD": "0777",
+            "TWOPHASE__KAFKA__CONFIG__ENABLE.IDEMPOTENCE": "yes",
+            "TWOPHASE__KAFKA__CONFIG__LINGER.MS": "5",
+            "TWOPHASE__SCHEMA_REGISTRY__CONFIG__CACHE.CAPACITY": "500",
             "TWOPHASE__METRICS__HOST": "::",
             "TWOPHASE__PARTICIPANT__MAX_BATCH_RECORDS": "100",
             "TWOPHASE__COMMIT__STALL_ALARM_S": "2.5",
+            "TWOPHASE__CONTROL__TOPIC_CONFIG__MIN.INSYNC.REPLICAS": "2",
         },
     )
     assert cfg.hmac_key == b"12345"
-    assert cfg.kafka.config["sasl.password"] == "0777"
-    assert cfg.metrics.host == "::"
+    assert cfg.kafka.config == {
+        "security.protocol": "PLAINTEXT",
+        "sasl.password": "0777",
+        "enable.idempotence": True,
+        "linger.ms": 5,
+    }
+    assert cfg.schema_registry is not None and cfg.schema_registry.config["cache.capacity"] == 500
+    assert cfg.metrics.host == "::" and cfg.control.topic_config == {"min.insync.replicas": "2"}
     assert cfg.participant.max_batch_records == 100 and cfg.commit.stall_alarm_s == 2.5
+    quoted = parse_config(BASE, env={"TWOPHASE__CONTROL__HMAC_KEY": '"abc"'})
+    assert quoted.hmac_key == b"abc"
+    assert parse_config(BASE, env={"TWOPHASE__CONTROL__HMAC_KEY": "Null"}).hmac_key is None
     with pytest.raises(ConfigError) as err:
-        parse_config(BASE, env={"TWOPHASE__CONTROL__HMAC_KEY": "{s3cr3t-x"})
-    assert err.value.field == "control.hmac_key" and "s3cr3t" not in str(err.value)
-    assert "TWOPHASE__CONTROL__HMAC_KEY" in str(err.value)
+        parse_config(BASE, env={"TWOPHASE__COMMIT__INTERVAL_MS": "{s3cr3t-x"})
+    assert err.value.field == "commit.interval_ms" and "s3cr3t" not in str(err.value)
+    assert "TWOPHASE__COMMIT__INTERVAL_MS" in str(err.value)
 
 
 def test_a_file_that_is_not_utf8_or_aliases_itself_is_a_named_error(tmp_path: Path) -> None:

@@ -14,6 +14,11 @@ __all__ = ["MongoSinkConfig"]
 _DB_NAME_FORBIDDEN = re.compile(r'[/\\. "$\x00]')
 
 
+#: The longest of the timeouts and leases, in seconds (~24.8 days: the driver's milliseconds
+#: are a signed 32-bit count); their shortest is a millisecond, which the driver counts in.
+_MAX_S = (2**31 - 1) / 1000
+
+
 class MongoSinkConfig(SinkConfig):
     """``sinks[]`` entry with ``type: mongodb``."""
 
@@ -68,15 +73,15 @@ class MongoSinkConfig(SinkConfig):
     #: are in this range).
     commit_chunk_bytes: int = Field(8 * 1024 * 1024, ge=1)
     #: TCP connect; a reachable server answers in milliseconds, so 10 s only covers slow networks.
-    connect_timeout_s: float = Field(10.0, gt=0)
+    connect_timeout_s: float = Field(10.0, ge=0.001, le=_MAX_S)
     #: How long to wait for a writable primary -- longer than a typical election (~10 s).
-    server_selection_timeout_s: float = Field(15.0, gt=0)
+    server_selection_timeout_s: float = Field(15.0, ge=0.001, le=_MAX_S)
     #: One round trip; must exceed the slowest single operation (a chunk's bulk write).
-    socket_timeout_s: float = Field(120.0, gt=0)
+    socket_timeout_s: float = Field(120.0, ge=0.001, le=_MAX_S)
     #: Waiting for majority acknowledgement; after it the write is retried, not lost.
-    write_concern_timeout_s: float = Field(60.0, gt=0)
+    write_concern_timeout_s: float = Field(60.0, ge=0.001, le=_MAX_S)
     #: ``maxCommitTimeMS`` of each commit transaction.
-    max_commit_time_s: float = Field(60.0, gt=0)
+    max_commit_time_s: float = Field(60.0, ge=0.001, le=_MAX_S)
     #: How long a committer's claim on a part lasts; it renews the claim before every chunk. As
     #: long as MongoDB's default ``transactionLifetimeLimitSeconds`` (60 s): any chunk that can
     #: still succeed finishes inside it, so a live committer is never overtaken, while a crashed one
@@ -84,9 +89,31 @@ class MongoSinkConfig(SinkConfig):
     #: Each claim records its session, and whoever takes a lease over ends the holder's session
     #: first (``killSessions``): a committer killed inside a chunk transaction no longer blocks
     #: the marker for the server's transaction lifetime. Safety never depends on it.
-    commit_lease_s: float = Field(60.0, gt=0)
+    commit_lease_s: float = Field(60.0, ge=0.001, le=_MAX_S)
     #: The client's ``appName``, as the server's logs and ``currentOp`` show it.
     app_name: str = "twophase"
+
+    @field_validator("uri")
+    @classmethod
+    def _check_uri(cls, value: SecretStr) -> SecretStr:
+        """A ``mongodb://`` URI the driver parses (a ``mongodb+srv://`` one is resolved in DNS at
+        connect, so only its scheme is checked here). The URI is never echoed: a password."""
+        from pymongo.errors import ConfigurationError, InvalidURI
+        from pymongo.uri_parser import parse_uri
+
+        uri = value.get_secret_value()
+        if uri.startswith("mongodb+srv://"):
+            return value
+        if not uri.startswith("mongodb://"):
+            raise ValueError("expected a mongodb:// or mongodb+srv:// URI")
+        try:
+            parse_uri(uri)
+        except (InvalidURI, ConfigurationError, ValueError) as exc:
+            said = str(exc).replace(uri, "<uri>")
+            if (m := re.search(r"//[^:@/]*:([^@/]+)@", uri)) is not None:
+                said = said.replace(m.group(1), "***")
+            raise ValueError(f"not a MongoDB URI the driver reads: {said}") from None
+        return value
 
     @field_validator("database")
     @classmethod
