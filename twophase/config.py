@@ -9,6 +9,7 @@ and ``kafka.producer``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -60,7 +61,6 @@ class _Strict(BaseModel):
 #: librdkafka settings twophase sets itself (the protocol needs its own values): one in a
 #: passthrough section would be overwritten unseen, so it is refused.
 _OWN_KAFKA_SETTINGS = {
-    "bootstrap.servers": "set kafka.bootstrap_servers",
     "group.id": "the pipeline's group is twophase.<pipeline>",
     "transactional.id": "the coordinator's is twophase.<pipeline>.coordinator",
     "isolation.level": "the control readers need read_committed",
@@ -622,31 +622,41 @@ def _field_kind(keys: list[str]) -> str:
     return "other"
 
 
+#: YAML's spellings of null.
+_NULLS = frozenset({"null", "Null", "NULL", "~"})
+
+
 def _override_value(keys: list[str], value: str, name: str) -> Any:
-    """An environment override's value, read as YAML (``500``, ``true``, ``[a, b]``,
-    ``{k: v}``, ``null``), as a value in the file would be -- except that a text field keeps
-    the text when YAML would make it something else (an HMAC key ``12345``, a password
-    ``0777``, a host ``::``): YAML's quotes still work, and its nulls still clear it. A value
-    that does not parse is named by its variable, never shown (it may be a secret)."""
+    """An environment override's value. A text field (and a secret-looking passthrough
+    setting) keeps the text as written -- an HMAC key ``12345`` or ``&Kx9``, a password
+    ``0777`` or ``a #b``, a PEM's lines -- unless it is quoted (``"abc"``: the quotes go) or a
+    YAML null (it clears the value). Anything else is read as YAML (``500``, ``true``,
+    ``[a, b]``, ``{k: v}``), as a value in the file would be; a passthrough setting keeps a
+    number spelled otherwise than YAML prints it (``0777``) and any text YAML would change. A
+    value that does not parse is named by its variable, never shown (it may be a secret)."""
     kind = _field_kind(keys)
     if not value:
+        return value
+    stripped = value.strip()
+    if kind == "text" or (kind == "entry" and _is_secret(keys[-1])):
+        if stripped in _NULLS:
+            return None
+        if len(stripped) >= 2 and stripped[0] == stripped[-1] and stripped[0] in "'\"":
+            with contextlib.suppress(yaml.YAMLError):
+                if isinstance(unquoted := yaml.safe_load(stripped), str):
+                    return unquoted
         return value
     try:
         parsed = yaml.safe_load(value)
     except yaml.YAMLError:
-        if kind != "other":
+        if kind == "entry":
             return value
         raise ConfigError(".".join(keys), f"{name} is not a YAML value", source="(env)") from None
-    if kind == "text" and parsed is not None and not isinstance(parsed, str):
-        return value
-    if (
-        kind == "entry"
-        and isinstance(parsed, int | float)
-        and not isinstance(parsed, bool)
-        and (str(parsed) != value.strip() or _is_secret(keys[-1]))
-    ):
-        return value  # a password 0777 stays text; a number spelled as one stays a number
-    return parsed
+    if kind != "entry" or parsed is None or isinstance(parsed, bool):
+        return parsed
+    if isinstance(parsed, int | float):
+        return parsed if str(parsed) == stripped else value
+    return parsed if parsed == value else value
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

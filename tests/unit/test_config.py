@@ -11,7 +11,7 @@ from pydantic import BaseModel, ValidationError, field_validator, model_validato
 
 from twophase.config import load_config, parse_config, redact, validation_error
 from twophase.errors import ConfigError
-from twophase.participants.registry import build_sinks
+from twophase.participants.registry import build_sinks, check_config
 
 BASE = {
     "pipeline": "orders",
@@ -189,11 +189,49 @@ def test_environment_overrides_keep_text_for_text_fields_and_never_show_a_bad_va
     assert cfg.participant.max_batch_records == 100 and cfg.commit.stall_alarm_s == 2.5
     quoted = parse_config(BASE, env={"TWOPHASE__CONTROL__HMAC_KEY": '"abc"'})
     assert quoted.hmac_key == b"abc"
+    # Text YAML would change is kept as written: an anchor, a comment, a PEM's lines, a flag
+    # in a password.
+    pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----"
+    kept = parse_config(
+        BASE,
+        env={
+            "TWOPHASE__CONTROL__HMAC_KEY": "&Kx9",
+            "TWOPHASE__KAFKA__CONFIG__SASL.PASSWORD": "a #b",
+            "TWOPHASE__KAFKA__CONFIG__SSL.KEY.PASSWORD": "yes",
+            "TWOPHASE__KAFKA__CONFIG__SSL.CERTIFICATE.PEM": pem,
+        },
+    )
+    assert kept.hmac_key == b"&Kx9"
+    assert kept.kafka.config["sasl.password"] == "a #b"
+    assert kept.kafka.config["ssl.key.password"] == "yes"
+    assert kept.kafka.config["ssl.certificate.pem"] == pem
     assert parse_config(BASE, env={"TWOPHASE__CONTROL__HMAC_KEY": "Null"}).hmac_key is None
     with pytest.raises(ConfigError) as err:
         parse_config(BASE, env={"TWOPHASE__COMMIT__INTERVAL_MS": "{s3cr3t-x"})
     assert err.value.field == "commit.interval_ms" and "s3cr3t" not in str(err.value)
     assert "TWOPHASE__COMMIT__INTERVAL_MS" in str(err.value)
+
+
+def test_files_a_uri_or_the_registry_names_are_the_participant_s_to_read_not_validate_s() -> None:
+    """Validation reads no certificate: a config checked on a machine without them is fine
+    (a misspelt setting is not)."""
+    mongo = {
+        "name": "m",
+        "type": "mongodb",
+        "uri": "mongodb://db/?tls=true&tlsCAFile=/nonexistent/ca.pem",
+        "database": "d",
+        "collection": "c",
+    }
+    registry = {"url": "http://r:8081", "config": {"ssl.ca.location": "/nonexistent/ca.crt"}}
+    raw = _with(
+        sinks=[mongo], sources=[{"topic": "orders", "value_format": "avro"}],
+        schema_registry=registry,
+    )  # fmt: skip
+    check_config(parse_config(raw, env={}))
+    registry["config"] = {"ssl.ca.locaton": "/nonexistent/ca.crt"}
+    with pytest.raises(ConfigError, match=r"ssl\.ca\.locaton") as err:
+        check_config(parse_config(raw, env={}))
+    assert err.value.field == "schema_registry.config"
 
 
 def test_a_file_that_is_not_utf8_or_aliases_itself_is_a_named_error(tmp_path: Path) -> None:

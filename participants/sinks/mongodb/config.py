@@ -107,10 +107,15 @@ class MongoSinkConfig(SinkConfig):
         if not uri.startswith("mongodb://"):
             raise ValueError("expected a mongodb:// or mongodb+srv:// URI")
         try:
-            parse_uri(uri)
+            # warn: an option the driver does not know is a warning to MongoClient too.
+            parse_uri(uri, warn=True)
+        except OSError:
+            pass  # a tlsCAFile (...) not on this machine: the participant's to read, not ours
         except (InvalidURI, ConfigurationError, ValueError) as exc:
             said = str(exc).replace(uri, "<uri>")
             if (m := re.search(r"//[^:@/]*:([^@/]+)@", uri)) is not None:
+                if len(m.group(1)) < 4:
+                    said = type(exc).__name__  # too short to mask without mangling the text
                 said = said.replace(m.group(1), "***")
             raise ValueError(f"not a MongoDB URI the driver reads: {said}") from None
         return value
