@@ -415,7 +415,6 @@ class PipelineConfig(_Strict):
                 raise ValueError(f"sinks[{i}].name must be 1-32 of [A-Za-z0-9_-], got {name!r}")
             if "type" not in sinks[i]:
                 raise ValueError(f"sinks[{i}].type is required")
-        for i, name in enumerate(names):
             if name in names[:i]:
                 raise ValueError(f"sinks[{i}].name: {name!r} is also sinks[{names.index(name)}]'s")
         return sinks
@@ -427,12 +426,12 @@ class PipelineConfig(_Strict):
         second's ignored): refused."""
         seen: dict[str, int] = {}
         for i, source in enumerate(sources):
-            if source.topic and source.topic in seen:
+            if source.topic in seen:
                 raise ValueError(
                     f"sources[{i}].topic: {source.topic} is also sources[{seen[source.topic]}]'s"
                 )
-            if source.topic:
-                seen.setdefault(source.topic, i)
+            if source.topic:  # a pattern's source has none
+                seen[source.topic] = i
         return sources
 
     @model_validator(mode="after")
@@ -448,41 +447,18 @@ class PipelineConfig(_Strict):
 
     @model_validator(mode="after")
     def _topics_of_their_own(self) -> PipelineConfig:
-        """The control and dead-letter topics are the pipeline's own: a source topic as either
-        would feed control messages to the sinks, or dead letters back into the input."""
-        sources = set(self.source_topics)
-        if self.control_topic in sources:
-            raise ValueError(
-                f"control.topic: {self.control_topic} is a source topic; the control messages "
-                "need a topic of their own"
-            )
-        if self.dead_letter_topic in sources:
-            raise ValueError(
-                f"dead_letter.topic: {self.dead_letter_topic} is a source topic; dead letters "
-                "written there would be read again"
-            )
-        if self.dead_letter_topic == self.control_topic:
-            raise ValueError(
-                f"dead_letter.topic: {self.dead_letter_topic} is the control topic; dead letters "
-                "need a topic of their own"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _reply_topic_of_its_own(self) -> PipelineConfig:
-        reply, others = (
-            self.reply_topic,
-            {
-                self.control_topic: "the control topic",
-                self.dead_letter_topic: "the dead-letter topic",
-                **{t: "a source topic" for t in self.source_topics},
-            },
-        )
-        if reply in others:
-            raise ValueError(
-                f"control.reply_topic: {reply} is {others[reply]}; the replies need a topic of "
-                "their own"
-            )
+        """The control, dead-letter and reply topics are the pipeline's own: one that is a
+        source topic would feed control messages or replies to the sinks, or dead letters back
+        into the input; two that are one topic would mix what each reader expects."""
+        taken = {t: "a source topic" for t in self.source_topics}
+        for field, topic, what in (
+            ("control.topic", self.control_topic, "the control topic"),
+            ("dead_letter.topic", self.dead_letter_topic, "the dead-letter topic"),
+            ("control.reply_topic", self.reply_topic, "the reply topic"),
+        ):
+            if topic in taken:
+                raise ValueError(f"{field}: {topic} is {taken[topic]}; it needs a topic of its own")
+            taken[topic] = what
         return self
 
     @property

@@ -12,7 +12,6 @@ from twophase.participants.sdk import (
     Rejected,
 )
 from twophase.participants.sinks.postgres.types import (
-    BadValue,
     Column,
     Converter,
 )
@@ -102,7 +101,6 @@ def _compile_plan(plan: list[_PlanStep]) -> _BatchConverter:
         "_Row": _Row,
         "ABSENT": _ABSENT,
         "Irregular": _Irregular,
-        "BadValue": BadValue,
     }
     for i, (field_name, get, convert, _absent, _null) in enumerate(plan):
         env[f"c{i}"] = convert
